@@ -1,0 +1,1 @@
+"""ringflow.graphs: executors that run a planned Dag (eager streams, synchronous, captured)."""

@@ -1,0 +1,177 @@
+"""What every executor shares: binding a Dag's nodes to lease operations and user callables.
+
+Executors issue what the plan says, in the plan's order; they never decide order themselves.
+Subclasses say only where work runs (which stream) and how events are recorded and awaited.
+
+Callables:
+    ``gather(layer, lane, out)`` fills ``out`` (the leased slot) with the layer's data. It runs
+    with the node's stream current (the lane's gather stream, or the compute stream for a
+    ``sync_gather``), so work it launches lands on that stream.
+
+    ``compute(layer, lane, slot)`` does the layer's work; ``slot`` is the filled slot, or
+    ``None`` for a layer that gathers nothing (resident data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ringflow.errors import ExecutorError
+from ringflow.graphs import nvtx_ranges
+from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
+from ringflow.orchestrator.hazards import check_hazards
+from ringflow.orchestrator.slots import Lease, LeaseState, SlotPool
+
+log = logging.getLogger("ringflow")
+
+GatherFn = Callable[[int, str, torch.Tensor], Any]
+ComputeFn = Callable[[int, str, "torch.Tensor | None"], Any]
+
+
+def poison_default() -> bool:
+    """``RINGFLOW_POISON=1`` makes executors fill each slot with NaN after its last read."""
+    return os.environ.get("RINGFLOW_POISON", "0") == "1"
+
+
+def _pools_by_lane(dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool]) -> dict[str, SlotPool]:
+    by_lane = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
+    for layout in dag.pools:
+        pool = by_lane.get(layout.lane)
+        if pool is None:
+            raise ExecutorError(f"the plan has lane '{layout.lane}' but no pool was given for it; "
+                                f"pass one SlotPool per lane ({', '.join(dag.lanes)})")
+        if (pool.slots, pool.slot_bytes) != (layout.slots, layout.slot_bytes):
+            raise ExecutorError(
+                f"pool of lane '{layout.lane}' has {pool.slots} slot(s) of {pool.slot_bytes} B but "
+                f"the plan expects {layout.slots} of {layout.slot_bytes} B; plan from the pool's "
+                f"layout (Planner(..., [pool.layout for pool in pools]))")
+    spans = sorted((p.storage.data_ptr(), p.storage.data_ptr() + p.reserved_bytes, p.lane)
+                   for p in by_lane.values() if p.reserved_bytes)
+    for (a0, a1, la), (b0, b1, lb) in zip(spans, spans[1:]):
+        if b0 < a1 and by_lane[la].device == by_lane[lb].device:
+            raise ExecutorError(f"pools of lanes '{la}' and '{lb}' share memory; each lane must own "
+                                f"its pool")
+    return by_lane
+
+
+class DagExecutor:
+    """Runs one forward pass of a Dag per :meth:`run`. Subclasses: Eager, Sync (and Captured)."""
+
+    kind = "dag"
+
+    def __init__(self, dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool],
+                 gather: GatherFn, compute: ComputeFn, *, poison: bool | None = None) -> None:
+        self.dag = check_hazards(dag)  # cheap, and a hand-built Dag gets the same proof
+        self.pools = _pools_by_lane(dag, pools)
+        self.gather = gather
+        self.compute = compute
+        self.poison = poison_default() if poison is None else poison
+        self._leases: dict[tuple[str, int], Lease] = {}
+        self._steps = [nvtx_ranges.ranged(node.nvtx_name, self._bind(node)) for node in dag.nodes]
+
+    # -- what subclasses decide ---------------------------------------------------------------
+
+    def _stream_context(self, stream: str) -> contextlib.AbstractContextManager:
+        """Makes ``stream`` current while a gather runs on it."""
+        return contextlib.nullcontext()
+
+    def _record(self, node: Node) -> torch.cuda.Event | None:
+        """Records the node's event on its stream; returns it (None where streams do not exist)."""
+        return None
+
+    def _wait(self, node: Node) -> None:
+        """Makes the node's stream wait for the latest record of its event."""
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Issue one forward pass. On any exception every leased slot goes back to its pool."""
+        self._leases.clear()
+        try:
+            for step in self._steps:
+                step()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        outstanding = sum(pool.reclaim(sync=self._may_sync()) for pool in self.pools.values())
+        self._leases.clear()
+        if outstanding:
+            log.warning("forward failed; returned %d leased slot(s) to their pools",
+                        outstanding)
+
+    def _may_sync(self) -> bool:
+        return True
+
+    # -- binding nodes ------------------------------------------------------------------------
+
+    def _bind(self, node: Node) -> Callable[[], None]:
+        return {
+            NodeKind.GATHER: self._bind_gather,
+            NodeKind.SYNC_GATHER: self._bind_gather,
+            NodeKind.COMPUTE: self._bind_compute,
+            NodeKind.RECORD: self._bind_record,
+            NodeKind.WAIT: self._bind_wait,
+            NodeKind.RELEASE: self._bind_release,
+        }[node.kind](node)
+
+    def _bind_gather(self, node: Node) -> Callable[[], None]:
+        pool, key, leases, gather = self.pools[node.lane], (node.lane, node.layer), self._leases, \
+            self.gather
+        layer, lane, slot, sync = node.layer, node.lane, node.slot, node.kind is NodeKind.SYNC_GATHER
+        context = self._stream_context
+
+        def step() -> None:
+            lease = pool.acquire(slot, tag=key)
+            leases[key] = lease
+            with context(node.stream):
+                gather(layer, lane, lease.tensor)
+            if sync:  # same stream as its reader: no event needed
+                lease.mark_ready(None)
+
+        return step
+
+    def _bind_compute(self, node: Node) -> Callable[[], None]:
+        layer, lane, compute = node.layer, node.lane, self.compute
+        if node.slot is None:
+            return lambda: compute(layer, lane, None)
+        key, leases, poison = (lane, layer), self._leases, self.poison
+        nan = float("nan") if self.pools[lane].dtype.is_floating_point else 255
+
+        def step() -> None:
+            slot = leases[key].begin_read()
+            compute(layer, lane, slot)
+            if poison:  # debug: a later read of this lease without a new gather sees NaN
+                slot.fill_(nan)
+
+        return step
+
+    def _bind_record(self, node: Node) -> Callable[[], None]:
+        key, leases, record = (node.lane, node.layer), self._leases, self._record
+        if node.role is EventRole.READY:
+            return lambda: leases[key].mark_ready(record(node))
+        if node.role is EventRole.RETIRE:
+            return lambda: leases[key].retire(record(node))
+        return lambda: record(node)
+
+    def _bind_wait(self, node: Node) -> Callable[[], None]:
+        wait = self._wait
+        return lambda: wait(node)
+
+    def _bind_release(self, node: Node) -> Callable[[], None]:
+        key, leases = (node.lane, node.layer), self._leases
+
+        def step() -> None:
+            lease = leases.pop(key)
+            if lease.state is LeaseState.READING:  # next writer is on this stream: no event
+                lease.retire(None)
+            lease.release()
+
+        return step

@@ -1,0 +1,102 @@
+"""NVTX ranges for executors: ``ringflow/<lane>/<kind>/L<layer>`` around every node.
+
+The ``nvtx`` package is used when it is installed (domain ``ringflow``, attributes prebuilt so
+the per-node cost is one push and one pop); without it, torch's own NVTX binding on a CUDA
+build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
+``RINGFLOW_NVTX=0`` turns ranges off.
+
+.. note::
+    Ranges are host-side. Under a CUDA graph they appear once, at capture, not at replay; a
+    replay gets one range (``ringflow/replay/<bucket>``) and per-node detail comes from
+    ``nsys profile --cuda-graph-trace=node`` (see ``profiles/NSIGHT.md``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+
+class _Null:
+    name = "none"
+
+    def handle(self, message: str) -> object:
+        return message
+
+    def push(self, handle: object) -> None:
+        pass
+
+    def pop(self) -> None:
+        pass
+
+
+class _NvtxPackage:
+    name = "nvtx"
+
+    def __init__(self, nvtx_module) -> None:
+        self._domain = nvtx_module.get_domain("ringflow")
+
+    def handle(self, message: str) -> object:
+        # DummyDomain (no tool attached) returns None attributes; push/pop are then no-ops.
+        return self._domain.get_event_attributes(message=message)
+
+    def push(self, handle: object) -> None:
+        self._domain.push_range(handle)
+
+    def pop(self) -> None:
+        self._domain.pop_range()
+
+
+class _TorchNvtx:
+    name = "torch.cuda.nvtx"
+
+    def handle(self, message: str) -> object:
+        return message
+
+    def push(self, handle: object) -> None:
+        torch.cuda.nvtx.range_push(handle)
+
+    def pop(self) -> None:
+        torch.cuda.nvtx.range_pop()
+
+
+def _select():
+    if os.environ.get("RINGFLOW_NVTX", "1") == "0":
+        return _Null()
+    try:
+        import nvtx
+    except ImportError:
+        return _TorchNvtx() if torch.cuda.is_available() else _Null()
+    return _NvtxPackage(nvtx)
+
+
+backend = _select()
+
+
+def handle(message: str) -> object:
+    """Prebuild what :func:`push` needs for ``message`` (do this once, off the hot path)."""
+    return backend.handle(message)
+
+
+def push(h: object) -> None:
+    backend.push(h)
+
+
+def pop() -> None:
+    backend.pop()
+
+
+def ranged(message: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` wrapped in the NVTX range ``message`` (popped even when ``fn`` raises)."""
+    h = handle(message)
+
+    def run() -> None:
+        backend.push(h)
+        try:
+            fn()
+        finally:
+            backend.pop()
+
+    return run

@@ -1,0 +1,1 @@
+"""ringflow.integrations: shims that plug ringflow into inference engines."""

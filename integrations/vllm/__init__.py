@@ -1,0 +1,1 @@
+"""ringflow.integrations.vllm: the vLLM plugin (see the README section "Using ringflow with vLLM")."""

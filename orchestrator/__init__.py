@@ -1,0 +1,1 @@
+"""ringflow.orchestrator: profiles, slot pools and leases, the Dag, the Planner, the hazard proof."""

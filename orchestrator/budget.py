@@ -1,0 +1,108 @@
+"""Budget arithmetic of a lane's slot ring: how many slots fit, what they reserve.
+
+Pure arithmetic with no torch, so ``ringflow plan`` can report exactly what :class:`SlotPool`
+will allocate without allocating it (the two share :meth:`PoolLayout.fit`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ringflow.errors import ProfileError
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlotRange:
+    """Byte range of one slot inside its pool's single allocation."""
+
+    lane: str
+    index: int
+    pool: str
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Shape of one lane's ring: ``slots`` slots of ``slot_bytes`` in one allocation named ``pool``.
+
+    ``depth`` is the prefetch lookahead in layers; a ring of ``depth + 1`` slots holds the slot
+    being read plus ``depth`` slots being written ahead. Depth 0 (one slot) is the synchronous path.
+    """
+
+    lane: str
+    slot_bytes: int
+    slots: int
+    requested_depth: int
+    budget_bytes: int
+    pool: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.pool:
+            object.__setattr__(self, "pool", f"pool/{self.lane}")
+
+    @classmethod
+    def fit(cls, lane: str, slot_bytes: int, depth: int, budget_bytes: int) -> PoolLayout:
+        """The largest ring of at most ``depth + 1`` slots that fits ``budget_bytes``.
+
+        Raises:
+            ProfileError: the budget holds not even one slot (the synchronous path needs one).
+        """
+        if slot_bytes <= 0:
+            raise ProfileError("slot.shape", f"a slot must hold at least one byte, got {slot_bytes}")
+        if depth < 0:
+            raise ProfileError("depth", f"expected an integer >= 0, got {depth}")
+        fitting = budget_bytes // slot_bytes
+        if fitting < 1:
+            raise ProfileError(
+                "workspace_mib",
+                f"budget {budget_bytes / MIB:.3f} MiB is smaller than one slot "
+                f"({slot_bytes} bytes = {slot_bytes / MIB:.3f} MiB); accepted: a budget of at least "
+                f"{math.ceil(slot_bytes / MIB * 1000) / 1000:.3f} MiB, or a smaller slot.shape",
+            )
+        return cls(lane, slot_bytes, min(depth + 1, fitting), depth, budget_bytes)
+
+    @property
+    def depth(self) -> int:
+        """Effective lookahead after fitting the budget (``slots - 1``)."""
+        return self.slots - 1
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def reduced(self) -> bool:
+        return self.depth < self.requested_depth
+
+    def slot_ranges(self) -> tuple[SlotRange, ...]:
+        return tuple(
+            SlotRange(self.lane, i, self.pool, i * self.slot_bytes, self.slot_bytes)
+            for i in range(self.slots)
+        )
+
+    def arithmetic(self) -> str:
+        """One line a user can check by hand: requested ring, budget, what was kept."""
+        want = (self.requested_depth + 1) * self.slot_bytes
+        line = (
+            f"lane '{self.lane}': slot {self.slot_bytes:,} B; depth {self.requested_depth} wants "
+            f"{self.requested_depth + 1} slot(s) = {want / MIB:.2f} MiB; budget "
+            f"{self.budget_bytes / MIB:.2f} MiB"
+        )
+        if self.reduced:
+            line += (
+                f" holds {self.budget_bytes // self.slot_bytes} -> depth reduced to {self.depth} "
+                f"({self.slots} slot(s), {self.reserved_bytes / MIB:.2f} MiB reserved)"
+            )
+        else:
+            line += f" -> depth {self.depth}, {self.reserved_bytes / MIB:.2f} MiB reserved"
+        if self.depth == 0:
+            line += " (synchronous path)"
+        return line

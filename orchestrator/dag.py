@@ -1,0 +1,171 @@
+"""The plan of one forward pass: typed nodes in host issue order, and the edges they imply.
+
+Note [Issue order and edges]
+    ``Dag.nodes`` is the order in which an executor issues work from the host. Two kinds of
+    happens-before edge follow from it, exactly as CUDA defines them:
+
+    * stream edges: a node runs after the previous node on the same stream;
+    * event edges: a ``wait`` on event E runs after the most recent ``record`` of E issued before
+      it (a wait issued before any record of its event waits for nothing; the hazard check
+      rejects that).
+
+    Edges are derived, never stored, so a dump, a mutation in a test and an executor always agree
+    on what the plan means. Issue order is a topological order of the edges by construction.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ringflow.errors import PlanError
+from ringflow.orchestrator.budget import PoolLayout, SlotRange
+
+COMPUTE_STREAM = "compute"
+
+
+def gather_stream(lane: str) -> str:
+    """Name of the side stream that runs ``lane``'s prefetching gathers."""
+    return f"gather/{lane}"
+
+
+class NodeKind(str, enum.Enum):
+    GATHER = "gather"  # writes a slot ahead of its layer, on the lane's gather stream
+    SYNC_GATHER = "sync_gather"  # writes a slot on the compute stream, for layers not prefetched
+    COMPUTE = "compute"  # the layer's work; reads its slot if it has one
+    RECORD = "record"  # records ``event`` on ``stream``
+    WAIT = "wait"  # makes ``stream`` wait for the latest record of ``event``
+    RELEASE = "release"  # hands the lease's slot back to the pool (host bookkeeping)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EventRole(str, enum.Enum):
+    FORK = "fork"  # compute stream -> gather stream at the start of the forward
+    READY = "ready"  # after a gather: the slot holds the layer's data
+    RETIRE = "retire"  # after the last read: the slot may be rewritten
+    JOIN = "join"  # gather stream -> compute stream at the end of the forward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Node:
+    """One step of the plan. ``slot`` is the ring index a gather writes or a compute reads."""
+
+    id: int
+    kind: NodeKind
+    stream: str
+    lane: str
+    layer: int | None = None
+    slot: int | None = None
+    event: str | None = None
+    role: EventRole | None = None
+
+    @property
+    def nvtx_name(self) -> str:
+        """``ringflow/<lane>/<kind>/L<layer>``; events add their role (``wait.ready``)."""
+        kind = f"{self.kind}.{self.role}" if self.role is not None else str(self.kind)
+        tail = f"/L{self.layer}" if self.layer is not None else ""
+        return f"ringflow/{self.lane}/{kind}{tail}"
+
+    @property
+    def label(self) -> str:
+        parts = [f"n{self.id}", str(self.kind)]
+        if self.role is not None:
+            parts.append(str(self.role))
+        if self.layer is not None:
+            parts.append(f"L{self.layer}")
+        if self.slot is not None:
+            parts.append(f"s{self.slot}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    kind: str  # "stream" or "event"
+
+
+@dataclass(frozen=True)
+class Dag:
+    """One forward pass: nodes in issue order over the lanes' slot pools."""
+
+    name: str
+    layers: int
+    pools: tuple[PoolLayout, ...]
+    nodes: tuple[Node, ...]
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for position, node in enumerate(self.nodes):
+            if node.id != position:
+                raise PlanError(f"node ids must be their issue positions: node {node.id} is at {position}")
+        lanes = [p.lane for p in self.pools]
+        if len(set(lanes)) != len(lanes):
+            raise PlanError(f"each lane owns exactly one pool; lanes {lanes} repeat")
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return tuple(p.lane for p in self.pools)
+
+    @cached_property
+    def streams(self) -> tuple[str, ...]:
+        seen = dict.fromkeys([COMPUTE_STREAM])
+        seen.update(dict.fromkeys(n.stream for n in self.nodes))
+        return tuple(seen)
+
+    @cached_property
+    def slot_ranges(self) -> tuple[SlotRange, ...]:
+        return tuple(r for p in self.pools for r in p.slot_ranges())
+
+    @cached_property
+    def predecessors(self) -> tuple[tuple[tuple[int, str], ...], ...]:
+        """For each node, its direct happens-before predecessors as ``(node id, edge kind)``.
+
+        A wait whose event was never recorded before it has no event predecessor.
+        """
+        last_on_stream: dict[str, int] = {}
+        last_record: dict[str, int] = {}
+        preds: list[tuple[tuple[int, str], ...]] = []
+        for node in self.nodes:
+            mine: list[tuple[int, str]] = []
+            if node.stream in last_on_stream:
+                mine.append((last_on_stream[node.stream], "stream"))
+            if node.kind is NodeKind.WAIT and node.event in last_record:
+                mine.append((last_record[node.event], "event"))
+            if node.kind is NodeKind.RECORD:
+                last_record[node.event] = node.id
+            last_on_stream[node.stream] = node.id
+            preds.append(tuple(mine))
+        return tuple(preds)
+
+    @property
+    def edges(self) -> tuple[Edge, ...]:
+        return tuple(
+            Edge(src, node.id, kind)
+            for node, preds in zip(self.nodes, self.predecessors)
+            for src, kind in preds
+        )
+
+    @cached_property
+    def ancestors(self) -> tuple[int, ...]:
+        """Bitset (a Python int) of every node that happens-before each node."""
+        reach: list[int] = []
+        for preds in self.predecessors:
+            bits = 0
+            for src, _ in preds:
+                bits |= reach[src] | (1 << src)
+            reach.append(bits)
+        return tuple(reach)
+
+    def happens_before(self, a: int, b: int) -> bool:
+        """True when node ``a`` is guaranteed to finish before node ``b`` starts."""
+        return bool(self.ancestors[b] >> a & 1)
+
+    def on_stream(self, stream: str) -> list[Node]:
+        return [n for n in self.nodes if n.stream == stream]

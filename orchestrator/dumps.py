@@ -1,0 +1,153 @@
+"""Dumps of a Dag: versioned JSON (round-trips), Graphviz DOT, and a text table.
+
+JSON schema ``ringflow.dag`` version 1::
+
+    {"schema": "ringflow.dag", "version": 1, "name": str, "layers": int,
+     "pools": [{"lane", "pool", "slot_bytes", "slots", "requested_depth", "budget_bytes",
+                "depth", "reserved_bytes"}],
+     "streams": [str], "meta": {...},
+     "nodes": [{"id", "kind", "stream", "lane", "layer", "slot", "event", "role", "nvtx"}],
+     "edges": [{"src", "dst", "kind": "stream" | "event"}]}
+
+``nvtx``, ``depth``, ``reserved_bytes``, ``streams`` and ``edges`` are derived and written for
+readers; :func:`from_json` rebuilds the Dag from the rest and checks they agree.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ringflow.errors import PlanError
+from ringflow.orchestrator.budget import MIB, PoolLayout
+from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
+
+SCHEMA = "ringflow.dag"
+VERSION = 1
+
+
+def to_dict(dag: Dag) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "name": dag.name,
+        "layers": dag.layers,
+        "pools": [
+            {"lane": p.lane, "pool": p.pool, "slot_bytes": p.slot_bytes, "slots": p.slots,
+             "requested_depth": p.requested_depth, "budget_bytes": p.budget_bytes,
+             "depth": p.depth, "reserved_bytes": p.reserved_bytes}
+            for p in dag.pools
+        ],
+        "streams": list(dag.streams),
+        "meta": dict(dag.meta),
+        "nodes": [
+            {"id": n.id, "kind": n.kind.value, "stream": n.stream, "lane": n.lane,
+             "layer": n.layer, "slot": n.slot, "event": n.event,
+             "role": None if n.role is None else n.role.value, "nvtx": n.nvtx_name}
+            for n in dag.nodes
+        ],
+        "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind} for e in dag.edges],
+    }
+
+
+def to_json(dag: Dag) -> str:
+    return json.dumps(to_dict(dag), indent=1, sort_keys=True) + "\n"
+
+
+def from_dict(doc: dict[str, Any]) -> Dag:
+    """Rebuild a Dag from :func:`to_dict` output.
+
+    Raises:
+        PlanError: wrong schema or version, or derived fields that disagree with the nodes.
+    """
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise PlanError(f"not a ringflow Dag dump (expected schema '{SCHEMA}')")
+    if doc.get("version") != VERSION:
+        raise PlanError(f"Dag dump version {doc.get('version')!r} is not supported; this ringflow "
+                        f"reads version {VERSION}: re-run `ringflow plan` to regenerate it")
+    try:
+        pools = tuple(
+            PoolLayout(p["lane"], p["slot_bytes"], p["slots"], p["requested_depth"],
+                       p["budget_bytes"], p["pool"])
+            for p in doc["pools"]
+        )
+        nodes = tuple(
+            Node(n["id"], NodeKind(n["kind"]), n["stream"], n["lane"], n["layer"], n["slot"],
+                 n["event"], None if n["role"] is None else EventRole(n["role"]))
+            for n in doc["nodes"]
+        )
+        dag = Dag(doc["name"], doc["layers"], pools, nodes, meta=dict(doc.get("meta", {})))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"malformed Dag dump: {exc!r}") from None
+    edges = [{"src": e.src, "dst": e.dst, "kind": e.kind} for e in dag.edges]
+    if "edges" in doc and doc["edges"] != edges:
+        raise PlanError("Dag dump edges disagree with its nodes; the dump was edited by hand")
+    return dag
+
+
+def from_json(text: str) -> Dag:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"Dag dump is not JSON: {exc}") from None
+    return from_dict(doc)
+
+
+def _dot_id(stream: str) -> str:
+    return "cluster_" + "".join(c if c.isalnum() else "_" for c in stream)
+
+
+def to_dot(dag: Dag) -> str:
+    """Graphviz: one cluster per stream (lane), stream edges solid, event edges dashed."""
+    lines = [f'digraph "{dag.name}" {{', "  rankdir=TB;", '  node [shape=box, fontsize=10];']
+    colors = {NodeKind.GATHER: "lightblue", NodeKind.SYNC_GATHER: "orange",
+              NodeKind.COMPUTE: "palegreen", NodeKind.RELEASE: "lightgrey"}
+    for stream in dag.streams:
+        lines.append(f'  subgraph {_dot_id(stream)} {{')
+        lines.append(f'    label="{stream}"; style=rounded;')
+        for n in dag.on_stream(stream):
+            fill = colors.get(n.kind, "white")
+            shape = "ellipse" if n.kind in (NodeKind.RECORD, NodeKind.WAIT) else "box"
+            lines.append(f'    n{n.id} [label="{n.label}", shape={shape}, style=filled, '
+                         f'fillcolor={fill}];')
+        lines.append("  }")
+    for e in dag.edges:
+        if e.kind == "event":
+            event = dag.nodes[e.dst].event
+            lines.append(f'  n{e.src} -> n{e.dst} [style=dashed, color=blue, label="{event}"];')
+        else:
+            lines.append(f"  n{e.src} -> n{e.dst};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def budget_lines(dag: Dag, kv_token_bytes: int | None = None) -> list[str]:
+    """The budget arithmetic of every lane, the total, and (optionally) the KV tokens it costs."""
+    lines = [p.arithmetic() for p in dag.pools]
+    total = sum(p.reserved_bytes for p in dag.pools)
+    lines.append(f"total reserved: {total:,} B ({total / MIB:.2f} MiB) in {len(dag.pools)} "
+                 f"allocation(s), made once before the KV cache is sized")
+    if kv_token_bytes:
+        tokens = total // (kv_token_bytes * dag.layers)
+        lines.append(f"KV cost: {total:,} B / ({kv_token_bytes} B/token/layer x {dag.layers} "
+                     f"layers) = {tokens:,} KV tokens")
+    return lines
+
+
+def to_text(dag: Dag, kv_token_bytes: int | None = None) -> str:
+    """A table of the nodes in issue order, after the budget arithmetic."""
+    out = [f"plan '{dag.name}': {dag.layers} layers, lanes {', '.join(dag.lanes)}, "
+           f"{len(dag.nodes)} nodes on {len(dag.streams)} streams"]
+    out += ["  " + line for line in budget_lines(dag, kv_token_bytes)]
+    header = f"{'id':>5}  {'stream':<14} {'kind':<14} {'lane':<8} {'layer':>5} {'slot':>4}  " \
+             f"{'event':<18} after"
+    out += ["", header, "-" * len(header)]
+    for node, preds in zip(dag.nodes, dag.predecessors):
+        after = ", ".join(f"n{src}" + ("~" if kind == "event" else "") for src, kind in preds)
+        layer = "" if node.layer is None else node.layer
+        slot = "" if node.slot is None else node.slot
+        kind = node.kind.value if node.role is None else f"{node.kind.value}.{node.role.value}"
+        out.append(f"{node.id:>5}  {node.stream:<14} {kind:<14} {node.lane:<8} {layer!s:>5} "
+                   f"{slot!s:>4}  {node.event or '':<18} {after}")
+    out.append("(after: direct predecessors; ~ marks an event edge)")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,202 @@
+"""HazardCheck: a pure proof that a Dag is safe to run, or the nodes that make it unsafe.
+
+It reads only the Dag (see Note [Issue order and edges] in dag.py) and checks:
+
+* ``wait-without-record``: every wait has a record of its event issued before it;
+* ``read-after-write``: every compute of a slot happens-after the gather that wrote its lease;
+* ``write-after-read``: a slot's next lease is written only after every read of the previous
+  one, and the previous writer, happen-before it;
+* ``lease-overlap``: a slot is acquired only after its previous lease was released (host order),
+  every lease is released once, after its reads; no two slots alias one byte range, and no two
+  lanes share a pool;
+* ``unjoined``: every side-stream node happens-before the compute stream's last node;
+* ``isolated``: every side-stream node happens-after the start of the forward on the compute
+  stream, so it never waits on work issued before the forward (or before a capture began).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ringflow.errors import HazardError
+from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node, NodeKind
+
+_WRITERS = (NodeKind.GATHER, NodeKind.SYNC_GATHER)
+
+
+@dataclass
+class _LeaseNodes:
+    lane: str
+    layer: int
+    writer: Node | None = None
+    readers: list[Node] = field(default_factory=list)
+    releases: list[Node] = field(default_factory=list)
+
+
+def check_hazards(dag: Dag) -> Dag:
+    """Prove ``dag`` safe; return it unchanged.
+
+    Raises:
+        HazardError: naming the hazard kind and the offending node ids.
+    """
+    _check_waits(dag)
+    _check_pools(dag)
+    leases = _collect_leases(dag)
+    _check_leases(dag, leases)
+    _check_slot_reuse(dag, leases)
+    _check_fork_join(dag)
+    return dag
+
+
+def _check_waits(dag: Dag) -> None:
+    for node, preds in zip(dag.nodes, dag.predecessors):
+        if node.kind is NodeKind.WAIT and not any(kind == "event" for _, kind in preds):
+            raise HazardError(
+                "wait-without-record",
+                f"{node.label} on {node.stream} waits on event '{node.event}', which no node "
+                f"recorded before it, so it orders nothing",
+                [node.id],
+            )
+        if node.kind in (NodeKind.RECORD, NodeKind.WAIT) and not node.event:
+            raise HazardError("wait-without-record", f"{node.label} names no event", [node.id])
+
+
+def _check_pools(dag: Dag) -> None:
+    by_pool: dict[str, set[str]] = defaultdict(set)
+    for pool in dag.pools:
+        by_pool[pool.pool].add(pool.lane)
+    for name, lanes in by_pool.items():
+        if len(lanes) > 1:
+            raise HazardError(
+                "lease-overlap",
+                f"lanes {sorted(lanes)} share pool '{name}'; each lane must own its pool",
+                [],
+            )
+    ranges = sorted(dag.slot_ranges, key=lambda r: (r.pool, r.offset))
+    for a, b in zip(ranges, ranges[1:]):
+        if a.pool == b.pool and b.offset < a.end:
+            raise HazardError(
+                "lease-overlap",
+                f"slots {a.lane}/{a.index} and {b.lane}/{b.index} alias bytes "
+                f"[{b.offset}, {min(a.end, b.end)}) of pool '{a.pool}'",
+                [],
+            )
+    slots = {(p.lane): p.slots for p in dag.pools}
+    for node in dag.nodes:
+        if node.slot is not None and not 0 <= node.slot < slots.get(node.lane, 0):
+            raise HazardError(
+                "lease-overlap",
+                f"{node.label} uses slot {node.slot} of lane '{node.lane}', whose pool has "
+                f"{slots.get(node.lane, 0)} slot(s)",
+                [node.id],
+            )
+
+
+def _collect_leases(dag: Dag) -> dict[tuple[str, int], _LeaseNodes]:
+    leases: dict[tuple[str, int], _LeaseNodes] = {}
+    for node in dag.nodes:
+        if node.slot is None or node.kind not in (*_WRITERS, NodeKind.COMPUTE, NodeKind.RELEASE):
+            continue
+        lease = leases.setdefault((node.lane, node.layer), _LeaseNodes(node.lane, node.layer))
+        if node.kind in _WRITERS:
+            if lease.writer is not None:
+                raise HazardError(
+                    "write-after-read",
+                    f"layer {node.layer} of lane '{node.lane}' is written twice in one forward",
+                    [lease.writer.id, node.id],
+                )
+            lease.writer = node
+        elif node.kind is NodeKind.COMPUTE:
+            lease.readers.append(node)
+        else:
+            lease.releases.append(node)
+    return leases
+
+
+def _check_leases(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
+    hb = dag.happens_before
+    for lease in leases.values():
+        what = f"layer {lease.layer} of lane '{lease.lane}'"
+        if lease.writer is None:
+            ids = [n.id for n in lease.readers + lease.releases]
+            raise HazardError("read-after-write", f"{what} is read but never gathered", ids)
+        w = lease.writer
+        for reader in lease.readers:
+            if reader.slot != w.slot:
+                raise HazardError(
+                    "read-after-write",
+                    f"{reader.label} reads slot {reader.slot} but {w.label} wrote slot {w.slot}",
+                    [w.id, reader.id],
+                )
+            if not hb(w.id, reader.id):
+                raise HazardError(
+                    "read-after-write",
+                    f"{reader.label} may run before {w.label} on {w.stream} finishes writing",
+                    [w.id, reader.id],
+                )
+        if len(lease.releases) != 1:
+            raise HazardError(
+                "lease-overlap",
+                f"{what} is released {len(lease.releases)} times; a lease is released exactly once",
+                [w.id] + [n.id for n in lease.releases],
+            )
+        release = lease.releases[0]
+        for node in [w, *lease.readers]:
+            if node.id > release.id:
+                raise HazardError(
+                    "lease-overlap",
+                    f"{release.label} hands the slot back before {node.label} was issued",
+                    [node.id, release.id],
+                )
+
+
+def _check_slot_reuse(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
+    hb = dag.happens_before
+    by_slot: dict[tuple[str, int], list[_LeaseNodes]] = defaultdict(list)
+    for lease in leases.values():
+        by_slot[(lease.lane, lease.writer.slot)].append(lease)
+    for (lane, slot), chain in by_slot.items():
+        chain.sort(key=lambda x: x.writer.id)
+        for prev, nxt in zip(chain, chain[1:]):
+            w = nxt.writer
+            if prev.releases[0].id > w.id:
+                raise HazardError(
+                    "lease-overlap",
+                    f"slot {slot} of lane '{lane}' is leased to layer {nxt.layer} while layer "
+                    f"{prev.layer} still holds it",
+                    [prev.releases[0].id, w.id],
+                )
+            for earlier in [prev.writer, *prev.readers]:
+                if not hb(earlier.id, w.id):
+                    raise HazardError(
+                        "write-after-read",
+                        f"{w.label} may overwrite slot {slot} of lane '{lane}' before "
+                        f"{earlier.label} is done with layer {prev.layer}",
+                        [earlier.id, w.id],
+                    )
+
+
+def _check_fork_join(dag: Dag) -> None:
+    main = dag.on_stream(COMPUTE_STREAM)
+    side = [n for n in dag.nodes if n.stream != COMPUTE_STREAM]
+    if not side:
+        return
+    if not main:
+        raise HazardError("isolated", "side-stream work with no compute-stream node", [side[0].id])
+    first, last = main[0], main[-1]
+    for node in side:
+        if not dag.happens_before(first.id, node.id):
+            raise HazardError(
+                "isolated",
+                f"{node.label} on {node.stream} does not follow the forward's start on "
+                f"{COMPUTE_STREAM}; it could wait on work issued before the forward (or capture)",
+                [first.id, node.id],
+            )
+        if not dag.happens_before(node.id, last.id):
+            raise HazardError(
+                "unjoined",
+                f"{node.label} on {node.stream} is not joined back to {COMPUTE_STREAM} before the "
+                f"forward ends",
+                [node.id, last.id],
+            )

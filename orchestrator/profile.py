@@ -1,0 +1,333 @@
+"""Profile: a validated run description loaded from YAML (``profiles/*.yaml``) or a mapping.
+
+Every field is listed in :data:`FIELDS` with what it means and what it accepts; the same table
+drives validation, error messages and ``profiles/README.md``. Any mistake raises
+:class:`~ringflow.errors.ProfileError` naming the field and the accepted values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ringflow.errors import ProfileError
+from ringflow.orchestrator.budget import MIB, PoolLayout
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
+CAPTURE_POLICIES = ("join", "sync", "error")
+GATHER_PRIORITIES = ("normal", "high")
+GATHER_KINDS = ("h2d", "index", "paged")
+MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
+MAX_LAYERS = 100_000
+_LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
+
+#: field -> (meaning, accepted values, default or None when required)
+FIELDS: dict[str, tuple[str, str, Any]] = {
+    "name": ("label carried into dumps and tables", "a non-empty string", "<file stem>"),
+    "layers": ("layers in one forward pass", "an integer in 1..100000", None),
+    "depth": ("prefetch lookahead in layers; the ring holds depth + 1 slots; 0 = synchronous",
+              "an integer >= 0", None),
+    "workspace_mib": ("device budget of each lane's slot ring, in MiB; depth is reduced to fit",
+                      "a number > 0 that holds at least one slot", None),
+    "slot": ("shape and dtype of one slot (one layer's gathered data)",
+             "a mapping with 'shape' and 'dtype'", None),
+    "slot.shape": ("dimensions of one slot", "a non-empty list of integers >= 1", None),
+    "slot.dtype": ("element type of a slot", " | ".join(DTYPE_BYTES), None),
+    "lanes": ("independent pipelines, each with its own pool and gather stream "
+              "(micro-batches, target/draft)", "a non-empty list of unique names [A-Za-z][A-Za-z0-9_-]*",
+              ["kv"]),
+    "gathered_layers": ("layers that need a gather; the others compute from resident data",
+                        "'all' or a list of layer indices", "all"),
+    "ineligible": ("gathered layers that cannot be prefetched; they gather synchronously",
+                   "a list of layer indices (subset of gathered_layers)", []),
+    "capture": ("what to do when a forward runs inside a CUDA graph capture",
+                " | ".join(CAPTURE_POLICIES), "join"),
+    "gather_priority": ("CUDA stream priority of the gather lanes", " | ".join(GATHER_PRIORITIES),
+                        "normal"),
+    "kv_token_bytes": ("bytes one token takes in one layer's KV cache; when set, plans report "
+                       "how many KV tokens the pools displace", "an integer >= 1 or null", None),
+    "workload": ("the synthetic workload `ringflow run` drives", "a mapping", {}),
+    "workload.gather": ("how the synthetic workload fills a slot", " | ".join(GATHER_KINDS), "h2d"),
+    "workload.queries": ("query rows of the attention-like compute", "an integer >= 1", 8),
+    "workload.store_layers": ("distinct source tensors the gathers cycle through",
+                              "an integer >= 1", 4),
+    "workload.block_size": ("rows per block of the paged gather", "an integer >= 1", 16),
+    "workload.seed": ("seed of the synthetic data", "an integer", 0),
+}
+_REQUIRED = ("layers", "depth", "workspace_mib", "slot")
+_TOP = [k for k in FIELDS if "." not in k]
+
+
+def _accepted(name: str) -> str:
+    return f"accepted: {FIELDS[name][1]}"
+
+
+def _fail(name: str, got: Any, source: str | None, why: str = "") -> ProfileError:
+    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    why = f"{why}; " if why else ""
+    return ProfileError(name, f"{why}got {shown} ({type(got).__name__}); {_accepted(name)}", source)
+
+
+def _int(name: str, value: Any, source: str | None, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, value, source)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(name, value, source, "out of range")
+    return value
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...], source: str | None) -> str:
+    if not isinstance(value, str) or value not in options:
+        raise _fail(name, value, source)
+    return value
+
+
+def _layers_list(name: str, value: Any, layers: int, source: str | None) -> frozenset[int]:
+    if not isinstance(value, list):
+        raise _fail(name, value, source)
+    seen: set[int] = set()
+    for item in value:
+        _int(name, item, source)
+        if not 0 <= item < layers:
+            raise ProfileError(name, f"layer {item} does not exist; accepted: indices in "
+                               f"0..{layers - 1}", source)
+        if item in seen:
+            raise ProfileError(name, f"layer {item} is listed twice; accepted: unique indices", source)
+        seen.add(item)
+    return frozenset(seen)
+
+
+def _mapping(name: str | None, value: Any, allowed: list[str], source: str | None) -> dict:
+    if not isinstance(value, dict):
+        raise ProfileError(name, f"expected a mapping, got {type(value).__name__}", source)
+    prefix = f"{name}." if name else ""
+    for key in value:
+        if not isinstance(key, str) or key not in allowed:
+            where = f"'{key}'" if isinstance(key, str) else repr(key)
+            raise ProfileError(
+                f"{prefix}{key}" if isinstance(key, str) else name,
+                f"unknown field {where}; accepted fields: {', '.join(allowed)}", source)
+    return value
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """Shape and dtype of one slot."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Parameters of the synthetic workload ``ringflow run`` drives (see FIELDS)."""
+
+    gather: str = "h2d"
+    queries: int = 8
+    store_layers: int = 4
+    block_size: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated run description. Build with :meth:`load` or :meth:`from_mapping`."""
+
+    name: str
+    layers: int
+    depth: int
+    workspace_mib: float
+    slot: SlotShape
+    lanes: tuple[str, ...] = ("kv",)
+    gathered_layers: frozenset[int] | None = None  # None: every layer
+    ineligible: frozenset[int] = frozenset()
+    capture: str = "join"
+    gather_priority: str = "normal"
+    kv_token_bytes: int | None = None
+    workload: Workload = field(default_factory=Workload)
+    source: str | None = field(default=None, compare=False)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, ref: str | Path) -> Profile:
+        """Load a profile from a YAML path, or a built-in profile by name (``"demo"``)."""
+        path = Path(ref)
+        if not path.exists():
+            builtin = resources.files("ringflow.profiles").joinpath(f"{ref}.yaml")
+            if not str(ref).endswith((".yaml", ".yml")) and builtin.is_file():
+                return cls.from_yaml_text(builtin.read_bytes(), source=f"<builtin {ref}>",
+                                          default_name=str(ref))
+            names = ", ".join(sorted(builtin_profiles()))
+            raise ProfileError(None, f"no such file, and no built-in profile of that name; "
+                               f"built-in profiles: {names}", str(ref))
+        if path.is_dir():
+            raise ProfileError(None, "is a directory; give a profile YAML file", str(ref))
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ProfileError(None, f"cannot be read ({exc.strerror})", str(ref)) from None
+        return cls.from_yaml_text(data, source=str(ref), default_name=path.stem)
+
+    @classmethod
+    def from_yaml_text(cls, data: bytes | str, *, source: str = "<yaml>",
+                       default_name: str = "profile") -> Profile:
+        if isinstance(data, bytes):
+            try:
+                data = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ProfileError(None, f"is not UTF-8 text (byte {exc.start}); save it as "
+                                   f"UTF-8", source) from None
+        try:
+            doc = yaml.safe_load(data)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ProfileError(None, f"is not valid YAML: {problem}{where}", source) from None
+        if doc is None:
+            raise ProfileError(None, f"is empty; required fields: {', '.join(_REQUIRED)}", source)
+        return cls.from_mapping(doc, source=source, default_name=default_name)
+
+    @classmethod
+    def from_mapping(cls, doc: Any, *, source: str = "<mapping>",
+                     default_name: str = "profile") -> Profile:
+        """Validate a plain mapping (parsed YAML, vLLM ``additional_config``) into a Profile."""
+        doc = _mapping(None, doc, _TOP, source)
+        for key in _REQUIRED:
+            if key not in doc:
+                raise ProfileError(key, f"is missing; {_accepted(key)}", source)
+        name = doc.get("name", default_name)
+        if not isinstance(name, str) or not name:
+            raise _fail("name", name, source)
+        layers = _int("layers", doc["layers"], source, 1, MAX_LAYERS)
+        depth = _int("depth", doc["depth"], source, 0)
+
+        slot_doc = _mapping("slot", doc["slot"], ["shape", "dtype"], source)
+        for key in ("shape", "dtype"):
+            if key not in slot_doc:
+                raise ProfileError(f"slot.{key}", f"is missing; {_accepted('slot.' + key)}", source)
+        shape = slot_doc["shape"]
+        if not isinstance(shape, list) or not shape:
+            raise _fail("slot.shape", shape, source)
+        dims = tuple(_int("slot.shape", d, source, 1) for d in shape)
+        slot = SlotShape(dims, _choice("slot.dtype", slot_doc["dtype"], tuple(DTYPE_BYTES), source))
+        if slot.nbytes > MAX_SLOT_BYTES:
+            raise ProfileError("slot.shape", f"one slot of {slot.nbytes:,} bytes exceeds the "
+                               f"{MAX_SLOT_BYTES:,}-byte limit; accepted: a smaller shape", source)
+
+        mib = doc["workspace_mib"]
+        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not math.isfinite(mib) \
+                or mib <= 0:
+            raise _fail("workspace_mib", mib, source)
+        if mib * MIB < slot.nbytes:
+            raise ProfileError(
+                "workspace_mib",
+                f"budget {mib} MiB is smaller than one slot ({slot.nbytes:,} bytes = "
+                f"{slot.nbytes / MIB:.3f} MiB); accepted: at least {slot.nbytes / MIB:.3f}", source)
+
+        lanes = doc.get("lanes", ["kv"])
+        if not isinstance(lanes, list) or not lanes:
+            raise _fail("lanes", lanes, source)
+        for lane in lanes:
+            if not isinstance(lane, str) or not _LANE_NAME.match(lane):
+                raise _fail("lanes", lane, source)
+        if len(set(lanes)) != len(lanes):
+            raise ProfileError("lanes", f"names repeat in {lanes}; accepted: unique names", source)
+
+        gathered_doc = doc.get("gathered_layers", "all")
+        gathered = None if gathered_doc == "all" else _layers_list(
+            "gathered_layers", gathered_doc, layers, source)
+        ineligible = _layers_list("ineligible", doc.get("ineligible", []), layers, source)
+        if gathered is not None and not ineligible <= gathered:
+            raise ProfileError("ineligible", f"layers {sorted(ineligible - gathered)} are not "
+                               f"gathered; accepted: a subset of gathered_layers", source)
+
+        token_bytes = doc.get("kv_token_bytes")
+        if token_bytes is not None:
+            _int("kv_token_bytes", token_bytes, source, 1)
+
+        work_doc = _mapping("workload", doc.get("workload", {}) if doc.get("workload") is not None
+                            else {}, [k.split(".", 1)[1] for k in FIELDS if k.startswith("workload.")],
+                            source)
+        workload = Workload(
+            gather=_choice("workload.gather", work_doc.get("gather", "h2d"), GATHER_KINDS, source),
+            queries=_int("workload.queries", work_doc.get("queries", 8), source, 1, 1 << 20),
+            store_layers=_int("workload.store_layers", work_doc.get("store_layers", 4), source, 1,
+                              1024),
+            block_size=_int("workload.block_size", work_doc.get("block_size", 16), source, 1,
+                            1 << 20),
+            seed=_int("workload.seed", work_doc.get("seed", 0), source, 0, 2**63 - 1),
+        )
+        return cls(
+            name=name, layers=layers, depth=depth, workspace_mib=mib, slot=slot,
+            lanes=tuple(lanes), gathered_layers=gathered, ineligible=ineligible,
+            capture=_choice("capture", doc.get("capture", "join"), CAPTURE_POLICIES, source),
+            gather_priority=_choice("gather_priority", doc.get("gather_priority", "normal"),
+                                    GATHER_PRIORITIES, source),
+            kv_token_bytes=token_bytes, workload=workload, source=source,
+        )
+
+    def to_mapping(self) -> dict:
+        """The YAML-shaped mapping that :meth:`from_mapping` turns back into this profile."""
+        out: dict[str, Any] = {
+            "name": self.name, "layers": self.layers, "depth": self.depth,
+            "workspace_mib": self.workspace_mib,
+            "slot": {"shape": list(self.slot.shape), "dtype": self.slot.dtype},
+            "lanes": list(self.lanes),
+            "gathered_layers": "all" if self.gathered_layers is None else sorted(self.gathered_layers),
+            "ineligible": sorted(self.ineligible), "capture": self.capture,
+            "gather_priority": self.gather_priority,
+            "workload": {f.name: getattr(self.workload, f.name) for f in fields(Workload)},
+        }
+        if self.kv_token_bytes is not None:
+            out["kv_token_bytes"] = self.kv_token_bytes
+        return out
+
+    def replace(self, **changes: Any) -> Profile:
+        """A copy with top-level fields changed, validated like a fresh profile."""
+        doc = self.to_mapping()
+        doc.update(changes)
+        return Profile.from_mapping(doc, source=self.source or "<mapping>", default_name=self.name)
+
+    # -- derived ------------------------------------------------------------------------------
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self.workspace_mib * MIB)
+
+    def pool_layouts(self) -> tuple[PoolLayout, ...]:
+        """Each lane's ring, fitted to the budget exactly as :class:`SlotPool` will allocate it."""
+        return tuple(PoolLayout.fit(lane, self.slot.nbytes, self.depth, self.workspace_bytes)
+                     for lane in self.lanes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(p.reserved_bytes for p in self.pool_layouts())
+
+    def kv_tokens_displaced(self) -> int | None:
+        """KV-cache tokens the pools' bytes would otherwise hold (all layers), or None."""
+        if self.kv_token_bytes is None:
+            return None
+        return self.reserved_bytes // (self.kv_token_bytes * self.layers)
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles shipped in ``ringflow.profiles``."""
+    root = resources.files("ringflow.profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(ref: str | Path) -> Profile:
+    """Load a profile from a path or a built-in name; see :meth:`Profile.load`."""
+    return Profile.load(ref)

@@ -1,0 +1,1 @@
+"""Built-in run profiles (YAML). ``ringflow run demo`` loads ``demo.yaml`` from here."""

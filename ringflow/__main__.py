@@ -1,0 +1,3 @@
+from ringflow.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The ``ringflow`` command: ``plan`` prints or writes a profile's Dag and budget arithmetic;
+``run`` drives the built-in synthetic workload through the executors and prints a table.
+
+Bad input gets one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ringflow.errors import RingflowError
+
+log = logging.getLogger("ringflow")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ringflow", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("profile", help="a profile YAML path, or a built-in name (demo, mla_ckv_dcp)")
+        p.add_argument("--layers", type=_positive, help="override the profile's layer count")
+        p.add_argument("--depth", type=_non_negative, help="override the profile's depth")
+
+    plan = sub.add_parser("plan", help="print or write the Dag and the budget arithmetic")
+    common(plan)
+    plan.add_argument("--format", choices=("text", "json", "dot"), default="text")
+    plan.add_argument("--out", type=Path, help="write here instead of stdout")
+
+    run = sub.add_parser("run", help="run the synthetic workload through the executors")
+    common(run)
+    run.add_argument("--forwards", type=_positive, default=5, help="timed forwards (default 5)")
+    return parser
+
+
+def _profile(args: argparse.Namespace):
+    from ringflow.orchestrator.profile import Profile
+
+    profile = Profile.load(args.profile)
+    changes = {k: v for k, v in (("layers", args.layers), ("depth", args.depth)) if v is not None}
+    return profile.replace(**changes) if changes else profile
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ringflow.orchestrator import dumps
+    from ringflow.orchestrator.planner import Planner
+
+    profile = _profile(args)
+    dag = Planner.from_profile(profile).plan()
+    if args.format == "json":
+        text = dumps.to_json(dag)
+    elif args.format == "dot":
+        text = dumps.to_dot(dag)
+    else:
+        text = dumps.to_text(dag, profile.kv_token_bytes)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            args.out.write_text(text)
+        except OSError as exc:
+            raise RingflowError(f"cannot write {args.out}: {exc.strerror}") from None
+        for line in dumps.budget_lines(dag, profile.kv_token_bytes):
+            print(line)
+        print(f"wrote {args.format} plan ({len(dag.nodes)} nodes) to {args.out}")
+    return 0
+
+
+def _time_forwards(executor, workload, forwards: int, cuda: bool) -> float:
+    """Median milliseconds per forward."""
+    import torch
+
+    times = []
+    for _ in range(forwards):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            executor.run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            executor.run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ringflow.graphs.eager import EagerExecutor
+    from ringflow.graphs.sync import SyncExecutor
+    from ringflow.orchestrator.planner import Planner
+    from ringflow.orchestrator.slots import SlotPool
+    from ringflow.workload import SyntheticWorkload
+
+    profile = _profile(args)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    if not cuda:
+        log.warning("no CUDA device found; running the synchronous path (SyncExecutor) on the CPU")
+    pools = [SlotPool.for_profile(profile, lane, device) for lane in profile.lanes]
+    dag = Planner.from_profile(profile).plan()
+    work = SyntheticWorkload(profile, device)
+    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
+        else set(profile.gathered_layers)
+    reference = work.reference(gathered)
+
+    executors = [SyncExecutor(dag, pools, work.gather, work.compute)]
+    if cuda:
+        executors.append(EagerExecutor(dag, pools, work.gather, work.compute,
+                                       gather_priority=profile.gather_priority))
+    rows = []
+    for ex in executors:
+        ex.run()  # warm-up, and the result we check
+        out = work.outputs()
+        diff = max(float((out[k].float() - reference[k].float()).abs().max()) for k in out)
+        same = all(torch.equal(out[k], reference[k]) for k in out)
+        ms = _time_forwards(ex, work, args.forwards, cuda)
+        rows.append((ex.kind, str(device), ms, diff, same))
+    for pool in pools:
+        pool.close()
+
+    print(f"profile '{profile.name}': {profile.layers} layers, lanes {', '.join(profile.lanes)}, "
+          f"depth {dag.pools[0].depth}, {profile.workload.gather} gather, pools "
+          f"{sum(p.reserved_bytes for p in dag.pools) / 2**20:.2f} MiB")
+    header = f"{'executor':<9} {'device':<7} {'ms/forward':>11} {'vs sync':>8} " \
+             f"{'max|diff| vs reference':>23} {'bit-identical':>14}"
+    print(header)
+    print("-" * len(header))
+    base = rows[0][2]
+    for kind, dev, ms, diff, same in rows:
+        print(f"{kind:<9} {dev:<7} {ms:>11.3f} {base / ms:>7.2f}x {diff:>23.3g} {str(same):>14}")
+    return 0 if all(r[4] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    args = _parser().parse_args(argv)
+    try:
+        return {"plan": _cmd_plan, "run": _cmd_run}[args.command](args)
+    except RingflowError as exc:
+        print(f"ringflow: error: {exc}", file=sys.stderr)
+        return 2

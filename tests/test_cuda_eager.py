@@ -1,0 +1,120 @@
+"""EagerExecutor on a GPU: bit-identical to SyncExecutor, with race windows widened by a sleep
+kernel on the gather lane and slots poisoned with NaN after their last read."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringflow import EagerExecutor, Planner, Profile, SlotPool, SyncExecutor
+from ringflow.testing import TracingWorkload
+from ringflow.workload import SyntheticWorkload
+
+pytestmark = pytest.mark.cuda
+PROFILES = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.yaml"))
+SLEEP_CYCLES = 200_000  # ~0.1 ms at H200 clocks: longer than most layers here
+
+
+def sleepy(gather):
+    def run(layer, lane, out):
+        torch.cuda._sleep(SLEEP_CYCLES)  # lands on the gather stream the executor made current
+        gather(layer, lane, out)
+    return run
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("race", [False, True], ids=["plain", "sleep+poison"])
+def test_eager_is_bit_identical_to_sync_for_every_profile(path, race):
+    profile = Profile.load(path)
+    pools = [SlotPool.for_profile(profile, lane, "cuda") for lane in profile.lanes]
+    dag = Planner.from_profile(profile).plan()
+    work = SyntheticWorkload(profile, "cuda")
+    gather = sleepy(work.gather) if race else work.gather
+    sync = SyncExecutor(dag, pools, work.gather, work.compute, poison=race)
+    eager = EagerExecutor(dag, pools, gather, work.compute, poison=race,
+                          gather_priority=profile.gather_priority)
+    for seed in range(3):
+        work.refresh(100 + seed)  # fresh random data for every forward
+        sync.run()
+        want = work.outputs()
+        work.refresh(100 + seed)
+        eager.run()
+        got = work.outputs()
+        for lane in profile.lanes:
+            assert not torch.isnan(got[lane]).any(), "a read saw a poisoned (released) slot"
+            assert torch.equal(got[lane], want[lane]), f"lane {lane} differs at seed {seed}"
+    torch.cuda.synchronize()
+    assert all(p.free_count == p.slots for p in pools)
+    for p in pools:
+        p.close()
+
+
+def test_eager_reads_see_their_intended_writes_over_random_plans():
+    rng = random.Random(7)
+    for case in range(40):
+        layers = rng.randint(1, 24)
+        lanes = ["a", "b"][: rng.randint(1, 2)]
+        depth = rng.randint(0, 3)
+        gathered = None if rng.random() < 0.5 else {l for l in range(layers) if rng.random() < 0.6}
+        pool_layers = set(range(layers)) if gathered is None else gathered
+        ineligible = {l for l in pool_layers if rng.random() < 0.2}
+        pools = [SlotPool(l, (256,), torch.float32, depth=depth, workspace_bytes=1 << 20,
+                          device="cuda") for l in lanes]
+        dag = Planner(layers, [p.layout for p in pools], gathered=gathered,
+                      ineligible=ineligible).plan()
+        trace = TracingWorkload(lanes, layers, (256,), "cuda", gathered=gathered)
+        trace.gather_hook = lambda: torch.cuda._sleep(rng.choice([0, 20_000, SLEEP_CYCLES]))
+        ex = EagerExecutor(dag, pools, trace.gather, trace.compute, poison=True,
+                           gather_priority=rng.choice(["normal", "high"]))
+        for _ in range(3):
+            trace.new_forward()
+            ex.run()
+            torch.cuda.synchronize()
+            bad = trace.mismatches()
+            assert not bad, (case, layers, lanes, depth, gathered, ineligible, bad[:3])
+
+
+def test_gather_priority_high_makes_high_priority_side_streams():
+    pool = SlotPool("kv", (16,), torch.float32, depth=1, workspace_bytes=1 << 10, device="cuda")
+    dag = Planner(3, [pool.layout]).plan()
+    trace = TracingWorkload(["kv"], 3, (16,), "cuda")
+    high = EagerExecutor(dag, [pool], trace.gather, trace.compute, gather_priority="high")
+    normal = EagerExecutor(dag, [pool], trace.gather, trace.compute)
+    assert high.stream("gather/kv").priority < normal.stream("gather/kv").priority
+
+
+def test_eager_follows_the_callers_stream():
+    pool = SlotPool("kv", (64,), torch.float32, depth=1, workspace_bytes=1 << 12, device="cuda")
+    dag = Planner(5, [pool.layout]).plan()
+    trace = TracingWorkload(["kv"], 5, (64,), "cuda")
+    ex = EagerExecutor(dag, [pool], trace.gather, trace.compute, poison=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        trace.new_forward()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the caller's stream is busy; the plan must follow it
+        ex.run()
+    side.synchronize()
+    trace.check()
+
+
+def test_a_gather_that_raises_returns_every_slot_and_the_next_forward_is_right():
+    pool = SlotPool("kv", (64,), torch.float32, depth=2, workspace_bytes=1 << 12, device="cuda")
+    dag = Planner(7, [pool.layout]).plan()
+    trace = TracingWorkload(["kv"], 7, (64,), "cuda")
+    fail = {"armed": True}
+
+    def gather(layer, lane, out):
+        if layer == 4 and fail["armed"]:
+            fail["armed"] = False
+            raise RuntimeError("gather failed")
+        trace.gather(layer, lane, out)
+
+    ex = EagerExecutor(dag, [pool], gather, trace.compute)
+    with pytest.raises(RuntimeError):
+        ex.run()
+    assert pool.free_count == pool.slots
+    trace.new_forward()
+    ex.run()
+    torch.cuda.synchronize()
+    trace.check()

@@ -1,0 +1,153 @@
+"""Profile loading and validation: every mistake names the field and what is accepted."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ringflow import Profile, ProfileError
+from ringflow.orchestrator.profile import FIELDS, builtin_profiles
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+GOOD = {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": {"shape": [256, 64], "dtype": "float32"}}
+
+
+def load(doc):
+    return Profile.from_mapping(doc, source="t.yaml")
+
+
+def with_(**changes):
+    doc = yaml.safe_load(yaml.safe_dump(GOOD))
+    for key, value in changes.items():
+        if "." in key:
+            outer, inner = key.split(".")
+            doc.setdefault(outer, {})[inner] = value
+        else:
+            doc[key] = value
+    return doc
+
+
+def test_every_shipped_profile_loads_and_plans():
+    from ringflow import Planner
+
+    names = builtin_profiles()
+    assert {"demo", "mla_ckv_dcp"} <= set(names)
+    for path in PROFILES.glob("*.yaml"):
+        profile = Profile.load(path)
+        Planner.from_profile(profile).plan()
+
+
+def test_the_motivating_profile_has_the_mla_shape():
+    p = Profile.load("mla_ckv_dcp")
+    assert p.slot.shape[-1] == 576 and p.slot.dtype == "bfloat16"
+    assert (p.depth, p.workspace_mib, len(p.lanes)) == (1, 1024, 2)
+    assert [l.depth for l in p.pool_layouts()] == [1, 1]
+
+
+def test_defaults_apply():
+    p = load(GOOD)
+    assert p.lanes == ("kv",) and p.capture == "join" and p.gathered_layers is None
+    assert p.name == "profile" and p.workload.gather == "h2d"
+
+
+@pytest.mark.parametrize("field", ["layers", "depth", "workspace_mib", "slot"])
+def test_a_missing_field_is_named(field):
+    doc = with_()
+    del doc[field]
+    with pytest.raises(ProfileError, match=f"field '{field}': is missing; accepted"):
+        load(doc)
+
+
+@pytest.mark.parametrize("key,value,accepted", [
+    ("layers", "4", "1..100000"),
+    ("layers", True, "1..100000"),
+    ("layers", 0, "1..100000"),
+    ("depth", -1, ">= 0"),
+    ("depth", 1.5, ">= 0"),
+    ("workspace_mib", "big", "> 0"),
+    ("workspace_mib", float("nan"), "> 0"),
+    ("slot.dtype", "int4", "float32 | float16 | bfloat16"),
+    ("slot.shape", [], "non-empty list"),
+    ("slot.shape", [4, 0], "integers >= 1"),
+    ("capture", "maybe", "join | sync | error"),
+    ("gather_priority", 3, "normal | high"),
+    ("lanes", [], "non-empty list"),
+    ("lanes", ["a b"], "unique names"),
+    ("ineligible", [9], "0..3"),
+    ("ineligible", "3", "list of layer indices"),
+    ("gathered_layers", [1, 1], "unique indices"),
+    ("kv_token_bytes", 0, ">= 1"),
+    ("workload.gather", "nvlink", "h2d | index | paged"),
+])
+def test_a_wrong_value_names_the_field_and_the_accepted_values(key, value, accepted):
+    with pytest.raises(ProfileError) as info:
+        load(with_(**{key: value}))
+    msg = str(info.value)
+    assert f"field '{key}'" in msg and accepted in msg and msg.startswith("t.yaml: ")
+
+
+def test_an_unknown_key_is_named_with_the_accepted_fields():
+    with pytest.raises(ProfileError, match="field 'deph': unknown field 'deph'; accepted fields: "
+                                           "name, layers, depth"):
+        load(with_(deph=1))
+    with pytest.raises(ProfileError, match="field 'slot.size': unknown"):
+        load(with_(**{"slot.size": 3}))
+
+
+def test_a_budget_smaller_than_one_slot_is_rejected():
+    with pytest.raises(ProfileError, match="field 'workspace_mib': budget 0.01 MiB is smaller "
+                                           "than one slot"):
+        load(with_(workspace_mib=0.01))
+
+
+def test_ineligible_layers_must_be_gathered():
+    with pytest.raises(ProfileError, match="field 'ineligible'.*not gathered"):
+        load(with_(gathered_layers=[1, 2], ineligible=[3]))
+
+
+def test_a_huge_slot_is_rejected():
+    with pytest.raises(ProfileError, match="slot.shape.*exceeds"):
+        load(with_(**{"slot.shape": [1 << 30, 1 << 20]}))
+
+
+def test_yaml_documents_that_are_not_profiles_get_one_clear_error(tmp_path):
+    cases = {
+        "empty.yaml": b"",
+        "list.yaml": b"- 1\n- 2\n",
+        "broken.yaml": b"layers: [1, 2\n",
+        "latin1.yaml": "name: caf\u00e9\n".encode("latin-1"),
+    }
+    expected = ["is empty", "expected a mapping", "not valid YAML", "not UTF-8"]
+    for (name, data), want in zip(cases.items(), expected):
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(ProfileError, match=want):
+            Profile.load(path)
+
+
+def test_a_missing_file_lists_the_builtin_profiles():
+    with pytest.raises(ProfileError, match="built-in profiles: .*demo"):
+        Profile.load("nope")
+
+
+def test_replace_validates_again():
+    p = load(with_(ineligible=[3]))
+    assert p.replace(depth=2).depth == 2
+    with pytest.raises(ProfileError, match="ineligible"):
+        p.replace(layers=2)
+
+
+def test_to_mapping_round_trips():
+    p = Profile.load("demo")
+    assert Profile.from_mapping(p.to_mapping(), default_name="x") == p
+
+
+def test_every_field_is_documented_in_the_profiles_readme():
+    text = (PROFILES / "README.md").read_text()
+    missing = [f for f in FIELDS if f"`{f}`" not in text]
+    assert not missing, f"profiles/README.md does not document {missing}"
+
+
+def test_kv_tokens_displaced_is_pool_bytes_over_token_bytes_times_layers():
+    p = Profile.load("mla_ckv_dcp")
+    assert p.kv_tokens_displaced() == p.reserved_bytes // (1152 * 61)
