@@ -5,21 +5,43 @@ follows the caller, vLLM's stream included); each lane's gathers run on a side s
 own, created once with the requested priority. One ``torch.cuda.Event`` per planned event is
 created once and re-recorded every forward; a wait binds to the latest record issued before it,
 which is exactly what the plan's issue order encodes (Note [Issue order and edges]).
+
+Note [Running inside a capture]
+    When :meth:`EagerExecutor.run` finds the current stream capturing a CUDA graph that ringflow
+    did not open (vLLM's graph wrapper, a user's ``torch.cuda.graph``), the profile's
+    ``capture`` policy decides:
+
+    * ``join``: issue the plan as usual. The fork record/wait pulls each gather stream into the
+      capture after it began and the join brings it back before it ends, so the capture has no
+      unjoined work and waits on nothing issued before it (the hazard check proved both). If the
+      plan cannot join safely here (a gather stream is already part of another capture), run
+      the synchronous path instead and log why, once.
+    * ``sync``: run the SyncExecutor path on the capturing stream, and log it once. Nothing is
+      pending on the side streams then: every forward joins them before it ends.
+    * ``error``: raise :class:`CaptureError` naming the reason.
+
+    Either way nothing inside a capture host-syncs, queries an event, allocates a slot or pins
+    memory: streams, events and pools were all made at construction.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Mapping
 
 import torch
 
-from ringflow.errors import ExecutorError
+from ringflow.errors import CaptureError, ExecutorError
 from ringflow.graphs.executor import ComputeFn, DagExecutor, GatherFn
+from ringflow.graphs.sync import SyncExecutor
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node
 from ringflow.orchestrator.slots import SlotPool
 
+log = logging.getLogger("ringflow")
+
 PRIORITIES = {"normal": 0, "high": -1}
+CAPTURE_POLICIES = ("join", "sync", "error")
 
 
 class EagerExecutor(DagExecutor):
@@ -32,13 +54,15 @@ class EagerExecutor(DagExecutor):
         gather_priority: ``"normal"`` or ``"high"`` (a CUDA stream priority; high lets copies
             and gathers jump ahead of queued compute kernels).
         poison: fill each slot with NaN after its last read (debug; default ``RINGFLOW_POISON``).
+        capture: policy inside a CUDA graph capture ringflow did not open: ``"join"``,
+            ``"sync"`` or ``"error"`` (Note [Running inside a capture]).
     """
 
     kind = "eager"
 
     def __init__(self, dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool],
                  gather: GatherFn, compute: ComputeFn, *, gather_priority: str = "normal",
-                 poison: bool | None = None) -> None:
+                 poison: bool | None = None, capture: str = "join") -> None:
         pools = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
         devices = {p.device for p in pools.values()}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
@@ -47,21 +71,72 @@ class EagerExecutor(DagExecutor):
         if gather_priority not in PRIORITIES:
             raise ExecutorError(f"gather_priority must be one of {', '.join(PRIORITIES)}, "
                                 f"got {gather_priority!r}")
+        if capture not in CAPTURE_POLICIES:
+            raise ExecutorError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got "
+                                f"{capture!r}")
         self.device = next(iter(devices))
         self.gather_priority = gather_priority
+        self.capture_policy = capture
+        self._logged: set[str] = set()
         self._side = {s: torch.cuda.Stream(self.device, priority=PRIORITIES[gather_priority])
                       for s in dag.streams if s != COMPUTE_STREAM}
         self._events = {n.event: torch.cuda.Event() for n in dag.nodes if n.event}
         self._current: torch.cuda.Stream | None = None
         super().__init__(dag, pools, gather, compute, poison=poison)
+        # the capture-safe fallback: same plan, pools and callables, one stream
+        self.sync_path = SyncExecutor(dag, pools, gather, compute, poison=self.poison)
 
     def stream(self, name: str) -> torch.cuda.Stream:
         """The CUDA stream that runs the plan's stream ``name`` in the current forward."""
         return self._current if name == COMPUTE_STREAM else self._side[name]
 
     def run(self) -> None:
+        """Issue one forward; inside a capture ringflow did not open, follow the capture policy."""
+        if torch.cuda.is_current_stream_capturing():
+            self._run_in_outer_capture()
+        else:
+            self.issue()
+
+    def issue(self) -> None:
+        """Issue the plan on streams, with no policy check (CapturedExecutor's own capture)."""
         self._current = torch.cuda.current_stream(self.device)
         super().run()
+
+    def capture_blockers(self) -> list[str]:
+        """Why joining the current capture would be unsafe (empty when it is safe)."""
+        reasons = []
+        current = torch.cuda.current_stream()
+        if current.device != self.device:
+            reasons.append(f"the capture runs on {current.device} but the pools live on "
+                           f"{self.device}")
+        for name, stream in self._side.items():
+            with torch.cuda.stream(stream):
+                if torch.cuda.is_current_stream_capturing():
+                    reasons.append(f"gather stream '{name}' is already part of another capture")
+        return reasons
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning("%s", message)
+
+    def _run_in_outer_capture(self) -> None:
+        reasons = self.capture_blockers()
+        if self.capture_policy == "error":
+            why = "; ".join(reasons) or "the profile's capture policy is 'error'"
+            raise CaptureError(
+                f"plan '{self.dag.name}' was run inside a CUDA graph capture ringflow did not open "
+                f"({why}); set capture: join to fork and join its gather streams inside the "
+                f"capture, or capture: sync to run it synchronously")
+        if any("capture runs on" in r for r in reasons):
+            raise CaptureError(f"plan '{self.dag.name}' cannot run in this capture: {reasons[0]}")
+        if self.capture_policy == "sync" or reasons:
+            why = "; ".join(reasons) if reasons else "capture policy is 'sync'"
+            self._log_once(f"plan '{self.dag.name}' inside a CUDA graph capture runs the "
+                           f"synchronous path ({why})")
+            self.sync_path.run()
+            return
+        self.issue()
 
     def _stream_context(self, stream: str) -> contextlib.AbstractContextManager:
         if stream == COMPUTE_STREAM:

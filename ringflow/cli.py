@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     common(plan)
     plan.add_argument("--format", choices=("text", "json", "dot"), default="text")
     plan.add_argument("--out", type=Path, help="write here instead of stdout")
+    plan.add_argument("--cuda-graph-dot", type=Path, metavar="FILE",
+                      help="also capture the synthetic workload on the GPU and write the real "
+                           "CUDA graph's DOT to FILE (needs a CUDA GPU)")
 
     run = sub.add_parser("run", help="run the synthetic workload through the executors")
     common(run)
@@ -92,7 +95,43 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for line in dumps.budget_lines(dag, profile.kv_token_bytes):
             print(line)
         print(f"wrote {args.format} plan ({len(dag.nodes)} nodes) to {args.out}")
+    if args.cuda_graph_dot is not None:
+        _write_cuda_graph_dot(profile, dag, args.cuda_graph_dot)
     return 0
+
+
+def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
+    import torch
+
+    from ringflow.graphs.captured import CapturedExecutor
+    from ringflow.graphs.graph_view import read_graph, write_dot
+    from ringflow.orchestrator.slots import SlotPool
+    from ringflow.workload import SyntheticWorkload
+
+    if not torch.cuda.is_available():
+        raise RingflowError("--cuda-graph-dot captures the plan on a GPU, and no CUDA device was "
+                            "found; run it on a GPU machine, or drop the option")
+    pools = [SlotPool.for_profile(profile, lane, "cuda") for lane in profile.lanes]
+    work = SyntheticWorkload(profile, "cuda")
+    ex = CapturedExecutor(dag, pools, work.gather, work.compute, keep_graph=True,
+                          gather_priority=profile.gather_priority, capture=profile.capture)
+    graph = ex.capture()
+    if graph is None:
+        raise RingflowError("the plan could not be captured (see the log line above)")
+    try:
+        write_dot(graph, str(path))
+    except OSError as exc:
+        raise RingflowError(f"cannot write {path}: {exc}") from None
+    view = read_graph(graph)
+    counts = {}
+    for node in view.nodes:
+        counts[node.type] = counts.get(node.type, 0) + 1
+    summary = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+    print(f"wrote the captured CUDA graph ({summary}; {len(view.edges)} edges) to {path}",
+          file=sys.stderr)
+    torch.cuda.synchronize()
+    for pool in pools:
+        pool.close()
 
 
 def _time_forwards(executor, workload, forwards: int, cuda: bool) -> float:
@@ -119,6 +158,7 @@ def _time_forwards(executor, workload, forwards: int, cuda: bool) -> float:
 def _cmd_run(args: argparse.Namespace) -> int:
     import torch
 
+    from ringflow.graphs.captured import CapturedExecutor
     from ringflow.graphs.eager import EagerExecutor
     from ringflow.graphs.sync import SyncExecutor
     from ringflow.orchestrator.planner import Planner
@@ -139,8 +179,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     executors = [SyncExecutor(dag, pools, work.gather, work.compute)]
     if cuda:
-        executors.append(EagerExecutor(dag, pools, work.gather, work.compute,
-                                       gather_priority=profile.gather_priority))
+        options = dict(gather_priority=profile.gather_priority, capture=profile.capture)
+        executors.append(EagerExecutor(dag, pools, work.gather, work.compute, **options))
+        executors.append(CapturedExecutor(dag, pools, work.gather, work.compute, **options))
     rows = []
     for ex in executors:
         ex.run()  # warm-up, and the result we check

@@ -87,15 +87,20 @@ class SyntheticWorkload:
 
     # -- data ---------------------------------------------------------------------------------
 
-    def refresh(self, seed: int) -> None:
-        """Fill every source and input with fresh random data, in place (no reallocation)."""
+    def refresh(self, seed: int, *, sources: bool = True) -> None:
+        """Fill the inputs (and, with ``sources``, every gather source) with fresh random data,
+        in place: no reallocation, so a captured graph replays over the new data."""
+        if self.device.type == "cuda":
+            # the host store is written by the CPU below: no copy may still be reading it
+            torch.cuda.synchronize(self.device)
         gen = torch.Generator().manual_seed(seed)
 
         def fill(t: torch.Tensor) -> None:
             t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
 
-        fill(self.store)
-        fill(self.resident)
+        if sources:
+            fill(self.store)
+            fill(self.resident)
         for x in self.inputs.values():
             fill(x)
         for x in self.state.values():

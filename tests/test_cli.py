@@ -83,3 +83,11 @@ def test_the_console_script_is_installed():
     proc = subprocess.run([exe, "plan", "demo", "--format", "json"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and json.loads(proc.stdout)["schema"] == "ringflow.dag"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_graph_dot_without_a_gpu_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan", "demo", "--cuda-graph-dot",
+                           str(tmp_path / "g.dot")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device was found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
