@@ -59,8 +59,19 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
                               "an integer >= 1", 4),
     "workload.block_size": ("rows per block of the paged gather", "an integer >= 1", 16),
     "workload.seed": ("seed of the synthetic data", "an integer", 0),
+    "offload": ("vLLM weight streaming: decoder layers whose weights live in pinned host memory "
+                "and stream through a device ring (the plugin plans it from the model); with it, "
+                "layers/depth/workspace_mib/slot may be left out", "a mapping", None),
+    "offload.layers": ("decoder layers to offload",
+                       "'all', a list of layer indices, or {every: N, last: K} (the last K of every "
+                       "N layers)", None),
+    "offload.depth": ("layers of lookahead; the ring holds depth + 1 layer-slots",
+                      "an integer >= 0", 1),
+    "offload.workspace_mib": ("device budget of the weight ring, in MiB; depth is reduced to fit",
+                              "a number > 0 that holds one layer's weights", None),
 }
 _REQUIRED = ("layers", "depth", "workspace_mib", "slot")
+_OFFLOAD_KEYS = ["layers", "depth", "workspace_mib"]
 _TOP = [k for k in FIELDS if "." not in k]
 
 
@@ -140,14 +151,85 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Profile:
-    """A validated run description. Build with :meth:`load` or :meth:`from_mapping`."""
+class OffloadSpec:
+    """Which decoder layers stream their weights, how far ahead, within what budget."""
 
-    name: str
-    layers: int
+    layers: str | frozenset[int] | tuple[int, int]  # "all", explicit indices, or (every, last)
     depth: int
     workspace_mib: float
-    slot: SlotShape
+
+    def resolve(self, count: int, source: str | None = None) -> list[int]:
+        """The offloaded layer indices of a model with ``count`` decoder layers.
+
+        Raises:
+            ProfileError: a listed layer does not exist in the model.
+        """
+        if self.layers == "all":
+            return list(range(count))
+        if isinstance(self.layers, tuple):
+            every, last = self.layers
+            return [i for i in range(count) if i % every >= every - last]
+        missing = sorted(i for i in self.layers if i >= count)
+        if missing:
+            raise ProfileError("offload.layers", f"layers {missing} do not exist: the model has "
+                               f"{count} decoder layers (0..{count - 1})", source)
+        return sorted(self.layers)
+
+    def to_mapping(self) -> dict:
+        layers: Any = self.layers
+        if isinstance(layers, tuple):
+            layers = {"every": layers[0], "last": layers[1]}
+        elif isinstance(layers, frozenset):
+            layers = sorted(layers)
+        return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib}
+
+
+def _offload(doc: Any, source: str | None) -> OffloadSpec:
+    doc = _mapping("offload", doc, _OFFLOAD_KEYS, source)
+    for key in ("layers", "workspace_mib"):
+        if key not in doc:
+            raise ProfileError(f"offload.{key}", f"is missing; {_accepted('offload.' + key)}",
+                               source)
+    spec = doc["layers"]
+    if spec == "all":
+        layers: Any = "all"
+    elif isinstance(spec, dict):
+        group = _mapping("offload.layers", spec, ["every", "last"], source)
+        if set(group) != {"every", "last"}:
+            raise _fail("offload.layers", spec, source, "needs both 'every' and 'last'")
+        every = _int("offload.layers", group["every"], source, 1, MAX_LAYERS)
+        last = _int("offload.layers", group["last"], source, 1, every)
+        layers = (every, last)
+    else:
+        layers = _layers_list("offload.layers", spec, MAX_LAYERS, source)
+        if not layers:
+            raise ProfileError("offload.layers", "is empty: nothing would be offloaded; accepted: "
+                               "'all', a non-empty list, or {every: N, last: K}", source)
+    depth = _int("offload.depth", doc.get("depth", 1), source, 0)
+    mib = _budget("offload.workspace_mib", doc["workspace_mib"], source)
+    return OffloadSpec(layers, depth, mib)
+
+
+def _budget(name: str, value: Any, source: str | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0 or value > 1 << 24:
+        raise _fail(name, value, source)
+    return value
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated run description. Build with :meth:`load` or :meth:`from_mapping`.
+
+    ``layers``, ``depth``, ``workspace_mib`` and ``slot`` are None only in an offload-only
+    profile (vLLM weight streaming), which the plugin plans from the model it finds.
+    """
+
+    name: str
+    layers: int | None
+    depth: int | None
+    workspace_mib: float | None
+    slot: SlotShape | None
     lanes: tuple[str, ...] = ("kv",)
     gathered_layers: frozenset[int] | None = None  # None: every layer
     ineligible: frozenset[int] = frozenset()
@@ -155,6 +237,7 @@ class Profile:
     gather_priority: str = "normal"
     kv_token_bytes: int | None = None
     workload: Workload = field(default_factory=Workload)
+    offload: OffloadSpec | None = None
     source: str | None = field(default=None, compare=False)
 
     # -- construction -------------------------------------------------------------------------
@@ -204,12 +287,38 @@ class Profile:
                      default_name: str = "profile") -> Profile:
         """Validate a plain mapping (parsed YAML, vLLM ``additional_config``) into a Profile."""
         doc = _mapping(None, doc, _TOP, source)
-        for key in _REQUIRED:
-            if key not in doc:
-                raise ProfileError(key, f"is missing; {_accepted(key)}", source)
+        offload = _offload(doc["offload"], source) if "offload" in doc else None
+        run_keys = [k for k in _REQUIRED if k in doc]
+        if offload is None or run_keys:  # a run profile: all four or a missing-field error
+            for key in _REQUIRED:
+                if key not in doc:
+                    raise ProfileError(key, f"is missing; {_accepted(key)}", source)
         name = doc.get("name", default_name)
         if not isinstance(name, str) or not name:
             raise _fail("name", name, source)
+
+        lanes = doc.get("lanes", ["kv"])
+        if not isinstance(lanes, list) or not lanes:
+            raise _fail("lanes", lanes, source)
+        for lane in lanes:
+            if not isinstance(lane, str) or not _LANE_NAME.match(lane):
+                raise _fail("lanes", lane, source)
+        if len(set(lanes)) != len(lanes):
+            raise ProfileError("lanes", f"names repeat in {lanes}; accepted: unique names", source)
+        common = dict(
+            name=name, lanes=tuple(lanes), offload=offload, source=source,
+            capture=_choice("capture", doc.get("capture", "join"), CAPTURE_POLICIES, source),
+            gather_priority=_choice("gather_priority", doc.get("gather_priority", "normal"),
+                                    GATHER_PRIORITIES, source),
+        )
+        if not run_keys:
+            for key in ("gathered_layers", "ineligible", "kv_token_bytes", "workload"):
+                if key in doc:
+                    raise ProfileError(key, "needs the run fields layers, depth, workspace_mib "
+                                       "and slot; an offload-only profile takes its layers from "
+                                       "the model", source)
+            return cls(layers=None, depth=None, workspace_mib=None, slot=None, **common)
+
         layers = _int("layers", doc["layers"], source, 1, MAX_LAYERS)
         depth = _int("depth", doc["depth"], source, 0)
 
@@ -226,24 +335,12 @@ class Profile:
             raise ProfileError("slot.shape", f"one slot of {slot.nbytes:,} bytes exceeds the "
                                f"{MAX_SLOT_BYTES:,}-byte limit; accepted: a smaller shape", source)
 
-        mib = doc["workspace_mib"]
-        if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not math.isfinite(mib) \
-                or mib <= 0:
-            raise _fail("workspace_mib", mib, source)
+        mib = _budget("workspace_mib", doc["workspace_mib"], source)
         if mib * MIB < slot.nbytes:
             raise ProfileError(
                 "workspace_mib",
                 f"budget {mib} MiB is smaller than one slot ({slot.nbytes:,} bytes = "
                 f"{slot.nbytes / MIB:.3f} MiB); accepted: at least {slot.nbytes / MIB:.3f}", source)
-
-        lanes = doc.get("lanes", ["kv"])
-        if not isinstance(lanes, list) or not lanes:
-            raise _fail("lanes", lanes, source)
-        for lane in lanes:
-            if not isinstance(lane, str) or not _LANE_NAME.match(lane):
-                raise _fail("lanes", lane, source)
-        if len(set(lanes)) != len(lanes):
-            raise ProfileError("lanes", f"names repeat in {lanes}; accepted: unique names", source)
 
         gathered_doc = doc.get("gathered_layers", "all")
         gathered = None if gathered_doc == "all" else _layers_list(
@@ -269,17 +366,18 @@ class Profile:
                             1 << 20),
             seed=_int("workload.seed", work_doc.get("seed", 0), source, 0, 2**63 - 1),
         )
-        return cls(
-            name=name, layers=layers, depth=depth, workspace_mib=mib, slot=slot,
-            lanes=tuple(lanes), gathered_layers=gathered, ineligible=ineligible,
-            capture=_choice("capture", doc.get("capture", "join"), CAPTURE_POLICIES, source),
-            gather_priority=_choice("gather_priority", doc.get("gather_priority", "normal"),
-                                    GATHER_PRIORITIES, source),
-            kv_token_bytes=token_bytes, workload=workload, source=source,
-        )
+        return cls(layers=layers, depth=depth, workspace_mib=mib, slot=slot,
+                   gathered_layers=gathered, ineligible=ineligible, kv_token_bytes=token_bytes,
+                   workload=workload, **common)
 
     def to_mapping(self) -> dict:
         """The YAML-shaped mapping that :meth:`from_mapping` turns back into this profile."""
+        head: dict[str, Any] = {"name": self.name, "lanes": list(self.lanes),
+                                "capture": self.capture, "gather_priority": self.gather_priority}
+        if self.offload is not None:
+            head["offload"] = self.offload.to_mapping()
+        if self.layers is None:
+            return head
         out: dict[str, Any] = {
             "name": self.name, "layers": self.layers, "depth": self.depth,
             "workspace_mib": self.workspace_mib,
@@ -292,7 +390,7 @@ class Profile:
         }
         if self.kv_token_bytes is not None:
             out["kv_token_bytes"] = self.kv_token_bytes
-        return out
+        return {**head, **out}
 
     def replace(self, **changes: Any) -> Profile:
         """A copy with top-level fields changed, validated like a fresh profile."""
@@ -302,12 +400,23 @@ class Profile:
 
     # -- derived ------------------------------------------------------------------------------
 
+    def require_run_fields(self) -> Profile:
+        """Raise unless this profile can be planned on its own (it is not offload-only)."""
+        if self.layers is None:
+            raise ProfileError("layers", "is missing: this profile has only an 'offload' section, "
+                               "which the vLLM plugin plans from the model it loads (set "
+                               "RINGFLOW_DUMP=path to see that plan); add layers, depth, "
+                               "workspace_mib and slot to plan it here", self.source)
+        return self
+
     @property
     def workspace_bytes(self) -> int:
+        self.require_run_fields()
         return int(self.workspace_mib * MIB)
 
     def pool_layouts(self) -> tuple[PoolLayout, ...]:
         """Each lane's ring, fitted to the budget exactly as :class:`SlotPool` will allocate it."""
+        self.require_run_fields()
         return tuple(PoolLayout.fit(lane, self.slot.nbytes, self.depth, self.workspace_bytes)
                      for lane in self.lanes)
 

@@ -31,10 +31,44 @@ def test_every_shipped_profile_loads_and_plans():
     from ringflow import Planner
 
     names = builtin_profiles()
-    assert {"demo", "mla_ckv_dcp"} <= set(names)
+    assert {"demo", "mla_ckv_dcp", "vllm_weights"} <= set(names)
     for path in PROFILES.glob("*.yaml"):
         profile = Profile.load(path)
-        Planner.from_profile(profile).plan()
+        if profile.offload is not None and profile.layers is None:
+            with pytest.raises(ProfileError, match="has only an 'offload' section"):
+                Planner.from_profile(profile)
+        else:
+            Planner.from_profile(profile).plan()
+
+
+def test_an_offload_profile_resolves_its_layers_against_the_model():
+    p = Profile.load("vllm_weights")
+    assert p.offload.resolve(20) == [6, 7, 14, 15]
+    explicit = Profile.from_mapping({"offload": {"layers": [1, 3], "workspace_mib": 8}})
+    assert explicit.offload.resolve(4) == [1, 3] and explicit.offload.depth == 1
+    with pytest.raises(ProfileError, match="offload.layers.*layers \\[3\\] do not exist"):
+        explicit.offload.resolve(3)
+    assert Profile.from_mapping(p.to_mapping(), default_name="x") == p
+
+
+@pytest.mark.parametrize("offload,needle", [
+    ({"layers": [], "workspace_mib": 8}, "offload.layers': is empty"),
+    ({"layers": [1, 1], "workspace_mib": 8}, "listed twice"),
+    ({"layers": {"every": 8}, "workspace_mib": 8}, "needs both"),
+    ({"layers": {"every": 2, "last": 3}, "workspace_mib": 8}, "out of range"),
+    ({"layers": "all"}, "offload.workspace_mib': is missing"),
+    ({"layers": "all", "workspace_mib": -1}, "offload.workspace_mib"),
+    ({"layers": "all", "workspace_mib": 8, "depth": -2}, "offload.depth"),
+    ({"layers": "all", "workspace_mib": 8, "lookahead": 2}, "unknown field 'lookahead'"),
+])
+def test_offload_mistakes_name_the_field(offload, needle):
+    with pytest.raises(ProfileError, match=needle.replace("[", "\\[")):
+        Profile.from_mapping({"offload": offload})
+
+
+def test_an_offload_only_profile_refuses_run_only_fields():
+    with pytest.raises(ProfileError, match="field 'ineligible': needs the run fields"):
+        Profile.from_mapping({"offload": {"layers": "all", "workspace_mib": 8}, "ineligible": [1]})
 
 
 def test_the_motivating_profile_has_the_mla_shape():
