@@ -90,25 +90,18 @@ class EagerExecutor(DagExecutor):
         """The CUDA stream that runs the plan's stream ``name`` in the current forward."""
         return self._current if name == COMPUTE_STREAM else self._side[name]
 
-    def run(self) -> None:
-        """Issue one forward; inside a capture ringflow did not open, follow the capture policy."""
-        if torch.cuda.is_current_stream_capturing():
-            self._run_in_outer_capture()
-        else:
-            self.issue()
-
     def issue(self) -> None:
         """Issue the plan on streams, with no policy check (CapturedExecutor's own capture)."""
+        self.start_forward()
+        self.issue_steps(0, len(self.steps))
+
+    def start_forward(self) -> None:
         self._current = torch.cuda.current_stream(self.device)
-        super().run()
+        super().start_forward()
 
     def capture_blockers(self) -> list[str]:
         """Why joining the current capture would be unsafe (empty when it is safe)."""
         reasons = []
-        current = torch.cuda.current_stream()
-        if current.device != self.device:
-            reasons.append(f"the capture runs on {current.device} but the pools live on "
-                           f"{self.device}")
         for name, stream in self._side.items():
             with torch.cuda.stream(stream):
                 if torch.cuda.is_current_stream_capturing():
@@ -120,7 +113,14 @@ class EagerExecutor(DagExecutor):
             self._logged.add(message)
             log.warning("%s", message)
 
-    def _run_in_outer_capture(self) -> None:
+    def path_for_current_stream(self) -> DagExecutor:
+        """Self, or the synchronous path inside a capture that cannot be joined (policy)."""
+        if not torch.cuda.is_current_stream_capturing():
+            return self
+        capturing_on = torch.cuda.current_stream().device
+        if capturing_on != self.device:
+            raise CaptureError(f"plan '{self.dag.name}' cannot run in a capture on {capturing_on}: "
+                               f"its pools live on {self.device}; capture on that device")
         reasons = self.capture_blockers()
         if self.capture_policy == "error":
             why = "; ".join(reasons) or "the profile's capture policy is 'error'"
@@ -128,15 +128,12 @@ class EagerExecutor(DagExecutor):
                 f"plan '{self.dag.name}' was run inside a CUDA graph capture ringflow did not open "
                 f"({why}); set capture: join to fork and join its gather streams inside the "
                 f"capture, or capture: sync to run it synchronously")
-        if any("capture runs on" in r for r in reasons):
-            raise CaptureError(f"plan '{self.dag.name}' cannot run in this capture: {reasons[0]}")
         if self.capture_policy == "sync" or reasons:
             why = "; ".join(reasons) if reasons else "capture policy is 'sync'"
             self._log_once(f"plan '{self.dag.name}' inside a CUDA graph capture runs the "
                            f"synchronous path ({why})")
-            self.sync_path.run()
-            return
-        self.issue()
+            return self.sync_path
+        return self
 
     def _stream_context(self, stream: str) -> contextlib.AbstractContextManager:
         if stream == COMPUTE_STREAM:

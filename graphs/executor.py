@@ -92,13 +92,39 @@ class DagExecutor:
 
     def run(self) -> None:
         """Issue one forward pass. On any exception every leased slot goes back to its pool."""
+        path = self.path_for_current_stream()
+        path.start_forward()
+        path.issue_steps(0, len(path.steps))
+
+    @property
+    def steps(self) -> list[Callable[[], None]]:
+        """One bound callable per Dag node, in issue order."""
+        return self._steps
+
+    def path_for_current_stream(self) -> DagExecutor:
+        """The executor that should issue a forward here (see EagerExecutor for captures)."""
+        return self
+
+    def start_forward(self) -> None:
+        """Begin a forward: no lease is held from a previous one."""
         self._leases.clear()
+
+    def issue_steps(self, start: int, stop: int) -> None:
+        """Issue nodes ``start..stop-1``; on an exception, hand every leased slot back."""
         try:
-            for step in self._steps:
+            for step in self._steps[start:stop]:
                 step()
         except BaseException:
             self._abandon()
             raise
+
+    def lease(self, lane: str, layer: int) -> Lease | None:
+        """The lease layer ``layer`` of ``lane`` holds in the current forward, if any."""
+        return self._leases.get((lane, layer))
+
+    def abandon(self) -> None:
+        """Give back every lease of an unfinished forward (host-syncs unless capturing)."""
+        self._abandon()
 
     def _abandon(self) -> None:
         outstanding = sum(pool.reclaim(sync=self._may_sync()) for pool in self.pools.values())

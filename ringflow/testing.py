@@ -84,3 +84,66 @@ class TracingWorkload:
         """Raise AssertionError listing the reads that did not see their intended write."""
         bad = self.mismatches()
         assert not bad, f"{len(bad)} read(s) saw the wrong data, e.g. {bad[:3]}"
+
+
+class DecoderLayer(torch.nn.Module):
+    """A Llama-style decoder layer with vLLM's calling convention, for tests and benchmarks.
+
+    ``forward(positions, hidden_states, residual) -> (hidden_states, residual)``: RMSNorm, fused
+    QKV projection, causal attention over the tokens, output projection, RMSNorm, fused gate/up
+    projection, SiLU, down projection. Shapes are real (7B: hidden 4096, intermediate 11008,
+    32 heads); the attention has no KV cache, which is not what weight streaming is about.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, heads: int,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 seed: int = 0) -> None:
+        super().__init__()
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)  # drawn where it lives: fast
+
+        def weight(rows: int, cols: int) -> torch.nn.Parameter:
+            w = torch.randn(rows, cols, generator=gen, device=device) / cols ** 0.5
+            return torch.nn.Parameter(w.to(dtype), requires_grad=False)
+
+        self.heads = heads
+        self.qkv = weight(3 * hidden, hidden)
+        self.o = weight(hidden, hidden)
+        self.gate_up = weight(2 * intermediate, hidden)
+        self.down = weight(hidden, intermediate)
+        norm = (1 + 0.1 * torch.randn(2, hidden, generator=gen, device=device)).to(dtype)
+        self.norms = torch.nn.Parameter(norm, requires_grad=False)
+
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * w
+
+    def forward(self, positions, hidden_states, residual=None):
+        residual = hidden_states if residual is None else hidden_states + residual
+        x = self._rms(residual, self.norms[0])
+        tokens, width = x.shape
+        q, k, v = (x @ self.qkv.T).view(tokens, 3, self.heads, width // self.heads).unbind(1)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        residual = attn.transpose(0, 1).reshape(tokens, width) @ self.o.T + residual
+        x = self._rms(residual, self.norms[1])
+        gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ self.down.T, residual
+
+
+def decoder_stack(layers: int, hidden: int = 4096, intermediate: int = 11008, heads: int = 32,
+                  dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | str = "cpu") -> torch.nn.ModuleList:
+    """``layers`` decoder layers with distinct random weights (7B-class shapes by default)."""
+    return torch.nn.ModuleList(DecoderLayer(hidden, intermediate, heads, dtype, device, seed=i)
+                               for i in range(layers))
+
+
+def run_stack(layers: torch.nn.ModuleList, hidden: torch.Tensor,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The model loop an engine runs: every layer in order, as vLLM's LlamaModel does."""
+    residual = None
+    for layer in layers:
+        hidden, residual = layer(positions, hidden, residual)
+    return hidden + residual

@@ -1,0 +1,108 @@
+"""LayerStepper: issue a planned forward from inside an engine's own layer loop.
+
+An engine such as vLLM runs its layers itself; ringflow cannot call them. The engine (through
+ringflow's hooks) calls :meth:`LayerStepper.before` and :meth:`LayerStepper.after` around each
+layer. ``before(l)`` issues the plan's nodes up to layer l's compute node (its wait for the
+slot, or its synchronous gather, and whatever gathers the plan puts earlier); ``after(l)``
+issues the nodes that follow, up to the next layer's compute: the retire record, the release,
+and the gathers that the freed slot lets start. The compute node itself runs nothing: the
+engine's layer is the compute.
+
+A layer index that does not increase starts a new forward: an engine that abandoned a forward
+(an exception inside a layer) leaves leases behind, which are handed back first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ringflow.errors import PlanError
+from ringflow.graphs.executor import DagExecutor
+from ringflow.orchestrator.dag import NodeKind
+
+log = logging.getLogger("ringflow")
+
+
+class LayerStepper:
+    """Drives ``executor``'s single-lane plan around an external layer loop.
+
+    Args:
+        executor: an Eager or Sync executor whose ``compute`` callable does nothing (the engine
+            computes). Inside a CUDA graph capture the eager executor's capture policy picks the
+            path for the whole forward.
+        poison: after each layer, fill its slot with NaN bytes (debug).
+    """
+
+    def __init__(self, executor: DagExecutor, *, poison: bool = False) -> None:
+        dag = executor.dag
+        if len(dag.lanes) != 1:
+            raise PlanError(f"LayerStepper drives a single-lane plan; '{dag.name}' has lanes "
+                            f"{list(dag.lanes)}; give each lane a stepper of its own")
+        self.executor = executor
+        self.lane = dag.lanes[0]
+        self.poison = poison
+        computes = [n for n in dag.nodes if n.kind is NodeKind.COMPUTE]
+        self._position = {n.layer: n.id for n in computes}
+        self._order = [n.layer for n in computes]
+        self._next = {a: self._position[b] for a, b in zip(self._order, self._order[1:])}
+        self._end = len(dag.nodes)
+        self._path: DagExecutor | None = None
+        self._cursor = 0
+        self._layer = -1
+        self.forwards = 0
+        self.on_forward_done: Callable[[], None] | None = None
+
+    @property
+    def in_forward(self) -> bool:
+        return self._path is not None
+
+    def before(self, layer: int) -> None:
+        """Issue the plan up to ``layer``'s compute; the engine runs the layer next."""
+        if layer not in self._position:
+            raise PlanError(f"layer {layer} is not in plan '{self.executor.dag.name}' "
+                            f"(layers 0..{self.executor.dag.layers - 1})")
+        if self._path is not None and layer <= self._layer:
+            log.warning("layer %d came after layer %d: the previous forward was abandoned; "
+                        "handing its slots back and starting a new one", layer, self._layer)
+            self._reset(abandon=True)
+        if self._path is None:
+            if layer != self._order[0]:
+                raise PlanError(f"a forward must start at layer {self._order[0]}, not {layer}")
+            self._path = self.executor.path_for_current_stream()
+            self._path.start_forward()
+            self._cursor = 0
+        self._issue(self._position[layer] + 1)
+        self._layer = layer
+
+    def after(self, layer: int) -> None:
+        """Issue the plan from ``layer``'s compute up to the next layer's."""
+        if self._path is None or layer != self._layer:
+            raise PlanError(f"after({layer}) without a matching before({layer}); the engine "
+                            f"must call both around every layer")
+        if self.poison:
+            lease = self._path.lease(self.lane, layer)
+            if lease is not None:  # bytes 0xFF read as NaN in every float format
+                lease.tensor.fill_(255 if not lease.tensor.dtype.is_floating_point
+                                   else float("nan"))
+        self._issue(self._next.get(layer, self._end))
+        if self._cursor == self._end:
+            self._reset(abandon=False)
+            self.forwards += 1
+            if self.on_forward_done is not None:
+                self.on_forward_done()
+
+    def _issue(self, stop: int) -> None:
+        try:
+            self._path.issue_steps(self._cursor, stop)  # hands leases back if a step raises
+        except BaseException:
+            self._reset(abandon=False)
+            raise
+        self._cursor = stop
+
+    def _reset(self, *, abandon: bool) -> None:
+        if abandon and self._path is not None:
+            self._path.abandon()
+        self._path = None
+        self._cursor = 0
+        self._layer = -1

@@ -1,0 +1,241 @@
+"""The vLLM plugin (entry point group ``vllm.general_plugins``, name ``ringflow``).
+
+vLLM calls :func:`register` in every process it starts (the front end, the engine core, each
+worker; multiprocessing on or off). It installs three class-level hooks and nothing else; they
+do nothing unless a profile is given, by ``RINGFLOW_PROFILE`` (a path or built-in name) or by
+``additional_config={"ringflow": {...}}`` (a profile mapping, or ``{"profile": "path"}``):
+
+* ``Worker.load_model``: after the model is loaded, and before vLLM profiles memory and sizes
+  the KV cache, builds a :class:`WeightStreamer` for the profile's ``offload`` layers: their
+  weights move to pinned host memory, the ring of layer-slots is allocated, and the log says
+  what it reserved and how many KV tokens that costs.
+* ``Worker.initialize_from_config``: records that the KV cache is being allocated (the order
+  of these events is what makes the KV budget honest; tests assert it).
+* ``UnquantizedLinearMethod.process_weights_after_loading``: on a CPU, vLLM repacks linear
+  weights into oneDNN handles that cannot be streamed; while ringflow is enabled the linear
+  layers keep plain weights (``F.linear``). ``RINGFLOW_CPU_PLAIN_GEMM=1`` does the same
+  without ringflow, for A/B comparisons with identical kernels.
+
+Errors in a profile stop vLLM at start-up with one ``ringflow: ...`` line in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ringflow.errors import ProfileError, RingflowError
+from ringflow.graphs.executor import poison_default
+from ringflow.integrations.vllm import ops
+from ringflow.integrations.vllm.weight_stream import WeightStreamer
+from ringflow.orchestrator import dumps
+from ringflow.orchestrator.budget import MIB
+from ringflow.orchestrator.profile import Profile
+
+ENV_PROFILE = "RINGFLOW_PROFILE"
+ENV_DUMP = "RINGFLOW_DUMP"
+ENV_PLAIN_GEMM = "RINGFLOW_CPU_PLAIN_GEMM"
+
+log = logging.getLogger("ringflow")
+
+#: what happened in this process, in order ("ring-allocated", "kv-cache-initialized")
+lifecycle: list[str] = []
+#: the live streamers of this process; each is owned by its vLLM worker and dies with it
+streamers: weakref.WeakSet[WeightStreamer] = weakref.WeakSet()
+_latest: weakref.ref | None = None
+_plain_gemm = False
+
+
+def register() -> None:
+    """Install ringflow's hooks into vLLM. Safe to call more than once; inert until enabled."""
+    try:
+        from vllm.model_executor.layers import linear
+        from vllm.v1.worker import gpu_worker
+    except ImportError as exc:  # a vLLM this plugin does not know: say so, change nothing
+        log.warning("ringflow: vLLM's worker or linear layers are not importable (%s); the "
+                    "plugin stays off", exc)
+        return
+    _ensure_log_handler()
+    _wrap(gpu_worker.Worker, "load_model", _load_model)
+    _wrap(gpu_worker.Worker, "initialize_from_config", _initialize_from_config)
+    _wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights)
+
+
+def _ensure_log_handler() -> None:
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s ringflow: %(message)s"))
+        log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+def _wrap(cls: type, name: str, hook) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "_ringflow_hook", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
+
+    wrapper._ringflow_hook = True
+    setattr(cls, name, wrapper)
+
+
+def profile_from(vllm_config) -> Profile | None:
+    """The profile vLLM was started with, or None when ringflow is not enabled.
+
+    ``additional_config["ringflow"]`` wins over ``RINGFLOW_PROFILE``.
+
+    Raises:
+        ProfileError: the profile is malformed or has no ``offload`` section.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get("ringflow") if isinstance(extra, dict) else None
+    env = os.environ.get(ENV_PROFILE)
+    if section is not None:
+        if isinstance(section, str):
+            profile = Profile.load(section)
+        elif isinstance(section, dict) and set(section) == {"profile"}:
+            profile = Profile.load(section["profile"])
+        else:
+            profile = Profile.from_mapping(section, source="additional_config.ringflow",
+                                           default_name="vllm")
+    elif env:
+        profile = Profile.load(env)
+    else:
+        return None
+    if profile.offload is None:
+        raise ProfileError("offload", "is missing: the vLLM plugin streams the decoder layers the "
+                           "profile's offload section names; accepted: offload: {layers: ..., "
+                           "depth: ..., workspace_mib: ...}", profile.source)
+    return profile
+
+
+def _load_model(original, worker, *args, **kwargs):
+    global _plain_gemm
+    try:
+        profile = profile_from(worker.vllm_config)
+    except RingflowError as exc:
+        log.error("%s", exc)
+        raise
+    _plain_gemm = profile is not None or os.environ.get(ENV_PLAIN_GEMM) == "1"
+    try:
+        result = original(worker, *args, **kwargs)
+    finally:
+        _plain_gemm = False
+    if profile is not None:
+        try:
+            _enable(worker, profile)
+        except RingflowError as exc:
+            log.error("%s", exc)  # one clear line before vLLM's own start-up failure
+            raise
+    return result
+
+
+def _keep_plain_weights(original, method, layer, *args, **kwargs):
+    if _plain_gemm:
+        # vLLM's CPU path honours this flag: plain F.linear over layer.weight, no repacking
+        layer._cpu_skip_gemm_dispatch = True
+    return original(method, layer, *args, **kwargs)
+
+
+def _initialize_from_config(original, worker, *args, **kwargs):
+    streamer = getattr(worker, "_ringflow_streamer", None)
+    if streamer is not None:
+        lifecycle.append("kv-cache-initialized")
+        log.info("KV cache allocated after the weight ring (%.2f MiB reserved before sizing)",
+                 streamer.reserved_bytes / MIB)
+    return original(worker, *args, **kwargs)
+
+
+def latest() -> WeightStreamer | None:
+    """The most recently built streamer of this process that is still alive."""
+    return None if _latest is None else _latest()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """A vLLM model's decoder layers on this pipeline stage, in execution order."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RingflowError(f"cannot find the decoder layers of {type(model).__name__} (looked "
+                            f"for model.model.layers); this model is not supported for weight "
+                            f"streaming")
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(layers))
+    return [layer for layer in list(layers)[start:end] if type(layer).__name__ != "PPMissingLayer"]
+
+
+def kv_bytes_per_token(worker) -> float | None:
+    """Bytes one token takes in the KV cache across all attention layers (None if unknown)."""
+    try:
+        specs = worker.model_runner.get_kv_cache_spec()
+        return sum(spec.page_size_bytes / spec.block_size for spec in specs.values()) or None
+    except Exception as exc:  # an engine version without the spec API: report, do not fail
+        log.info("KV bytes per token unknown (%s)", exc)
+        return None
+
+
+def _enable(worker, profile: Profile) -> WeightStreamer:
+    layers = decoder_layers(worker.model_runner.get_model())
+    offload = profile.offload.resolve(len(layers), profile.source)
+    streamer = WeightStreamer(
+        layers, offload, depth=profile.offload.depth,
+        workspace_bytes=int(profile.offload.workspace_mib * MIB), capture=profile.capture,
+        gather_priority=profile.gather_priority, poison=poison_default(), name=profile.name)
+    global _latest
+    worker._ringflow_streamer = streamer  # the worker owns it: it lives and dies with the model
+    streamers.add(streamer)
+    _latest = weakref.ref(streamer)
+    lifecycle.append("ring-allocated")
+    per_token = kv_bytes_per_token(worker)
+    cost = (f"it costs {int(streamer.reserved_bytes // per_token):,} KV tokens "
+            f"({per_token:,.0f} B/token)") if per_token else "its KV-token cost is unknown"
+    log.info("profile '%s': %s; allocated before the KV cache is sized, %s", profile.name,
+             streamer.describe(), cost)
+    if streamer.device.type == "cpu":
+        log.info("on a CPU, linear layers run plain F.linear (vLLM's packed CPU GEMMs cannot "
+                 "read streamed weights)")
+    else:
+        _split_pieces_at_layer_ops(worker.vllm_config)
+    dump = os.environ.get(ENV_DUMP)
+    if dump:
+        streamer.stepper.on_forward_done = _dump_once(streamer, dump, worker)
+    return streamer
+
+
+def _split_pieces_at_layer_ops(vllm_config) -> None:
+    """Under piecewise CUDA graphs, ringflow's layer ops run eagerly between graph pieces."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    ops_list = getattr(compilation, "splitting_ops", None)
+    if isinstance(ops_list, list):
+        for name in ops.OP_NAMES:
+            if name not in ops_list:
+                ops_list.append(name)
+        log.info("ringflow layer ops added to vLLM's splitting_ops (piecewise graphs split there)")
+
+
+def _dump_once(streamer: WeightStreamer, base: str, worker):
+    def write() -> None:
+        streamer.stepper.on_forward_done = None
+        rank = getattr(worker, "rank", 0) or 0
+        stem = base[:-5] if base.endswith(".json") else base
+        stem = f"{stem}.rank{rank}" if rank else stem
+        try:
+            Path(f"{stem}.json").write_text(dumps.to_json(streamer.dag))
+            Path(f"{stem}.dot").write_text(dumps.to_dot(streamer.dag))
+        except OSError as exc:
+            log.warning("RINGFLOW_DUMP: cannot write %s.json/.dot (%s)", stem, exc)
+            return
+        log.info("wrote the plan that ran to %s.json and %s.dot", stem, stem)
+
+    return write

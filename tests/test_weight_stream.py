@@ -1,0 +1,115 @@
+"""WeightStreamer on the CPU: streamed layers compute exactly what resident ones did."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from ringflow import ProfileError, RingflowError
+from ringflow.integrations.vllm import ops
+from ringflow.integrations.vllm.weight_stream import WeightStreamer
+from ringflow.testing import decoder_stack, run_stack
+
+SMALL = dict(hidden=64, intermediate=96, heads=4, dtype=torch.float32)
+
+
+def stack(n=6):
+    return decoder_stack(n, **SMALL)
+
+
+@pytest.mark.parametrize("offload,depth", [([0, 1, 2, 3, 4, 5], 1), ([1, 2, 4], 1),
+                                           ([0, 1, 2, 3, 4], 2), ([2, 5], 3), ([1, 3], 0)])
+def test_streamed_layers_compute_exactly_what_resident_ones_did(offload, depth):
+    layers = stack()
+    x = torch.randn(5, 64)
+    want = run_stack(layers, x)
+    ws = WeightStreamer(layers, offload, depth=depth, workspace_bytes=1 << 22, poison=True)
+    for _ in range(3):
+        assert torch.equal(run_stack(layers, x), want)
+    assert ws.stepper.forwards == 3 and ws.pool.free_count == ws.pool.slots
+    assert ws.pool.depth == min(depth, 10)
+
+
+def test_offloaded_parameters_view_their_slot_and_resident_ones_do_not_move():
+    layers = stack(4)
+    resident = layers[0].qkv.data_ptr()
+    ws = WeightStreamer(layers, [1, 2, 3], depth=1, workspace_bytes=1 << 22)
+    base, end = ws.pool.storage.data_ptr(), ws.pool.storage.data_ptr() + ws.reserved_bytes
+    for i in (1, 2, 3):
+        for p in layers[i].parameters():
+            assert base <= p.data_ptr() < end
+    assert layers[0].qkv.data_ptr() == resident
+    assert {ws.slot_of[i] for i in (1, 2, 3)} == {0, 1} and ws.slot_of[1] == ws.slot_of[3]
+
+
+def test_views_of_one_storage_are_copied_once_and_keep_their_layout():
+    # MLA's W_UV / W_UK_T are strided views of kv_b_proj.weight: one storage, two params
+    class Mla(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.kv_b = nn.Parameter(torch.randn(64, 48, generator=g), requires_grad=False)
+            self.w_uv = nn.Parameter(self.kv_b.data[8:40].t(), requires_grad=False)
+
+        def forward(self, positions, hidden, residual=None):
+            z = (hidden @ self.kv_b) @ self.w_uv  # [t, 48] @ [48, 32]
+            return torch.cat([z, z], -1) * 1e-2, hidden if residual is None else hidden + residual
+
+    layers = nn.ModuleList(Mla(i) for i in range(3))
+    x = torch.randn(4, 64)
+    want = run_stack(layers, x)
+    ws = WeightStreamer(layers, [0, 1, 2], depth=1, workspace_bytes=1 << 20, poison=True)
+    assert ws.layer_bytes[0] == 64 * 48 * 4  # once, not twice
+    w = layers[1].w_uv
+    assert w.untyped_storage().data_ptr() == layers[1].kv_b.untyped_storage().data_ptr()
+    assert w.stride() == (1, 48)
+    for _ in range(2):
+        assert torch.equal(run_stack(layers, x), want)
+
+
+def test_a_forward_abandoned_midway_hands_its_slots_back_and_the_next_is_right():
+    layers = stack(5)
+    x = torch.randn(3, 64)
+    want = run_stack(layers, x)
+    ws = WeightStreamer(layers, [1, 2, 3, 4], depth=1, workspace_bytes=1 << 22, poison=True)
+    original = layers[2].forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layer failed")
+
+    layers[2].forward = broken  # replaces the streamer's wrapper too: the layer never ends
+    with pytest.raises(RuntimeError):
+        run_stack(layers, x)
+    assert ws.stepper.in_forward
+    layers[2].forward = original
+    assert torch.equal(run_stack(layers, x), want)  # layer 0 again: a new forward
+    assert ws.pool.free_count == ws.pool.slots and not ws.stepper.in_forward
+
+
+def test_bad_requests_say_what_to_change():
+    with pytest.raises(ProfileError, match="offload.layers.*layers \\[7\\] do not exist"):
+        WeightStreamer(stack(4), [1, 7], depth=1, workspace_bytes=1 << 22)
+    with pytest.raises(ProfileError, match="offload.workspace_mib.*smaller than one offloaded"):
+        WeightStreamer(stack(4), [1, 2], depth=1, workspace_bytes=1000)
+    shared = stack(3)
+    shared[2].qkv = shared[1].qkv
+    with pytest.raises(RingflowError, match="shared by decoder layers 1 and 2"):
+        WeightStreamer(shared, [1, 2], depth=1, workspace_bytes=1 << 22)
+
+
+def test_the_layer_ops_are_real_custom_ops_that_declare_their_mutation():
+    schema = torch.ops.ringflow.layer_begin.default._schema
+    assert re.search(r"Tensor\(a\d*!\) anchor", str(schema)), schema
+    assert set(ops.OP_NAMES) == {"ringflow::layer_begin", "ringflow::layer_end"}
+
+
+def test_streaming_under_torch_compile_keeps_the_layer_order():
+    layers = stack(4)
+    x = torch.randn(3, 64)
+    want = run_stack(layers, x)
+    ws = WeightStreamer(layers, [1, 2, 3], depth=1, workspace_bytes=1 << 22, poison=True)
+    compiled = torch.compile(lambda h: run_stack(layers, h), backend="eager", fullgraph=True)
+    for _ in range(2):
+        assert torch.allclose(compiled(x), want, atol=1e-5, rtol=1e-5)
+    assert ws.stepper.forwards == 2

