@@ -23,6 +23,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8":
 CAPTURE_POLICIES = ("join", "sync", "error")
 GATHER_PRIORITIES = ("normal", "high")
 GATHER_KINDS = ("h2d", "index", "paged")
+COMPUTE_KINDS = ("attention", "decoder")
 MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
 MAX_LAYERS = 100_000
 _LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
@@ -59,6 +60,13 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
                               "an integer >= 1", 4),
     "workload.block_size": ("rows per block of the paged gather", "an integer >= 1", 16),
     "workload.seed": ("seed of the synthetic data", "an integer", 0),
+    "workload.compute": ("what a layer computes from its slot: attention-like over the slot's "
+                         "rows, or a Llama decoder layer whose weights the slot holds",
+                         "attention | decoder", "attention"),
+    "workload.hidden": ("decoder compute: hidden size", "an integer >= 1", 4096),
+    "workload.intermediate": ("decoder compute: MLP size", "an integer >= 1", 11008),
+    "workload.heads": ("decoder compute: attention heads (must divide hidden)", "an integer >= 1",
+                       32),
     "offload": ("vLLM weight streaming: decoder layers whose weights live in pinned host memory "
                 "and stream through a device ring (the plugin plans it from the model); with it, "
                 "layers/depth/workspace_mib/slot may be left out", "a mapping", None),
@@ -148,6 +156,15 @@ class Workload:
     store_layers: int = 4
     block_size: int = 16
     seed: int = 0
+    compute: str = "attention"
+    hidden: int = 4096
+    intermediate: int = 11008
+    heads: int = 32
+
+    def decoder_elements(self) -> int:
+        """Elements of one decoder layer's weights: QKV, O, gate/up, down, two norms."""
+        h, i = self.hidden, self.intermediate
+        return 3 * h * h + h * h + 2 * i * h + h * i + 2 * h
 
 
 @dataclass(frozen=True)
@@ -365,7 +382,23 @@ class Profile:
             block_size=_int("workload.block_size", work_doc.get("block_size", 16), source, 1,
                             1 << 20),
             seed=_int("workload.seed", work_doc.get("seed", 0), source, 0, 2**63 - 1),
+            compute=_choice("workload.compute", work_doc.get("compute", "attention"),
+                            COMPUTE_KINDS, source),
+            hidden=_int("workload.hidden", work_doc.get("hidden", 4096), source, 1, 1 << 20),
+            intermediate=_int("workload.intermediate", work_doc.get("intermediate", 11008),
+                              source, 1, 1 << 22),
+            heads=_int("workload.heads", work_doc.get("heads", 32), source, 1, 1 << 12),
         )
+        if workload.compute == "decoder":
+            if workload.hidden % workload.heads:
+                raise ProfileError("workload.heads", f"{workload.heads} heads do not divide hidden "
+                                   f"size {workload.hidden}", source)
+            if math.prod(dims) < workload.decoder_elements():
+                raise ProfileError("slot.shape", f"a decoder layer of hidden {workload.hidden} and "
+                                   f"intermediate {workload.intermediate} has "
+                                   f"{workload.decoder_elements():,} weights; the slot holds "
+                                   f"{math.prod(dims):,}; accepted: a shape of at least that many "
+                                   f"elements", source)
         return cls(layers=layers, depth=depth, workspace_mib=mib, slot=slot,
                    gathered_layers=gathered, ineligible=ineligible, kv_token_bytes=token_bytes,
                    workload=workload, **common)

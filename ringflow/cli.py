@@ -62,6 +62,22 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the synthetic workload through the executors")
     common(run)
     run.add_argument("--forwards", type=_positive, default=5, help="timed forwards (default 5)")
+
+    bench = sub.add_parser("bench", help="measure scenarios on a GPU (profiles/bench/)")
+    bench.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                       help="h2d-balanced, weights-stream, weights-stream-mixed, compute-bound, "
+                            "device-gather, small-layers, depth-sweep (default: all)")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
+    bench.add_argument("--plot", type=Path, metavar="DIR", help="write a timeline PNG per scenario")
+    bench.add_argument("--replays", type=_positive, default=15, help="timed replays (default 15)")
+
+    tune = sub.add_parser("tune", help="measure depths that fit the budget; write the fastest")
+    tune.add_argument("profile", help="a profile YAML path, or a built-in name")
+    tune.add_argument("--out", type=Path, help="where to write the tuned copy "
+                                               "(default: <name>.tuned.yaml here)")
+    tune.add_argument("--replays", type=_positive, default=10)
+    tune.add_argument("--max-depth", type=_non_negative, default=3,
+                      help="deepest ring to try (default 3)")
     return parser
 
 
@@ -206,11 +222,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if all(r[4] for r in rows) else 1
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ringflow.bench import bench
+
+    return bench(args.scenarios, json_path=args.json, plot_dir=args.plot, replays=args.replays)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from ringflow.bench import tune
+    from ringflow.orchestrator.profile import Profile
+
+    profile = Profile.load(args.profile).require_run_fields()
+    out = args.out or Path(f"{profile.name}.tuned.yaml")
+    return tune(profile, out=out, replays=args.replays, max_depth=args.max_depth)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     args = _parser().parse_args(argv)
     try:
-        return {"plan": _cmd_plan, "run": _cmd_run}[args.command](args)
+        return {"plan": _cmd_plan, "run": _cmd_run, "bench": _cmd_bench,
+                "tune": _cmd_tune}[args.command](args)
     except RingflowError as exc:
         print(f"ringflow: error: {exc}", file=sys.stderr)
         return 2

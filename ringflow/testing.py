@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ringflow.workload import decoder_block
+
 
 class TracingWorkload:
     """Gathers write ``tag(layer, lane)``; computes record the min and max of what they read.
@@ -114,22 +116,10 @@ class DecoderLayer(torch.nn.Module):
         norm = (1 + 0.1 * torch.randn(2, hidden, generator=gen, device=device)).to(dtype)
         self.norms = torch.nn.Parameter(norm, requires_grad=False)
 
-    @staticmethod
-    def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * w
-
     def forward(self, positions, hidden_states, residual=None):
         residual = hidden_states if residual is None else hidden_states + residual
-        x = self._rms(residual, self.norms[0])
-        tokens, width = x.shape
-        q, k, v = (x @ self.qkv.T).view(tokens, 3, self.heads, width // self.heads).unbind(1)
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        residual = attn.transpose(0, 1).reshape(tokens, width) @ self.o.T + residual
-        x = self._rms(residual, self.norms[1])
-        gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)
-        return (torch.nn.functional.silu(gate) * up) @ self.down.T, residual
+        return decoder_block(residual, self.qkv, self.o, self.gate_up, self.down, self.norms,
+                             heads=self.heads)
 
 
 def decoder_stack(layers: int, hidden: int = 4096, intermediate: int = 11008, heads: int = 32,

@@ -1,11 +1,16 @@
-"""The built-in synthetic layered workload that ``ringflow run`` (and the tests) drive.
+"""The built-in synthetic layered workload that ``ringflow run``, ``ringflow bench`` and the
+tests drive.
 
 Per layer and lane: gather one slot's worth of data (pinned host -> device copy, index gather or
-paged gather, per the profile's ``workload.gather``), then an attention-like step that reads it::
+paged gather, per the profile's ``workload.gather``), then a step that reads it. The default,
+``compute: attention``, is attention-like::
 
     x  = inputs[lane] if layer == 0 else state[lane]
     kv = slot viewed as [rows, d]
     state[lane] = 0.5 * x + softmax(x @ kv^T / sqrt(d)) @ kv
+
+``compute: decoder`` treats the slot as one Llama decoder layer's weights (weight streaming) and
+runs that layer over ``queries`` tokens.
 
 Every output depends on every layer's slot, in order, so a slot read too early, too late or
 after poisoning changes the result. All tensors are allocated once here (static buffers): a
@@ -35,6 +40,7 @@ class SyntheticWorkload:
 
     def __init__(self, profile: Profile, device: torch.device | str = "cpu", *,
                  layers: int | None = None) -> None:
+        profile.require_run_fields()
         if profile.slot.dtype == "uint8":
             raise ProfileError("slot.dtype", "the synthetic workload computes on its slots and "
                                "needs a floating dtype; accepted: float32 | float16 | bfloat16 | "
@@ -45,9 +51,15 @@ class SyntheticWorkload:
         self.dtype = torch_dtype(profile.slot.dtype)
         self.shape = profile.slot.shape
         self.rows = self.shape[0]
-        self.width = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
         self.lanes = profile.lanes
         work = profile.workload
+        self.decoder = work.compute == "decoder"
+        if self.decoder and work.gather != "h2d":
+            raise ProfileError("workload.gather", "decoder compute streams weights: accepted: h2d",
+                               profile.source)
+        self.width = work.hidden if self.decoder else (
+            math.prod(self.shape[1:]) if len(self.shape) > 1 else 1)
+        self.work = work
         self.kind = work.gather
         self.store_layers = work.store_layers
         self.scale = 1.0 / math.sqrt(self.width)
@@ -78,7 +90,7 @@ class SyntheticWorkload:
             self.block_tables = torch.stack(tables).to(self.device)
             if self.rows == 1:
                 self.block_tables = self.block_tables[:, :1]
-        self.resident = torch.empty((n, self.rows, self.width), dtype=self.dtype, device=self.device)
+        self.resident = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
         q = work.queries
         self.inputs = {lane: torch.empty((q, self.width), dtype=self.dtype, device=self.device)
                        for lane in self.lanes}
@@ -96,13 +108,15 @@ class SyntheticWorkload:
         gen = torch.Generator().manual_seed(seed)
 
         def fill(t: torch.Tensor) -> None:
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+            scale = self.work.hidden ** -0.5 if self.decoder else 1.0  # weights keep activations sane
+            t.copy_((torch.randn(t.shape, generator=gen, dtype=torch.float32) * scale).to(t.dtype))
 
         if sources:
             fill(self.store)
             fill(self.resident)
+        inputs = torch.Generator(device=self.device).manual_seed(seed)  # drawn on the device: fast
         for x in self.inputs.values():
-            fill(x)
+            x.copy_(torch.randn(x.shape, generator=inputs, device=self.device).to(x.dtype))
         for x in self.state.values():
             x.fill_(float("nan"))  # poisoned: an output that skipped a layer shows NaN
 
@@ -122,7 +136,14 @@ class SyntheticWorkload:
 
     def compute(self, layer: int, lane: str, slot: torch.Tensor | None) -> None:
         x = self.inputs[lane] if layer == 0 else self.state[lane]
-        kv = self.resident[self._source(layer, lane)] if slot is None else slot.view(self.rows, -1)
+        data = self.resident[self._source(layer, lane)] if slot is None else slot
+        if self.decoder:
+            w = self.work
+            hidden, residual = decoder_block(x, *decoder_weights(data, w.hidden, w.intermediate),
+                                             heads=w.heads)
+            torch.add(hidden, residual, out=self.state[lane])
+            return
+        kv = data.view(self.rows, -1)
         scores = (x @ kv.transpose(0, 1)).float().mul_(self.scale)
         attn = torch.softmax(scores, dim=-1).to(self.dtype) @ kv
         torch.add(attn, x, alpha=0.5, out=self.state[lane])
@@ -155,7 +176,7 @@ class SyntheticWorkload:
                 if layer in gathered:
                     kv = self._source_rows(i).double().view(self.rows, -1)
                 else:
-                    kv = self.resident[i].double().cpu()
+                    kv = self.resident[i].double().cpu().view(self.rows, -1)
                 p = torch.softmax((x @ kv.T) * self.scale, dim=-1)
                 x = 0.5 * x + p @ kv
             out[lane] = x
@@ -169,3 +190,39 @@ class SyntheticWorkload:
         if self.kind == "index":
             return ref.index_gather_ref(self.store, self.index[i], self.rows)
         return ref.paged_gather_ref(self.store, self.block_tables[i], self.seq_lens, self.rows)
+
+
+def decoder_weights(flat: torch.Tensor, hidden: int, intermediate: int) -> list[torch.Tensor]:
+    """Views of one decoder layer's weights in a flat buffer: QKV, O, gate/up, down, norms."""
+    h, i = hidden, intermediate
+    shapes = [(3 * h, h), (h, h), (2 * i, h), (h, i), (2, h)]
+    views, start = [], 0
+    flat = flat.reshape(-1)
+    for rows, cols in shapes:
+        views.append(flat[start: start + rows * cols].view(rows, cols))
+        start += rows * cols
+    return views
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * weight
+
+
+def decoder_block(residual: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, norms: torch.Tensor, *,
+                  heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Llama decoder layer over ``residual`` ([tokens, hidden]); returns (hidden, residual).
+
+    RMSNorm, fused QKV projection, causal attention over the tokens (no KV cache), output
+    projection, RMSNorm, fused gate/up projection, SiLU, down projection.
+    """
+    x = _rms(residual, norms[0])
+    tokens, width = x.shape
+    q, k, v = (x @ qkv.T).view(tokens, 3, heads, width // heads).unbind(1)
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    residual = attn.transpose(0, 1).reshape(tokens, width) @ o.T + residual
+    x = _rms(residual, norms[1])
+    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.T, residual

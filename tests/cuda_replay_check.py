@@ -18,7 +18,7 @@ from ringflow.workload import SyntheticWorkload
 # every profile that plans on its own (offload-only profiles are planned from a vLLM model)
 PROFILES = [p for p in sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.yaml"))
             if Profile.load(p).layers is not None]
-MAX_LAYERS = 8  # the 61-layer 400k-token profile keeps its slot shape, with fewer layers
+MAX_LAYERS = 4  # the 61-layer 400k-token profile keeps its slot shape, with fewer layers
 SLEEP_CYCLES = 200_000
 
 

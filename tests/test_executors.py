@@ -161,3 +161,17 @@ def test_a_lease_misused_by_a_hand_built_order_is_a_lease_error():
     ex._leases[("kv", 0)] = pool.acquire(0)  # WRITING, as if its gather were still running
     with pytest.raises(LeaseError, match="read before ready"):
         ex._bind_compute(dag.nodes[1])()
+
+
+def test_decoder_compute_streams_a_layers_weights_through_its_slot():
+    profile = Profile.from_mapping({
+        "layers": 5, "depth": 1, "workspace_mib": 1, "gathered_layers": [1, 3, 4],
+        "slot": {"shape": [3 * 32 * 32 + 32 * 32 + 2 * 48 * 32 + 32 * 48 + 2 * 32],
+                 "dtype": "float32"},
+        "workload": {"compute": "decoder", "hidden": 32, "intermediate": 48, "heads": 4,
+                     "queries": 6}})
+    pools, dag, work = setup(profile)
+    expected = work.reference({1, 3, 4})
+    SyncExecutor(dag, pools, work.gather, work.compute, poison=True).run()
+    got = work.outputs()["kv"]
+    assert torch.equal(got, expected["kv"]) and not torch.isnan(got).any()

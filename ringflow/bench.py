@@ -1,0 +1,337 @@
+"""``ringflow bench`` and ``ringflow tune``: ringflow measured side by side with what a user
+would otherwise run, on one GPU, in one process.
+
+Each scenario is a profile under ``profiles/bench/``. For one scenario, interleaved replay by
+replay, with CUDA events and fresh inputs before every replay:
+
+* ``sync``      the plan's synchronous path (gather, then compute) captured in a CUDA graph;
+* ``eager``     ringflow's EagerExecutor (Python issues every node each forward);
+* ``captured``  ringflow's CapturedExecutor (one graph launch per forward);
+* ``hand``      :class:`HandRing`, the two-slot ring a user would write, captured the same way;
+* ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal.
+
+Outputs of eager, captured and hand are checked bit-identical to sync. Reported: median ms,
+ratios, percent of the gather hidden = (sync - captured) / min(gather, compute), pool bytes,
+peak allocated bytes, allocator calls during the captured replays. Progress goes to stderr; the
+table is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ringflow.errors import RingflowError
+from ringflow.graphs.captured import CapturedExecutor
+from ringflow.graphs.eager import EagerExecutor
+from ringflow.orchestrator.planner import Planner
+from ringflow.orchestrator.profile import Profile
+from ringflow.orchestrator.slots import SlotPool
+from ringflow.workload import SyntheticWorkload
+
+SCENARIOS = {
+    "h2d-balanced": "bench/h2d_balanced",
+    "weights-stream": "bench/weights_stream",
+    "weights-stream-mixed": "bench/weights_stream_mixed",
+    "compute-bound": "bench/compute_bound",
+    "device-gather": "bench/device_gather",
+    "small-layers": "bench/small_layers",
+    "depth-sweep": "bench/depth_sweep",
+}
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+class HandRing:
+    """The ring a user writes by hand: two slots, a copy stream, and the next gathered layer's
+    copy launched before the current gathered layer computes (a lookahead of one)."""
+
+    def __init__(self, work: SyntheticWorkload, layers: int, gathered: set[int], lane: str):
+        self.work, self.layers, self.lane = work, layers, lane
+        self.order = sorted(gathered)
+        self.slots = [torch.empty(work.shape, dtype=work.dtype, device=work.device)
+                      for _ in range(2)]
+        self.stream = torch.cuda.Stream()
+        self.ready = [torch.cuda.Event() for _ in self.order]
+        self.free = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def _fetch(self, k: int) -> None:
+        with torch.cuda.stream(self.stream):
+            if k >= 2:  # slot k % 2 still holds layer k - 2 until its compute is done
+                self.stream.wait_event(self.free[k % 2])
+            self.work.gather(self.order[k], self.lane, self.slots[k % 2])
+            self.ready[k].record()
+
+    def run(self) -> None:
+        compute = torch.cuda.current_stream()
+        self.stream.wait_stream(compute)
+        if self.order:
+            self._fetch(0)
+        k = 0
+        for layer in range(self.layers):
+            if k < len(self.order) and layer == self.order[k]:
+                if k + 1 < len(self.order):
+                    self._fetch(k + 1)
+                compute.wait_event(self.ready[k])
+                self.work.compute(layer, self.lane, self.slots[k % 2])
+                self.free[k % 2].record(compute)
+                k += 1
+            else:
+                self.work.compute(layer, self.lane, None)
+        compute.wait_stream(self.stream)
+
+
+class _Graphed:
+    """Any forward callable captured once and replayed (warm-up first, outside the capture)."""
+
+    def __init__(self, fn, pool) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            fn()
+
+    def run(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class Result:
+    scenario: str
+    profile: str
+    layers: int
+    depth: int
+    ms: dict[str, float]
+    equal: dict[str, bool]
+    pool_bytes: int
+    peak_allocated_bytes: int
+    replay_allocator_calls: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ideal(self) -> float:
+        return max(self.ms["gather"], self.ms["compute"])
+
+    def ratios(self) -> dict[str, float]:
+        ms = self.ms
+        hidden = (ms["sync"] - ms["captured"]) / max(min(ms["gather"], ms["compute"]), 1e-9)
+        return {
+            "speedup_vs_sync": ms["sync"] / ms["captured"],
+            "captured_vs_ideal": ms["captured"] / self.ideal,
+            "captured_vs_hand": ms["captured"] / ms["hand"],
+            "eager_vs_captured": ms["eager"] / ms["captured"],
+            "captured_vs_sync": ms["captured"] / ms["sync"],
+            "gather_hidden_pct": 100.0 * hidden,
+        }
+
+    def to_dict(self) -> dict:
+        return {"scenario": self.scenario, "profile": self.profile, "layers": self.layers,
+                "depth": self.depth, "ms": self.ms, "ideal_ms": self.ideal,
+                "ratios": self.ratios(), "outputs_equal_to_sync": self.equal,
+                "pool_bytes": self.pool_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "replay_allocator_calls": self.replay_allocator_calls, **self.extra}
+
+
+def _time(variants: dict[str, Any], work: SyntheticWorkload, replays: int) -> dict[str, float]:
+    """Median ms of each variant, replays interleaved, fresh inputs before every replay."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(replays + 2):
+        work.refresh(10_000 + r, sources=False)  # fresh queries each round; waits for the GPU
+        for name, variant in variants.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            variant.run()
+            end.record()
+            end.synchronize()
+            if r >= 2:  # the first two rounds are warm-up
+                samples[name].append(start.elapsed_time(end))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _outputs(variant, work: SyntheticWorkload) -> dict[str, torch.Tensor]:
+    work.refresh(424_242, sources=False)
+    variant.run()
+    torch.cuda.synchronize()
+    return work.outputs()
+
+
+def _allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
+def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str | None = None,
+                timeline_dir: Path | None = None) -> Result:
+    """Measure one scenario (see the module docstring)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    priority = priority or profile.gather_priority
+    lane = profile.lanes[0]
+    _say(f"{name}: allocating pools and {profile.workload.store_layers} source layers")
+    pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
+    dag = Planner.from_profile(profile).plan()
+    work = SyntheticWorkload(profile, "cuda")
+    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
+        else set(profile.gathered_layers)
+    graph_pool = torch.cuda.graph_pool_handle()
+
+    def gather_only() -> None:
+        for i, layer in enumerate(sorted(gathered)):
+            work.gather(layer, lane, pools[0].storage[i % pools[0].slots])
+
+    def compute_only() -> None:
+        for layer in range(profile.layers):
+            work.compute(layer, lane, pools[0].storage[0] if layer in gathered else None)
+
+    _say(f"{name}: capturing sync, ringflow, hand ring, gather-only, compute-only")
+    variants = {
+        "sync": CapturedExecutor(dag, pools, work.gather, work.compute, capture="sync"),
+        "eager": EagerExecutor(dag, pools, work.gather, work.compute, gather_priority=priority),
+        "captured": CapturedExecutor(dag, pools, work.gather, work.compute,
+                                     gather_priority=priority),
+        "hand": _Graphed(HandRing(work, profile.layers, gathered, lane).run, graph_pool),
+        "gather": _Graphed(gather_only, graph_pool),
+        "compute": _Graphed(compute_only, graph_pool),
+    }
+    for variant in variants.values():
+        if isinstance(variant, CapturedExecutor):
+            variant.run()
+    want = _outputs(variants["sync"], work)
+    equal = {}
+    for key in ("eager", "captured", "hand"):
+        got = _outputs(variants[key], work)
+        equal[key] = all(torch.equal(got[k], want[k]) for k in want)
+    _say(f"{name}: timing {replays} interleaved replays of each")
+    ms = _time(variants, work, replays)
+    before = _allocations()
+    for _ in range(50):
+        variants["captured"].run()
+    torch.cuda.synchronize()
+    calls = _allocations() - before
+    extra = {"eager_dispatch_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
+             "nodes": len(dag.nodes), "gather_priority": priority}
+    if timeline_dir is not None:
+        from ringflow.timeline import plot_timeline, record_timeline
+
+        spans = record_timeline(dag, pools, work)
+        path = plot_timeline(spans, timeline_dir / f"{name}.png", title=f"{name}: one forward, "
+                             f"ringflow eager, depth {dag.pools[0].depth}")
+        extra["timeline_png"] = path.name
+        extra["timeline"] = spans
+    result = Result(name, profile.source or profile.name, profile.layers, dag.pools[0].depth, ms,
+                    equal, sum(p.reserved_bytes for p in pools), torch.cuda.max_memory_allocated(),
+                    calls, extra)
+    for pool in pools:
+        pool.close()
+    del variants, work
+    return result
+
+
+def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
+    """Host time to issue one forward, per node (median of 20; the GPU is not waited for)."""
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        executor.run()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times) / nodes
+
+
+def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = None) -> list[Result]:
+    if name not in SCENARIOS:
+        raise RingflowError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
+    profile = Profile.load(SCENARIOS[name])
+    if name == "depth-sweep":
+        fitting = int(profile.workspace_bytes // profile.slot.nbytes) - 1
+        return [run_profile(f"{name}/d{d}", profile.replace(depth=d), replays=replays,
+                            timeline_dir=None) for d in range(0, fitting + 1)]
+    if name == "device-gather":
+        return [run_profile(f"{name}/{p}", profile, replays=replays, priority=p,
+                            timeline_dir=timeline_dir if p == "normal" else None)
+                for p in ("normal", "high")]
+    return [run_profile(name, profile, replays=replays, timeline_dir=timeline_dir)]
+
+
+def environment() -> dict:
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "command": " ".join(["ringflow", *sys.argv[1:]])}
+
+
+def table(results: list[Result]) -> str:
+    head = (f"{'scenario':<26} {'sync':>8} {'eager':>8} {'captured':>9} {'hand':>8} {'ideal':>8}"
+            f" {'x sync':>7} {'/ideal':>7} {'/hand':>6} {'hidden':>7} {'us/node':>8} {'equal':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        q = r.ratios()
+        lines.append(
+            f"{r.scenario:<26} {r.ms['sync']:>8.3f} {r.ms['eager']:>8.3f} {r.ms['captured']:>9.3f}"
+            f" {r.ms['hand']:>8.3f} {r.ideal:>8.3f} {q['speedup_vs_sync']:>6.2f}x"
+            f" {q['captured_vs_ideal']:>7.3f} {q['captured_vs_hand']:>6.3f}"
+            f" {q['gather_hidden_pct']:>6.1f}% {r.extra['eager_dispatch_us_per_node']:>8.2f}"
+            f" {str(all(r.equal.values())):>6}")
+    lines.append("ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
+                 "min(gather, compute)")
+    return "\n".join(lines)
+
+
+def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
+          replays: int) -> int:
+    if not torch.cuda.is_available():
+        raise RingflowError("ringflow bench measures on a GPU and no CUDA device was found; run it "
+                            "on a GPU machine")
+    names = names or list(SCENARIOS)
+    for name in names:
+        if name not in SCENARIOS:
+            raise RingflowError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
+    if plot_dir is not None:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    for name in names:
+        results += run_scenario(name, replays=replays, timeline_dir=plot_dir)
+        _say(table(results[-1:]).splitlines()[-2])
+    if json_path is not None:
+        doc = {**environment(), "replays": replays, "results": [r.to_dict() for r in results]}
+        json_path.write_text(json.dumps(doc, indent=1))
+        _say(f"wrote {json_path}")
+    print(f"{environment()['gpu']}, torch {torch.__version__}")
+    print(table(results))
+    return 0 if all(all(r.equal.values()) for r in results) else 1
+
+
+def tune(profile: Profile, *, out: Path, replays: int, max_depth: int = 3) -> int:
+    """Measure depths 0..k that fit the budget (k <= ``max_depth``); write the fastest into a
+    copy of the profile, with the table measured as a comment."""
+    if not torch.cuda.is_available():
+        raise RingflowError("ringflow tune measures on a GPU and no CUDA device was found")
+    fitting = min(int(profile.workspace_bytes // profile.slot.nbytes) - 1, max_depth)
+    rows = []
+    for depth in range(0, fitting + 1):
+        result = run_profile(f"depth {depth}", profile.replace(depth=depth), replays=replays)
+        rows.append((depth, result.ms["captured"], result.ms["sync"], result.pool_bytes))
+    best = min(rows, key=lambda r: r[1])
+    lines = [f"# tuned by `ringflow tune` on {torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__}: depth {best[0]} was fastest", "#   depth  captured ms  sync ms"
+             "  pool MiB"]
+    lines += [f"#   {d:>5}  {c:>11.3f}  {s:>7.3f}  {p / 2**20:>8.1f}" for d, c, s, p in rows]
+    import yaml
+
+    body = yaml.safe_dump(profile.replace(depth=best[0]).to_mapping(), sort_keys=False)
+    out.write_text("\n".join(lines) + "\n" + body)
+    print("\n".join(line[2:] for line in lines))
+    print(f"wrote {out}")
+    return 0
