@@ -210,10 +210,13 @@ def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str
         if isinstance(variant, CapturedExecutor):
             variant.run()
     want = _outputs(variants["sync"], work)
-    equal = {}
+    equal, diff = {}, {}
     for key in ("eager", "captured", "hand"):
         got = _outputs(variants[key], work)
         equal[key] = all(torch.equal(got[k], want[k]) for k in want)
+        diff[key] = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+    if not all(equal.values()):
+        _say(f"{name}: OUTPUTS DIFFER from sync: max |diff| {diff}")
     _say(f"{name}: timing {replays} interleaved replays of each")
     ms = _time(variants, work, replays)
     before = _allocations()
@@ -221,14 +224,17 @@ def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str
         variants["captured"].run()
     torch.cuda.synchronize()
     calls = _allocations() - before
-    extra = {"eager_dispatch_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
-             "nodes": len(dag.nodes), "gather_priority": priority}
+    noop = EagerExecutor(dag, pools, lambda *a: None, lambda *a: None, gather_priority=priority)
+    extra = {"eager_dispatch_us_per_node": _eager_dispatch_us(noop, len(dag.nodes)),
+             "eager_issue_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
+             "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
     if timeline_dir is not None:
         from ringflow.timeline import plot_timeline, record_timeline
 
         spans = record_timeline(dag, pools, work)
-        path = plot_timeline(spans, timeline_dir / f"{name}.png", title=f"{name}: one forward, "
-                             f"ringflow eager, depth {dag.pools[0].depth}")
+        path = plot_timeline(spans, timeline_dir / f"{name.replace('/', '-')}.png",
+                             title=f"{name}: one forward, ringflow eager, depth "
+                                   f"{dag.pools[0].depth}")
         extra["timeline_png"] = path.name
         extra["timeline"] = spans
     result = Result(name, profile.source or profile.name, profile.layers, dag.pools[0].depth, ms,
@@ -241,7 +247,10 @@ def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str
 
 
 def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
-    """Host time to issue one forward, per node (median of 20; the GPU is not waited for)."""
+    """Host time to issue one forward, per node (median of 20; the GPU is not waited for).
+
+    With no-op callables this is ringflow's own dispatch cost (leases, events, stream
+    switches, NVTX); with the workload's callables it includes their kernel launches."""
     times = []
     for _ in range(20):
         torch.cuda.synchronize()
@@ -272,21 +281,35 @@ def environment() -> dict:
             "cuda": torch.version.cuda, "command": " ".join(["ringflow", *sys.argv[1:]])}
 
 
-def table(results: list[Result]) -> str:
+def table(rows: list[dict]) -> str:
+    """The results table, from :meth:`Result.to_dict` rows (also read back from JSON)."""
     head = (f"{'scenario':<26} {'sync':>8} {'eager':>8} {'captured':>9} {'hand':>8} {'ideal':>8}"
             f" {'x sync':>7} {'/ideal':>7} {'/hand':>6} {'hidden':>7} {'us/node':>8} {'equal':>6}")
     lines = [head, "-" * len(head)]
-    for r in results:
-        q = r.ratios()
+    for r in rows:
+        ms, q, equal = r["ms"], r["ratios"], r["outputs_equal_to_sync"]
+        same = "yes" if all(equal.values()) else ",".join(k for k, v in equal.items() if not v)
         lines.append(
-            f"{r.scenario:<26} {r.ms['sync']:>8.3f} {r.ms['eager']:>8.3f} {r.ms['captured']:>9.3f}"
-            f" {r.ms['hand']:>8.3f} {r.ideal:>8.3f} {q['speedup_vs_sync']:>6.2f}x"
+            f"{r['scenario']:<26} {ms['sync']:>8.3f} {ms['eager']:>8.3f} {ms['captured']:>9.3f}"
+            f" {ms['hand']:>8.3f} {r['ideal_ms']:>8.3f} {q['speedup_vs_sync']:>6.2f}x"
             f" {q['captured_vs_ideal']:>7.3f} {q['captured_vs_hand']:>6.3f}"
-            f" {q['gather_hidden_pct']:>6.1f}% {r.extra['eager_dispatch_us_per_node']:>8.2f}"
-            f" {str(all(r.equal.values())):>6}")
+            f" {q['gather_hidden_pct']:>6.1f}% {r['eager_dispatch_us_per_node']:>8.2f} {same:>6}")
     lines.append("ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
-                 "min(gather, compute)")
+                 "min(gather, compute); us/node: eager dispatch with no-op callables; equal: "
+                 "outputs bit-identical to sync (else the variants that differ)")
     return "\n".join(lines)
+
+
+def merge(parts: list[Path], out: Path) -> str:
+    """Join per-scenario JSON files (one process per scenario) into one; return the table."""
+    docs = [json.loads(p.read_text()) for p in parts if p.exists()]
+    if not docs:
+        raise RingflowError("no bench results to merge")
+    merged = {k: v for k, v in docs[0].items() if k != "results"}
+    merged["command"] = "tools/gpu-bench (one `ringflow bench SCENARIO` process per scenario)"
+    merged["results"] = [r for d in docs for r in d["results"]]
+    out.write_text(json.dumps(merged, indent=1))
+    return table(merged["results"])
 
 
 def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
@@ -303,13 +326,13 @@ def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
     results: list[Result] = []
     for name in names:
         results += run_scenario(name, replays=replays, timeline_dir=plot_dir)
-        _say(table(results[-1:]).splitlines()[-2])
+        _say(table([results[-1].to_dict()]).splitlines()[-2])
     if json_path is not None:
         doc = {**environment(), "replays": replays, "results": [r.to_dict() for r in results]}
         json_path.write_text(json.dumps(doc, indent=1))
         _say(f"wrote {json_path}")
     print(f"{environment()['gpu']}, torch {torch.__version__}")
-    print(table(results))
+    print(table([r.to_dict() for r in results]))
     return 0 if all(all(r.equal.values()) for r in results) else 1
 
 
