@@ -94,6 +94,9 @@ class _Graphed:
     """Any forward callable captured once and replayed (warm-up first, outside the capture)."""
 
     def __init__(self, fn, pool) -> None:
+        # the graph holds raw pointers into whatever fn's owner allocated (the hand ring's
+        # slots): keep the owner alive as long as the graph, or replays touch freed memory
+        self.fn = fn
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
