@@ -219,10 +219,11 @@ def decoder_block(residual: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor,
     """
     x = _rms(residual, norms[0])
     tokens, width = x.shape
-    q, k, v = (x @ qkv.T).view(tokens, 3, heads, width // heads).unbind(1)
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    residual = attn.transpose(0, 1).reshape(tokens, width) @ o.T + residual
+    # [1, heads, tokens, head_dim]: 4-D inputs take the flash kernel (3-D falls back to math,
+    # which materialises a tokens x tokens matrix per head)
+    q, k, v = (x @ qkv.T).view(1, tokens, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    residual = attn[0].transpose(0, 1).reshape(tokens, width) @ o.T + residual
     x = _rms(residual, norms[1])
     gate, up = (x @ gate_up.T).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up) @ down.T, residual
