@@ -2,6 +2,8 @@
 (vLLM itself cannot be installed on the GPU machine): weights streamed from pinned host memory
 on a side stream, eagerly and inside an outer CUDA graph capture like vLLM's graph wrapper."""
 
+import gc
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def layer_bytes(layer):
 def test_eager_streaming_is_bit_identical_and_frees_the_offloaded_weights(offload, depth):
     layers, inputs, want = model()
     per_layer = layer_bytes(layers[0])
+    gc.collect()  # an earlier test's streamed model is cyclic garbage (layer <-> its wrapper)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     ws = WeightStreamer(layers, offload, depth=depth, workspace_bytes=4 << 30, poison=True)
