@@ -113,3 +113,12 @@ def test_streaming_under_torch_compile_keeps_the_layer_order():
     for _ in range(2):
         assert torch.allclose(compiled(x), want, atol=1e-5, rtol=1e-5)
     assert ws.stepper.forwards == 2
+
+
+def test_close_unhooks_the_layers_and_frees_the_ring():
+    layers = stack(3)
+    ws = WeightStreamer(layers, [1, 2], depth=1, workspace_bytes=1 << 22)
+    assert "forward" in layers[1].__dict__
+    ws.close()
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert ws.pool.storage.numel() == 0

@@ -198,7 +198,8 @@ class WeightStreamer:
 
     def _wrap(self, index: int, layer: nn.Module) -> None:
         original = layer.forward
-        self._originals[index] = original
+        # remember an instance-level forward (someone else's wrapper) to put it back on close
+        self._originals[index] = layer.__dict__.get("forward")
         handle = self.handle
 
         def forward(*args, **kwargs):
@@ -227,7 +228,10 @@ class WeightStreamer:
     def close(self) -> None:
         """Unhook the layers and free the ring (host-syncs). The offloaded layers stop working."""
         for index, original in self._originals.items():
-            self.layers[index].forward = original
+            if original is None:
+                del self.layers[index].forward  # back to the class's forward: no cycle left
+            else:
+                self.layers[index].forward = original
         self._originals.clear()
         ops.unregister_stepper(self.handle)
         self.pool.close()
