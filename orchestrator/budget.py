@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ringflow.errors import ProfileError
 
 MIB = 1 << 20
+MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,17 @@ class PoolLayout:
         Raises:
             ProfileError: the budget holds not even one slot (the synchronous path needs one).
         """
-        if slot_bytes <= 0:
-            raise ProfileError("slot.shape", f"a slot must hold at least one byte, got {slot_bytes}")
-        if depth < 0:
-            raise ProfileError("depth", f"expected an integer >= 0, got {depth}")
+        if not isinstance(lane, str) or not lane:
+            raise ProfileError("lane", f"expected a non-empty name, got {lane!r}")
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
+            raise ProfileError("slot.shape", f"a slot must hold at least one byte, got {slot_bytes!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ProfileError("depth", f"expected an integer >= 0, got {depth!r}")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) \
+                or not math.isfinite(budget_bytes) or budget_bytes <= 0:
+            raise ProfileError("workspace_mib", f"expected a positive budget in bytes, got "
+                               f"{budget_bytes!r}")
+        budget_bytes = int(budget_bytes)
         fitting = budget_bytes // slot_bytes
         if fitting < 1:
             raise ProfileError(

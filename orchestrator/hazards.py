@@ -11,11 +11,18 @@ It reads only the Dag (see Note [Issue order and edges] in dag.py) and checks:
   lanes share a pool;
 * ``unjoined``: every side-stream node happens-before the compute stream's last node;
 * ``isolated``: every side-stream node happens-after the start of the forward on the compute
-  stream, so it never waits on work issued before the forward (or before a capture began).
+  stream, so it never waits on work issued before the forward (or before a capture began);
+* ``cross-lane``: a wait never binds to another lane's record (lanes are independent: two
+  micro-batches or a target and a draft model must not serialise on each other's gathers);
+* ``serialized``: the overlap the plan promises is there. A compute never waits for a later
+  layer's gather of its lane, and a prefetching gather depends on no compute of its lane later
+  than the reader of its slot's previous lease (none for the first ring-full): no edge forces
+  gather l+1 after compute l except the planned slot reuse.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,6 +53,8 @@ def check_hazards(dag: Dag) -> Dag:
     _check_leases(dag, leases)
     _check_slot_reuse(dag, leases)
     _check_fork_join(dag)
+    _check_lanes(dag)
+    _check_overlap(dag, leases)
     return dag
 
 
@@ -200,3 +209,70 @@ def _check_fork_join(dag: Dag) -> None:
                 f"forward ends",
                 [node.id, last.id],
             )
+
+
+def _check_lanes(dag: Dag) -> None:
+    for node, preds in zip(dag.nodes, dag.predecessors):
+        for src, kind in preds:
+            if kind == "event" and dag.nodes[src].lane != node.lane:
+                raise HazardError(
+                    "cross-lane",
+                    f"{node.label} of lane '{node.lane}' waits on {dag.nodes[src].label} of lane "
+                    f"'{dag.nodes[src].lane}'; lanes must not wait on each other's events",
+                    [src, node.id])
+
+
+def _prefix_max(dag: Dag, kind: NodeKind) -> dict[tuple[str, str], tuple[list[int], list[int]]]:
+    """Per (stream, lane): the stream positions of ``kind`` nodes, and for each the id of the
+    largest-layer node of that kind up to it (so a vector clock finds it with one bisect)."""
+    table: dict[tuple[str, str], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for node in dag.nodes:
+        if node.kind is kind:
+            positions, best = table[(node.stream, node.lane)]
+            keep = best and dag.nodes[best[-1]].layer >= node.layer
+            positions.append(dag.positions[node.id])
+            best.append(best[-1] if keep else node.id)
+    return table
+
+
+def _latest(dag: Dag, table, stream: str, lane: str, upto: int) -> Node | None:
+    entry = table.get((stream, lane))
+    if entry is None:
+        return None
+    i = bisect.bisect_right(entry[0], upto) - 1
+    return dag.nodes[entry[1][i]] if i >= 0 else None
+
+
+def _check_overlap(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
+    gathers = _prefix_max(dag, NodeKind.GATHER)
+    computes = _prefix_max(dag, NodeKind.COMPUTE)
+    slots = {p.lane: p.slots for p in dag.pools}
+    previous: dict[tuple[str, int], int | None] = {}
+    for lane, ring in slots.items():
+        order = sorted(layer for (ln, layer) in leases if ln == lane)
+        for i, layer in enumerate(order):
+            previous[(lane, layer)] = order[i - ring] if i >= ring else None
+    for node in dag.nodes:
+        if node.kind not in (NodeKind.COMPUTE, NodeKind.GATHER):
+            continue
+        for s, stream in enumerate(dag.streams):
+            upto = dag.clocks[node.id][s]
+            if node.kind is NodeKind.COMPUTE:
+                late = _latest(dag, gathers, stream, node.lane, upto)
+                if late is not None and late.layer > node.layer:
+                    raise HazardError(
+                        "serialized",
+                        f"{node.label} waits for {late.label} of a later layer: the prefetch of "
+                        f"layer {late.layer} no longer overlaps layer {node.layer}",
+                        [late.id, node.id])
+            else:
+                allowed = previous.get((node.lane, node.layer))
+                reader = _latest(dag, computes, stream, node.lane, upto)
+                if reader is not None and (allowed is None or reader.layer > allowed):
+                    what = (f"the reader of its slot's previous lease (layer {allowed})"
+                            if allowed is not None else "the start of the forward")
+                    raise HazardError(
+                        "serialized",
+                        f"{node.label} waits for {reader.label}, later than {what}: it could "
+                        f"start earlier and overlap more",
+                        [reader.id, node.id])

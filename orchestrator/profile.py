@@ -17,21 +17,20 @@ from typing import Any
 import yaml
 
 from ringflow.errors import ProfileError
-from ringflow.orchestrator.budget import MIB, PoolLayout
+from ringflow.orchestrator.budget import MAX_SLOT_BYTES, MIB, PoolLayout
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 CAPTURE_POLICIES = ("join", "sync", "error")
 GATHER_PRIORITIES = ("normal", "high")
 GATHER_KINDS = ("h2d", "index", "paged")
 COMPUTE_KINDS = ("attention", "decoder")
-MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
-MAX_LAYERS = 100_000
+MAX_LAYERS = 8192  # deeper than any model; keeps every plan small enough to check in a second
 _LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 #: field -> (meaning, accepted values, default or None when required)
 FIELDS: dict[str, tuple[str, str, Any]] = {
     "name": ("label carried into dumps and tables", "a non-empty string", "<file stem>"),
-    "layers": ("layers in one forward pass", "an integer in 1..100000", None),
+    "layers": ("layers in one forward pass", "an integer in 1..8192", None),
     "depth": ("prefetch lookahead in layers; the ring holds depth + 1 slots; 0 = synchronous",
               "an integer >= 0", None),
     "workspace_mib": ("device budget of each lane's slot ring, in MiB; depth is reduced to fit",

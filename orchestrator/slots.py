@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 
-from ringflow.errors import LeaseError, SlotPoolExhausted
-from ringflow.orchestrator.budget import PoolLayout
+from ringflow.errors import LeaseError, ProfileError, SlotPoolExhausted
+from ringflow.orchestrator.budget import MAX_SLOT_BYTES, PoolLayout
 
 log = logging.getLogger("ringflow")
 
@@ -102,9 +103,29 @@ class Lease:
         self.pool._give_back(self)
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64, "uint8": torch.uint8}
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-            "float64": torch.float64, "uint8": torch.uint8}[name]
+    return _DTYPES[name]
+
+
+def _dtype(dtype: object) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ProfileError("slot.dtype", f"got {dtype!r}; accepted: a torch.dtype or one of "
+                       f"{', '.join(_DTYPES)}")
+
+
+def _shape(shape: object) -> tuple[int, ...]:
+    dims = tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else None
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+        raise ProfileError("slot.shape", f"got {shape!r}; accepted: a non-empty sequence of "
+                           f"integers >= 1")
+    return dims
 
 
 class SlotPool:
@@ -125,9 +146,12 @@ class SlotPool:
 
     def __init__(self, lane: str, slot_shape: Sequence[int], dtype: torch.dtype | str, *,
                  depth: int, workspace_bytes: int, device: torch.device | str = "cpu") -> None:
-        self.dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-        self.slot_shape = tuple(int(d) for d in slot_shape)
-        slot_bytes = torch.Size(self.slot_shape).numel() * self.dtype.itemsize
+        self.dtype = _dtype(dtype)
+        self.slot_shape = _shape(slot_shape)
+        slot_bytes = math.prod(self.slot_shape) * self.dtype.itemsize
+        if slot_bytes > MAX_SLOT_BYTES:
+            raise ProfileError("slot.shape", f"one slot of {slot_bytes:,} bytes exceeds the "
+                               f"{MAX_SLOT_BYTES:,}-byte limit; accepted: a smaller shape")
         self.layout = PoolLayout.fit(lane, slot_bytes, depth, workspace_bytes)
         if self.layout.reduced:
             log.warning("%s", self.layout.arithmetic())

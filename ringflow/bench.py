@@ -18,10 +18,12 @@ table is printed last.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,7 +179,33 @@ def _allocations() -> int:
 
 def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str | None = None,
                 timeline_dir: Path | None = None) -> Result:
-    """Measure one scenario (see the module docstring)."""
+    """Measure one scenario (see the module docstring).
+
+    Interrupted (Ctrl-C, an error), it leaves no device or pinned memory behind: the frames of
+    the measurement hold the graphs, slots and pinned sources, so they are cleared before the
+    exception travels on.
+    """
+    try:
+        return _measure(name, profile, replays=replays, priority=priority,
+                        timeline_dir=timeline_dir)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        release_memory()
+        raise
+
+
+def release_memory() -> None:
+    """Return cached device and pinned host memory once nothing refers to it any more."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host_cache is not None:
+        empty_host_cache()
+
+
+def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
+             timeline_dir: Path | None) -> Result:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

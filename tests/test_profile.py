@@ -93,9 +93,9 @@ def test_a_missing_field_is_named(field):
 
 
 @pytest.mark.parametrize("key,value,accepted", [
-    ("layers", "4", "1..100000"),
-    ("layers", True, "1..100000"),
-    ("layers", 0, "1..100000"),
+    ("layers", "4", "1..8192"),
+    ("layers", True, "1..8192"),
+    ("layers", 0, "1..8192"),
     ("depth", -1, ">= 0"),
     ("depth", 1.5, ">= 0"),
     ("workspace_mib", "big", "> 0"),

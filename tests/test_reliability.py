@@ -1,0 +1,166 @@
+"""Adversarial schedules, mutated plans and fuzzed input: ringflow never lets a read see the
+wrong write, never lets a broken plan through, and answers bad input with a typed error."""
+
+import dataclasses
+import os
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringflow import (Dag, HazardError, NodeKind, Planner, PlanError, Profile, ProfileError,
+                      RingflowError, SlotPool, check_hazards)
+from ringflow.orchestrator.budget import PoolLayout
+from ringflow.simulator import simulate
+
+PLANS = int(os.environ.get("RINGFLOW_PLANS", "10000"))
+
+
+@st.composite
+def plans(draw):
+    layers = draw(st.integers(1, 20))
+    lanes = draw(st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=3, unique=True))
+    pools = [PoolLayout.fit(lane, 64, draw(st.integers(0, 4)), 64 * 5) for lane in lanes]
+    gathered = draw(st.one_of(st.none(), st.sets(st.integers(0, layers - 1))))
+    candidates = sorted(set(range(layers)) if gathered is None else gathered)
+    ineligible = draw(st.sets(st.sampled_from(candidates))) if candidates else set()
+    policy = draw(st.sampled_from(["join", "sync", "error"]))
+    return Planner(layers, pools, gathered=gathered, ineligible=ineligible).plan(), policy
+
+
+@settings(max_examples=PLANS, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans(), st.integers(0, 2**32 - 1))
+def test_every_read_sees_the_write_the_plan_intends_in_any_legal_interleaving(plan, seed):
+    dag, policy = plan
+    # "sync" runs the SyncExecutor path (one stream); "join" and "error" run the streams
+    result = simulate(dag, forwards=2, seed=seed, linearize=policy == "sync")
+    assert not result.wrong_reads, result.wrong_reads[:3]
+    assert len(result.reads) == 2 * sum(1 for n in dag.nodes
+                                        if n.kind is NodeKind.COMPUTE and n.slot is not None)
+
+
+def _rebuild(dag, nodes):
+    nodes = [dataclasses.replace(n, id=i) for i, n in enumerate(nodes)]
+    return Dag(dag.name, dag.layers, dag.pools, tuple(nodes))
+
+
+def mutants(dag):
+    """Every single-edge mutation: drop a wait or a record, or point it at another event."""
+    records = [n for n in dag.nodes if n.kind is NodeKind.RECORD]
+    events = sorted({(n.event, n.role) for n in records})
+    for node in dag.nodes:
+        if node.kind not in (NodeKind.WAIT, NodeKind.RECORD):
+            continue
+        yield f"drop {node.label}", _rebuild(dag, [n for n in dag.nodes if n.id != node.id])
+        for event, role in events:
+            if event != node.event:
+                changed = dataclasses.replace(node, event=event, role=role)
+                yield (f"re-point {node.label} to {event}",
+                       _rebuild(dag, [changed if n.id == node.id else n for n in dag.nodes]))
+
+
+def killed(mutant):
+    try:
+        check_hazards(mutant)
+    except HazardError:
+        return True
+    return any(simulate(mutant, forwards=2, seed=s).wrong_reads for s in range(12))
+
+
+MUTATION_PLANS = [
+    dict(layers=5, depths=[1]),
+    dict(layers=7, depths=[2]),
+    dict(layers=6, depths=[1], ineligible=[2, 3]),
+    dict(layers=9, depths=[1], gathered=[2, 3, 6, 7]),
+    dict(layers=6, depths=[1, 2]),
+    dict(layers=4, depths=[0, 1]),
+    dict(layers=8, depths=[3], ineligible=[4], gathered=[0, 1, 3, 4, 5, 7]),
+]
+
+
+def test_every_single_edge_mutation_is_caught():
+    total = caught = 0
+    survivors = []
+    for spec in MUTATION_PLANS:
+        pools = [PoolLayout.fit(f"l{i}", 64, d, 64 * 8) for i, d in enumerate(spec["depths"])]
+        dag = Planner(spec["layers"], pools, gathered=spec.get("gathered"),
+                      ineligible=spec.get("ineligible", ())).plan()
+        for name, mutant in mutants(dag):
+            total += 1
+            if killed(mutant):
+                caught += 1
+            else:
+                survivors.append((spec, name))
+    print(f"mutation kill rate: {caught}/{total} = {100 * caught / total:.1f}%")
+    assert total > 500 and not survivors, survivors[:5]
+
+
+# -- fuzzing the inputs ---------------------------------------------------------------------
+
+KEYS = ["name", "layers", "depth", "workspace_mib", "slot", "lanes", "gathered_layers",
+        "ineligible", "capture", "gather_priority", "kv_token_bytes", "workload", "offload",
+        "deph", "extra"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(
+        ["shape", "dtype", "layers", "depth", "workspace_mib", "every", "last", "gather",
+         "queries", "zzz"]), inner, max_size=4)), max_leaves=12)
+good = {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": {"shape": [8, 8], "dtype": "float32"}}
+
+
+@settings(max_examples=1500, deadline=2000)
+@given(st.dictionaries(st.sampled_from(KEYS), values, max_size=6), st.booleans())
+def test_fuzzed_profiles_get_only_typed_errors_that_name_the_field(doc, start_good):
+    if start_good:
+        doc = {**good, **doc}
+    try:
+        text = yaml.safe_dump(doc)
+    except yaml.YAMLError:
+        return
+    try:
+        profile = Profile.from_yaml_text(text, source="fuzz.yaml")
+    except ProfileError as exc:
+        assert exc.field is not None or "fuzz.yaml:" in str(exc)
+        return
+    if profile.layers is not None:
+        try:
+            Planner.from_profile(profile).plan()
+        except RingflowError:
+            pass
+
+
+@settings(max_examples=300, deadline=2000)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_are_a_profile_error_or_a_profile(data):
+    try:
+        Profile.from_yaml_text(data, source="bytes.yaml")
+    except ProfileError:
+        pass
+
+
+@settings(max_examples=400, deadline=2000)
+@given(layers=scalars, depth=scalars, budget=scalars, shape=st.lists(scalars, max_size=3),
+       gathered=st.one_of(st.none(), st.lists(scalars, max_size=4)),
+       ineligible=st.lists(scalars, max_size=4))
+def test_the_public_api_answers_bad_arguments_with_typed_errors(layers, depth, budget, shape,
+                                                               gathered, ineligible):
+    try:
+        pool = SlotPool("kv", shape, "float32", depth=depth, workspace_bytes=budget)
+    except RingflowError:
+        pool = None
+    try:
+        Planner(layers, [pool.layout] if pool else [PoolLayout.fit("kv", 4, 1, 64)],
+                gathered=gathered, ineligible=ineligible).plan()
+    except RingflowError:
+        pass
+
+
+def test_empty_and_duplicate_layer_sets_are_refused_with_the_field_named():
+    with pytest.raises(ProfileError, match="offload.layers': is empty"):
+        Profile.from_mapping({"offload": {"layers": [], "workspace_mib": 1}})
+    with pytest.raises(ProfileError, match="field 'ineligible': layer 1 is listed twice"):
+        Profile.from_mapping({**good, "ineligible": [1, 1]})
+    with pytest.raises(PlanError, match="ineligible must hold layer indices"):
+        Planner(3, [PoolLayout.fit("kv", 4, 1, 64)], ineligible=[7]).plan()
