@@ -13,6 +13,7 @@ from ringflow.errors import ProfileError
 
 MIB = 1 << 20
 MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
+MAX_LAYERS = 8192  # deeper than any model; keeps every plan small enough to check in a second
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ringflow.errors import PlanError
-from ringflow.orchestrator.budget import PoolLayout
+from ringflow.orchestrator.budget import MAX_LAYERS, PoolLayout
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, EventRole, Node, NodeKind, gather_stream
 from ringflow.orchestrator.hazards import check_hazards
 
@@ -91,8 +91,8 @@ class Planner:
         ineligible: Iterable[int] = (),
         name: str = "plan",
     ) -> None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise PlanError(f"layers must be an integer >= 1, got {layers!r}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+            raise PlanError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}")
         if not pools:
             raise PlanError("a plan needs at least one lane (one PoolLayout)")
         self.layers = layers

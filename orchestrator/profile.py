@@ -17,14 +17,13 @@ from typing import Any
 import yaml
 
 from ringflow.errors import ProfileError
-from ringflow.orchestrator.budget import MAX_SLOT_BYTES, MIB, PoolLayout
+from ringflow.orchestrator.budget import MAX_LAYERS, MAX_SLOT_BYTES, MIB, PoolLayout
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 CAPTURE_POLICIES = ("join", "sync", "error")
 GATHER_PRIORITIES = ("normal", "high")
 GATHER_KINDS = ("h2d", "index", "paged")
 COMPUTE_KINDS = ("attention", "decoder")
-MAX_LAYERS = 8192  # deeper than any model; keeps every plan small enough to check in a second
 _LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 #: field -> (meaning, accepted values, default or None when required)
