@@ -198,6 +198,11 @@ def release_memory() -> None:
     """Return cached device and pinned host memory once nothing refers to it any more."""
     gc.collect()
     torch.cuda.synchronize()
+    # cuBLAS keeps a 32 MiB workspace per stream it ran on, for the life of the process; the
+    # bench's capture and warm-up streams are gone, so their workspaces go too
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
     torch.cuda.empty_cache()
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
     if empty_host_cache is not None:
