@@ -195,14 +195,14 @@ def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str
 
 
 def release_memory() -> None:
-    """Return cached device and pinned host memory once nothing refers to it any more."""
+    """Return cached device and pinned host memory once nothing refers to it any more.
+
+    .. note::
+        cuBLAS's per-stream workspaces (32 MiB each, kept by torch for the process) are not
+        released here: a live CUDA graph captured on such a stream may still use its workspace.
+    """
     gc.collect()
     torch.cuda.synchronize()
-    # cuBLAS keeps a 32 MiB workspace per stream it ran on, for the life of the process; the
-    # bench's capture and warm-up streams are gone, so their workspaces go too
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
     torch.cuda.empty_cache()
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
     if empty_host_cache is not None:

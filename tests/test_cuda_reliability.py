@@ -22,9 +22,9 @@ def test_ten_thousand_replays_keep_memory_flat_and_outputs_identical():
     sync = SyncExecutor(dag, pools, work.gather, work.compute)
     captured = CapturedExecutor(dag, pools, work.gather, work.compute, poison=True)
     captured.run()
-    sync.run()  # cuBLAS makes its per-stream workspace on first use: not part of the soak
-    bench.release_memory()  # earlier tests' models must not be collected mid-soak
-    sync.run()
+    sync.run()  # cuBLAS makes its default-stream workspace on first use: not part of the soak
+    gc.collect()  # earlier tests' models must not be collected mid-soak
+    torch.cuda.synchronize()
     start = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
     compared = 0
     for i in range(10_000):
@@ -50,6 +50,7 @@ def test_an_interrupted_benchmark_leaves_no_device_or_pinned_memory(monkeypatch)
     profile = Profile.load("demo").replace(slot={"shape": [4096, 1024], "dtype": "bfloat16"},
                                            workspace_mib=64)
     bench.release_memory()
+    torch._C._cuda_clearCublasWorkspaces()  # nothing captured is alive between tests
     before = torch.cuda.memory_allocated()
     pinned_before = pinned_bytes()
 
@@ -60,6 +61,10 @@ def test_an_interrupted_benchmark_leaves_no_device_or_pinned_memory(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         bench.run_profile("interrupted", profile, replays=2)
     gc.collect()
+    # torch keeps a cuBLAS workspace per stream a GEMM ran on; every graph of the bench is gone
+    # by now, so dropping them here is safe and leaves only what ringflow might have leaked
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() == before
     assert pinned_bytes() == pinned_before
 
