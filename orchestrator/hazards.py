@@ -42,11 +42,13 @@ class _LeaseNodes:
 
 
 def check_hazards(dag: Dag) -> Dag:
-    """Prove ``dag`` safe; return it unchanged.
+    """Prove ``dag`` safe; return it unchanged. A Dag proven once is not checked again.
 
     Raises:
         HazardError: naming the hazard kind and the offending node ids.
     """
+    if dag.__dict__.get("_proven"):
+        return dag
     _check_waits(dag)
     _check_pools(dag)
     leases = _collect_leases(dag)
@@ -55,6 +57,7 @@ def check_hazards(dag: Dag) -> Dag:
     _check_fork_join(dag)
     _check_lanes(dag)
     _check_overlap(dag, leases)
+    dag.__dict__["_proven"] = True  # a frozen Dag cannot change after its proof
     return dag
 
 

@@ -17,3 +17,30 @@ def pytest_collection_modifyitems(config, items):
 def _one_cpu_thread():
     # The tensors here are tiny; several OpenMP threads on a small CI machine only contend.
     torch.set_num_threads(1)
+
+
+class NvtxRecorder:
+    """Stands in for the NVTX backend: records the range names pushed, in order."""
+
+    def __init__(self):
+        self.pushed = []
+        self.events = []
+
+    def handle(self, message):
+        return message
+
+    def push(self, handle):
+        self.pushed.append(handle)
+        self.events.append(("push", handle))
+
+    def pop(self):
+        self.events.append(("pop", None))
+
+
+@pytest.fixture
+def nvtx_recorder(monkeypatch):
+    from ringflow.graphs import nvtx_ranges
+
+    recorder = NvtxRecorder()
+    monkeypatch.setattr(nvtx_ranges, "backend", recorder)
+    return recorder

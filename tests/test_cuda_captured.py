@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ringflow import (CaptureError, EagerExecutor, Planner, Profile, SlotPool, SyncExecutor)
-from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.graphs.graph_view import read_graph, write_dot
 from ringflow.testing import TracingWorkload
@@ -195,30 +194,17 @@ def test_a_capture_that_fails_midway_falls_back_per_policy(policy, caplog):
         trace.check()
 
 
-def test_nvtx_ranges_appear_at_capture_and_replay_gets_one_named_range(monkeypatch):
-    pushed = []
-
-    class Recorder:
-        def handle(self, message):
-            return message
-
-        def push(self, h):
-            pushed.append(h)
-
-        def pop(self):
-            pass
-
-    monkeypatch.setattr(nvtx_ranges, "backend", Recorder())
+def test_nvtx_ranges_appear_at_capture_and_replay_gets_one_named_range(nvtx_recorder):
     pool = SlotPool("kv", (64,), torch.float32, depth=1, workspace_bytes=1 << 12, device="cuda")
     dag = Planner(3, [pool.layout]).plan()
     trace = TracingWorkload(["kv"], 3, (64,), "cuda")
     ex = CapturedExecutor(dag, [pool], trace.gather, trace.compute, warmup=0)
     ex.capture(bucket=128)
-    assert pushed == [n.nvtx_name for n in dag.nodes]
-    pushed.clear()
+    assert nvtx_recorder.pushed == [n.nvtx_name for n in dag.nodes]
+    nvtx_recorder.pushed.clear()
     ex.run(128)
     ex.run(128)
-    assert pushed == ["ringflow/replay/128", "ringflow/replay/128"]
+    assert nvtx_recorder.pushed == ["ringflow/replay/128", "ringflow/replay/128"]
 
 
 def test_plan_cli_writes_the_real_cuda_graph_dot(tmp_path):

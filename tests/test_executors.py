@@ -5,7 +5,6 @@ import torch
 
 from ringflow import (EagerExecutor, ExecutorError, LeaseError, Planner, Profile, SlotPool,
                       SyncExecutor)
-from ringflow.graphs import nvtx_ranges
 from ringflow.testing import TracingWorkload
 from ringflow.workload import SyntheticWorkload
 
@@ -122,20 +121,8 @@ def test_eager_executor_refuses_cpu_pools_with_a_pointer_to_sync():
         EagerExecutor(dag, [pool], lambda *a: None, lambda *a: None)
 
 
-def test_every_node_runs_inside_its_nvtx_range(monkeypatch):
-    events = []
-
-    class Recorder:
-        def handle(self, message):
-            return message
-
-        def push(self, h):
-            events.append(("push", h))
-
-        def pop(self):
-            events.append(("pop", None))
-
-    monkeypatch.setattr(nvtx_ranges, "backend", Recorder())
+def test_every_node_runs_inside_its_nvtx_range(nvtx_recorder):
+    events = nvtx_recorder.events
     pool = SlotPool("kv", (4,), torch.float32, depth=1, workspace_bytes=1 << 10)
     dag = Planner(3, [pool.layout]).plan()
     trace = TracingWorkload(["kv"], 3)
@@ -145,8 +132,7 @@ def test_every_node_runs_inside_its_nvtx_range(monkeypatch):
         trace.gather(layer, lane, out)
 
     SyncExecutor(dag, [pool], gather, trace.compute).run()
-    pushed = [h for e, h in events if e == "push"]
-    assert pushed == [n.nvtx_name for n in dag.nodes]
+    assert nvtx_recorder.pushed == [n.nvtx_name for n in dag.nodes]
     assert sum(e == "pop" for e, _ in events) == len(dag.nodes)
     i = events.index(("gather", 0))
     assert events[i - 1] == ("push", "ringflow/kv/gather/L0") and events[i + 1][0] == "pop"
