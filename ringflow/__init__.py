@@ -15,6 +15,7 @@ from ringflow.errors import (
     RingflowError,
     SlotPoolExhausted,
 )
+from ringflow.graphs.captured import CapturedExecutor
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.orchestrator.budget import PoolLayout
@@ -28,7 +29,7 @@ from ringflow.orchestrator.slots import Lease, LeaseState, SlotPool
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "Dag", "EagerExecutor", "EventRole", "ExecutorError", "HazardError",
+    "CaptureError", "CapturedExecutor", "Dag", "EagerExecutor", "EventRole", "ExecutorError", "HazardError",
     "KernelError", "Lease", "LeaseError", "LeaseState", "Node", "NodeKind", "PlanError",
     "Planner", "PoolLayout", "Profile", "ProfileError", "RingflowError", "SlotPool",
     "SlotPoolExhausted", "SyncExecutor", "check_hazards", "from_json", "load_profile", "to_dot",
