@@ -102,10 +102,10 @@ class Planner:
         self.name = name
 
     @classmethod
-    def from_profile(cls, profile, *, layers: int | None = None) -> Planner:
+    def from_profile(cls, profile) -> Planner:
         """A planner for ``profile`` (a :class:`~ringflow.orchestrator.profile.Profile`)."""
         return cls(
-            profile.layers if layers is None else layers,
+            profile.layers,
             profile.pool_layouts(),
             gathered=None if profile.gathered_layers is None else sorted(profile.gathered_layers),
             ineligible=sorted(profile.ineligible),

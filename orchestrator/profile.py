@@ -369,9 +369,9 @@ class Profile:
         if token_bytes is not None:
             _int("kv_token_bytes", token_bytes, source, 1)
 
-        work_doc = _mapping("workload", doc.get("workload", {}) if doc.get("workload") is not None
-                            else {}, [k.split(".", 1)[1] for k in FIELDS if k.startswith("workload.")],
-                            source)
+        work_keys = [k.split(".", 1)[1] for k in FIELDS if k.startswith("workload.")]
+        work_doc = _mapping("workload", {} if doc.get("workload") is None else doc["workload"],
+                            work_keys, source)
         workload = Workload(
             gather=_choice("workload.gather", work_doc.get("gather", "h2d"), GATHER_KINDS, source),
             queries=_int("workload.queries", work_doc.get("queries", 8), source, 1, 1 << 20),

@@ -148,7 +148,7 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
         pool.close()
 
 
-def _time_forwards(executor, workload, forwards: int, cuda: bool) -> float:
+def _time_forwards(executor, forwards: int, cuda: bool) -> float:
     """Median milliseconds per forward."""
     import torch
 
@@ -202,7 +202,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         out = work.outputs()
         diff = max(float((out[k].float() - reference[k].float()).abs().max()) for k in out)
         same = all(torch.equal(out[k], reference[k]) for k in out)
-        ms = _time_forwards(ex, work, args.forwards, cuda)
+        ms = _time_forwards(ex, args.forwards, cuda)
         rows.append((ex.kind, str(device), ms, diff, same))
     for pool in pools:
         pool.close()
