@@ -95,8 +95,20 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     request = request.clamp_(max=lens.shape[0] - 1)
     pos = row - (ends[request] - lens[request])
     block = block_table.to(torch.int64)[request, (pos // block_size).clamp_(max=block_table.shape[1] - 1)]
-    flat = block * block_size + pos % block_size
-    flat = torch.where(valid, flat, torch.zeros_like(flat))
-    torch.index_select(cache.reshape(-1, *cache.shape[2:]), 0, flat, out=out)
+    block = torch.where(valid, block, torch.zeros_like(block))
+    offset = torch.where(valid, pos % block_size, torch.zeros_like(pos))
+    rows = _flat_rows(cache)
+    if rows is not None:
+        torch.index_select(rows, 0, block * block_size + offset, out=out)
+    else:  # a strided view of an engine's cache (e.g. K and V planes): index it in place
+        out.copy_(cache[block, offset])
     out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
     return out
+
+
+def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """``cache`` as ``[num_blocks * block_size, *row]`` without a copy, or None if impossible."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return None

@@ -32,3 +32,59 @@ def paged_gather_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: t
             out[row] = cache[block_table[r, t // block_size], t % block_size]
             row += 1
     return out
+
+
+def page_gather_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    block_size: int, capacity: int) -> torch.Tensor:
+    cache, block_table = cache.cpu(), block_table.cpu()
+    out = torch.zeros((capacity, *cache.shape[1:]), dtype=cache.dtype)
+    row = 0
+    for r, n in enumerate(seq_lens.tolist()):
+        for j in range(-(-n // block_size)):
+            out[row] = cache[block_table[r, j]]
+            row += 1
+    return out
+
+
+def dcp_owner(t: int, size: int, interleave: int) -> tuple[int, int]:
+    """(rank, local position) of token ``t`` under DCP (Note [DCP layout] in kv_gathers)."""
+    return (t // interleave) % size, (t // (interleave * size)) * interleave + t % interleave
+
+
+def dcp_shard_ref(full: list[torch.Tensor], size: int, interleave: int, block_size: int,
+                  blocks_per_request: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split per-request full KV rows into each rank's (paged cache, block table).
+
+    Each rank's block table is a different permutation, so a kernel that ignores it fails.
+    """
+    requests = len(full)
+    shards = []
+    for rank in range(size):
+        blocks = requests * blocks_per_request + 1
+        perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(rank))
+        table = perm[: requests * blocks_per_request].view(requests, blocks_per_request)
+        cache = torch.full((blocks, block_size, *full[0].shape[1:]), float("nan"),
+                           dtype=full[0].dtype)
+        for r, rows in enumerate(full):
+            for t in range(rows.shape[0]):
+                owner, p = dcp_owner(t, size, interleave)
+                if owner == rank:
+                    cache[table[r, p // block_size], p % block_size] = rows[t]
+        shards.append((cache, table))
+    return shards
+
+
+def dcp_all_gather_ref(shards, seq_lens: list[int], size: int, interleave: int,
+                       capacity: int) -> torch.Tensor:
+    """Sequence-order full KV from the ranks' caches, by plain loops."""
+    first = shards[0][0]
+    out = torch.zeros((capacity, *first.shape[2:]), dtype=first.dtype)
+    row = 0
+    for r, n in enumerate(seq_lens):
+        for t in range(n):
+            owner, p = dcp_owner(t, size, interleave)
+            cache, table = shards[owner]
+            block_size = cache.shape[1]
+            out[row] = cache[table[r, p // block_size], p % block_size]
+            row += 1
+    return out

@@ -1,0 +1,115 @@
+"""Full-KV gathers for attention: a request's pages, and a DCP group's interleaved shards.
+
+Both write into a slot and launch on the current stream with no host sync; every index is
+computed on the device from the lengths, so the launch sequence does not depend on them (one
+CUDA graph serves any lengths that fit the slot).
+
+Note [DCP layout]
+    Under decode context parallelism (DCP) of size N with interleave I, token t of a request is
+    stored on rank ``(t // I) % N`` at local position ``(t // (I * N)) * I + t % I``; each rank
+    keeps its tokens in its own paged cache (addressed by the block table) and its local length
+    is ``base + clip(len - base * N - rank * I, 0, I)`` with ``base = len // I // N * I``. This
+    is vLLM's layout (``get_dcp_local_seq_lens``). The all-gather packs each rank's local rows
+    into its part of a staging buffer, all-gathers the parts over a process group of its own,
+    and restores sequence order with one index gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringflow.errors import KernelError
+from ringflow.kernels.gathers import paged_gather
+
+
+# torch >= 2.12 names it all_gather_single and deprecates the old name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _packed(lens: torch.Tensor, units: torch.Tensor, capacity: int):
+    """For ``capacity`` packed positions: (request, index within request, valid)."""
+    ends = torch.cumsum(units, 0)
+    pos = torch.arange(capacity, device=lens.device)
+    request = torch.searchsorted(ends, pos, right=True)
+    valid = request < units.shape[0]
+    request = request.clamp_(max=max(units.shape[0] - 1, 0))
+    return request, pos - (ends[request] - units[request]), valid
+
+
+def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """Copy the pages holding each request's first ``seq_lens`` tokens into ``out``, packed.
+
+    For caches whose page interior is a backend's private layout (packed or transposed for a
+    kernel): ``cache`` is ``[num_blocks, *page]`` and pages are copied whole. Request r takes
+    ``ceil(seq_lens[r] / block_size)`` pages; pages past the last are zeroed.
+    """
+    if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        raise KernelError(f"block_table must be [requests, max_blocks] and seq_lens [requests], "
+                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    if cache.dtype != out.dtype or cache.shape[1:] != out.shape[1:]:
+        raise KernelError(f"cannot gather pages of {tuple(cache.shape)} {cache.dtype} into a "
+                          f"slot of {tuple(out.shape)} {out.dtype}")
+    if block_size < 1:
+        raise KernelError(f"block_size must be positive, got {block_size}")
+    lens = seq_lens.to(torch.int64)
+    pages = (lens + block_size - 1) // block_size
+    request, index, valid = _packed(lens, pages, out.shape[0])
+    block = block_table.to(torch.int64)[request, index.clamp_(max=block_table.shape[1] - 1)]
+    block = torch.where(valid, block, torch.zeros_like(block))
+    torch.index_select(cache, 0, block, out=out)
+    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
+    return out
+
+
+def dcp_local_lens(seq_lens: torch.Tensor, size: int, interleave: int = 1) -> torch.Tensor:
+    """``[requests, size]``: how many of each request's tokens each DCP rank holds."""
+    lens = seq_lens.to(torch.int64).unsqueeze(-1)
+    ranks = torch.arange(size, device=seq_lens.device)
+    base = lens // interleave // size * interleave
+    return base + (lens - base * size - ranks * interleave).clamp(min=0, max=interleave)
+
+
+def dcp_local_capacity(capacity: int, requests: int, size: int, interleave: int = 1) -> int:
+    """Rows one rank's part of the staging buffer needs for ``capacity`` tokens in all."""
+    return -(-capacity // size) + interleave * requests
+
+
+def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   out: torch.Tensor, staging: torch.Tensor, group, *,
+                   interleave: int = 1) -> torch.Tensor:
+    """The full KV of every request, in sequence order, from a DCP group's local caches.
+
+    Args:
+        cache: this rank's ``[num_blocks, block_size, *row]`` paged cache (its local tokens).
+        block_table: ``[requests, max_blocks]``, addressing local positions.
+        seq_lens: ``[requests]`` global token counts (identical on every rank).
+        out: ``[capacity, *row]``; requests are packed in order, the tail is zeroed.
+        staging: ``[size, local_capacity, *row]`` (see :func:`dcp_local_capacity`); it belongs
+            to the same slot as ``out``, so a ring never shares it between two gathers.
+        group: the gather lane's own process group (never the one the main stream uses).
+        interleave: vLLM's ``cp_kv_cache_interleave_size``.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if staging.dim() < 2 or staging.shape[0] != size or staging.shape[2:] != out.shape[1:]:
+        raise KernelError(f"staging must be [{size}, local_capacity, *row] for a group of "
+                          f"{size} and a slot of {tuple(out.shape)}, got {tuple(staging.shape)}")
+    if not staging.is_contiguous() or staging.dtype != out.dtype:
+        raise KernelError("staging must be contiguous and of the slot's dtype")
+    if interleave < 1:
+        raise KernelError(f"interleave must be positive, got {interleave}")
+    local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
+    paged_gather(cache, block_table, local[:, rank], staging[rank])
+    _all_gather(staging.view(-1, *staging.shape[2:]), staging[rank], group=group)
+
+    lens = seq_lens.to(torch.int64)
+    request, t, valid = _packed(lens, lens, out.shape[0])
+    owner = (t // interleave) % size
+    position = (t // (interleave * size)) * interleave + t % interleave
+    starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
+    source = owner * staging.shape[1] + starts[request, owner] + position
+    source = torch.where(valid, source, torch.zeros_like(source))
+    torch.index_select(staging.view(-1, *staging.shape[2:]), 0, source, out=out)
+    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
+    return out
