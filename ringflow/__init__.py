@@ -10,6 +10,7 @@ from ringflow.errors import (
     HazardError,
     KernelError,
     LeaseError,
+    LifecycleError,
     PlanError,
     ProfileError,
     RingflowError,
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "CapturedExecutor", "Dag", "EagerExecutor", "EventRole", "ExecutorError", "HazardError",
-    "KernelError", "Lease", "LeaseError", "LeaseState", "Node", "NodeKind", "PlanError",
+    "KernelError", "Lease", "LeaseError", "LifecycleError", "LeaseState", "Node", "NodeKind", "PlanError",
     "Planner", "PoolLayout", "Profile", "ProfileError", "RingflowError", "SlotPool",
     "SlotPoolExhausted", "SyncExecutor", "check_hazards", "from_json", "load_profile", "to_dot",
     "to_json", "to_text",

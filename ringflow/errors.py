@@ -70,3 +70,8 @@ class KernelError(RingflowError, ValueError):
 
 class ExecutorError(RingflowError):
     """An executor cannot run the given Dag here (wrong device, pools that do not match the plan)."""
+
+
+class LifecycleError(RingflowError):
+    """An engine event came in an order that would make a budget lie or a gather read stale
+    memory (a ring requested after the KV cache was sized)."""

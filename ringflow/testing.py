@@ -157,3 +157,92 @@ def spawn_group(world: int, fn, *args, backend: str = "gloo", rendezvous: str) -
     import torch.multiprocessing as mp
     mp.spawn(_group_entry, args=(world, f"file://{rendezvous}", backend, fn, args),
              nprocs=world, join=True)
+
+
+class PagedAttentionStack:
+    """A stack of attention layers over paged caches, the way an engine runs them.
+
+    Each step every request adds ``query_len`` tokens: per layer, the step's new KV rows are
+    written into the layer's cache (the KV update) and a single-head attention reads the
+    request's context KV plus its new rows (causal). With a :class:`KVPrefetcher` the context
+    KV comes from the prefetched slot (what a consuming backend would read); without one it is
+    gathered inline, which is the reference. All inputs live in fixed tensors updated in place,
+    so a step can be captured into a CUDA graph and replayed.
+    """
+
+    def __init__(self, layers: int, *, row: int = 64, block_size: int = 16, requests: int = 3,
+                 max_tokens_per_request: int = 96, query_len: int = 1, device="cpu",
+                 dtype=torch.float32, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.layers, self.row, self.block_size, self.requests = layers, row, block_size, requests
+        self.query_len, self.device, self.dtype = query_len, torch.device(device), dtype
+        per_request = -(-max_tokens_per_request // block_size)
+        blocks = requests * per_request + 2
+        self.caches = [torch.randn(blocks, block_size, row, generator=gen).to(device, dtype)
+                       for _ in range(layers)]
+        table = torch.randperm(blocks, generator=gen)[: requests * per_request]
+        self.block_table = table.view(requests, per_request).to(device, torch.int32)
+        self.context_lens = torch.zeros(requests, dtype=torch.int32, device=device)
+        tokens = requests * query_len
+        self.queries = torch.zeros(layers, tokens, row, dtype=dtype, device=device)
+        self.new_rows = torch.zeros(layers, tokens, row, dtype=dtype, device=device)
+        self.capacity = requests * max_tokens_per_request
+        self._token_request = torch.arange(requests, device=device).repeat_interleave(query_len)
+        self._token_offset = torch.arange(query_len, device=device).repeat(requests)
+
+    def start(self, context_lens: list[int]) -> None:
+        """Set each request's tokens already cached (the caches' random rows stand for them)."""
+        self.context_lens.copy_(torch.tensor(context_lens, dtype=torch.int32))
+
+    def refill(self, seed: int) -> None:
+        """Fresh queries and new KV rows for the next step, written in place."""
+        gen = torch.Generator().manual_seed(seed)
+        self.queries.copy_(torch.randn(self.queries.shape, generator=gen).to(self.dtype))
+        self.new_rows.copy_(torch.randn(self.new_rows.shape, generator=gen).to(self.dtype))
+
+    def advance(self) -> None:
+        self.context_lens.add_(self.query_len)
+
+    def source(self, layer: int):
+        from ringflow.integrations.vllm.kv_prefetch import KVSource
+        return KVSource(self.caches[layer], self.block_table, self.context_lens)
+
+    def step(self, prefetcher=None, outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over all layers; returns ``[layers, tokens, row]`` attention outputs."""
+        from ringflow.kernels import paged_gather
+        out = outputs if outputs is not None else torch.empty_like(self.queries)
+        for layer in range(self.layers):
+            if prefetcher is not None:
+                prefetcher.begin(layer, self.source)
+                context = prefetcher.gathered(layer)
+            else:
+                context = torch.empty(self.capacity, self.row, dtype=self.dtype,
+                                      device=self.device)
+                paged_gather(self.caches[layer], self.block_table, self.context_lens, context)
+            self._write_new_rows(layer)
+            out[layer] = self._attend(layer, context)
+            if prefetcher is not None:
+                prefetcher.end(layer)
+        return out
+
+    def _write_new_rows(self, layer: int) -> None:
+        pos = self.context_lens.to(torch.int64)[self._token_request] + self._token_offset
+        block = self.block_table.to(torch.int64)[self._token_request, pos // self.block_size]
+        flat = self.caches[layer].view(-1, self.row)
+        flat.index_copy_(0, block * self.block_size + pos % self.block_size, self.new_rows[layer])
+
+    def _attend(self, layer: int, context: torch.Tensor) -> torch.Tensor:
+        q, new = self.queries[layer].float(), self.new_rows[layer].float()
+        lens = self.context_lens.to(torch.int64)
+        ends = torch.cumsum(lens, 0)
+        rows = torch.arange(context.shape[0], device=self.device)
+        owner = torch.searchsorted(ends, rows, right=True)
+        ctx_mask = owner.unsqueeze(0) == self._token_request.unsqueeze(1)
+        same = self._token_request.unsqueeze(0) == self._token_request.unsqueeze(1)
+        causal = self._token_offset.unsqueeze(0) <= self._token_offset.unsqueeze(1)
+        scale = self.row ** -0.5
+        scores = torch.cat([(q @ context.float().T) * scale, (q @ new.T) * scale], dim=1)
+        mask = torch.cat([ctx_mask, same & causal], dim=1)
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=1)
+        values = torch.cat([context.float(), new], dim=0)
+        return (weights @ values).to(self.dtype)

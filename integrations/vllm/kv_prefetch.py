@@ -1,0 +1,349 @@
+"""KVPrefetcher: the full KV of layer l + d gathered into a ring slot while layer l computes.
+
+Independent of vLLM: an engine (through ringflow's attention hooks, or a test's layer loop)
+calls :meth:`KVPrefetcher.begin` before a layer's attention and :meth:`KVPrefetcher.end` after
+it, and says where each layer's KV lives through a *source* callable evaluated when the gather
+is issued. The plan, hazards, streams, capture policy and leases are the same machinery as
+every ringflow plan (Planner, EagerExecutor/SyncExecutor, LayerStepper).
+
+Note [What a gather reads]
+    A gather of layer j issued during layer l < j of the same step reads the tokens already in
+    j's cache: each request's *context* (its tokens minus the ones this step adds). The step's
+    own new tokens are written by j's KV update later, after j's wait for the gather, into rows
+    the gather does not read (rows layout) or into a page it already copied (pages layout: the
+    wait comes before the update, so the copy is not torn). So a slot holds exactly the context
+    KV of its layer, which is also what the verification mode checks.
+
+Note [Lifecycle]
+    The ring is allocated by the constructor, which the vLLM hooks call when the attention
+    implementation is built: before vLLM sizes the KV cache. Nothing is keyed on cache
+    tensors: sources are read at issue time. :meth:`retire` (called when the engine re-binds
+    or resizes its caches) hands back every lease of a step in flight after a host sync and
+    forgets the step, so no gather issued afterwards can touch a replaced cache and no slot of
+    the old step can be read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ringflow.errors import LifecycleError, ProfileError, RingflowError
+from ringflow.graphs.eager import EagerExecutor
+from ringflow.graphs.stepped import LayerStepper
+from ringflow.graphs.sync import SyncExecutor
+from ringflow.kernels import dcp_all_gather, dcp_local_capacity, page_gather, paged_gather
+from ringflow.kernels import reference as ref
+from ringflow.orchestrator.budget import MIB
+from ringflow.orchestrator.planner import Planner
+from ringflow.orchestrator.slots import SlotPool
+
+log = logging.getLogger("ringflow")
+LAYOUTS = ("rows", "pages")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a layer's cache is read.
+
+    ``rows``: the cache is viewed as ``[num_blocks, block_size, *unit]`` and gathered token by
+    token (MLA's latent rows; FlashAttention's K and V planes as a strided view). ``pages``: the
+    cache is ``[num_blocks, *unit]`` with a backend-private page interior, copied page by page.
+    """
+
+    kind: str
+    unit: tuple[int, ...]
+    dtype: torch.dtype
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            raise RingflowError(f"KV layout must be one of {LAYOUTS}, got {self.kind!r}")
+        if self.block_size < 1 or any(d < 1 for d in self.unit):
+            raise RingflowError(f"KV layout needs a positive block size and unit shape, got "
+                                f"{self.block_size} and {self.unit}")
+
+    def units(self, tokens: int, requests: int) -> int:
+        """Slot rows needed for ``tokens`` context tokens over at most ``requests`` requests."""
+        if self.kind == "rows":
+            return tokens
+        return -(-tokens // self.block_size) + requests
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where layer j's KV is, for the step in flight (all tensors on the slot's device).
+
+    ``cache`` is the rows or pages view of :class:`KVLayout`; ``context_lens`` holds each
+    request's tokens already in the cache; ``max_tokens`` is a host-side upper bound of their
+    sum (None when the engine cannot say without a sync).
+    """
+
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class DcpGroup:
+    """A DCP all-gather for the gather lane: its own process group, size and interleave."""
+
+    group: object
+    size: int
+    rank: int
+    interleave: int = 1
+
+
+@dataclass
+class Verification:
+    """What verification mode saw: slots checked, and the mismatches (layer, detail)."""
+
+    checked: int = 0
+    mismatches: list[tuple[int, str]] = field(default_factory=list)
+    skipped_capture: int = 0
+
+
+def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
+    """The engine's attention is the compute."""
+
+
+class KVPrefetcher:
+    """One lane's ring of full-KV slots and the plan that fills them one or more layers ahead.
+
+    Args:
+        layout: how each layer's cache is read (:class:`KVLayout`).
+        capacity_tokens: context tokens one slot holds (all requests of a step together).
+        max_requests: most requests in a step (pages layout and DCP staging need it).
+        depth: layers of lookahead; the ring holds ``depth + 1`` slots (reduced to fit).
+        workspace_bytes: device budget of the ring.
+        device: where the ring lives (a CUDA device runs eagerly on streams, a CPU synchronously).
+        dcp: all-gather across a DCP group instead of a local gather (rows layout only).
+        verify: compare each slot with its layer's cache before the attention reads it
+            (debug; host-syncs; skipped with one log line inside a CUDA graph capture).
+        capture, gather_priority, poison: as for every executor.
+
+    Raises:
+        ProfileError: a ring that cannot hold one slot.
+        RingflowError: DCP with a pages layout.
+    """
+
+    def __init__(self, layout: KVLayout, capacity_tokens: int, *, max_requests: int, depth: int,
+                 workspace_bytes: int, device: torch.device | str, dcp: DcpGroup | None = None,
+                 verify: bool = False, capture: str = "join", gather_priority: str = "normal",
+                 poison: bool = False, name: str = "kv", lane: str = "kv") -> None:
+        if capacity_tokens < 1 or max_requests < 1:
+            raise ProfileError("kv_prefetch.capacity_tokens", f"a slot must hold at least one "
+                               f"token of one request, got {capacity_tokens} tokens and "
+                               f"{max_requests} requests")
+        if dcp is not None and layout.kind != "rows":
+            raise RingflowError("a DCP all-gather restores token order and needs a rows layout; "
+                                "this backend's cache is paged opaquely")
+        self.layout, self.dcp, self.verify = layout, dcp, verify
+        self.capacity_tokens, self.max_requests = capacity_tokens, max_requests
+        self.name, self.lane, self.device = name, lane, torch.device(device)
+        self.capacity = layout.units(capacity_tokens, max_requests)
+        self.local_capacity = (dcp_local_capacity(capacity_tokens, max_requests, dcp.size,
+                                                  dcp.interleave) if dcp else 0)
+        rows = self.capacity + (dcp.size * self.local_capacity if dcp else 0)
+        slot_bytes = rows * torch.Size(layout.unit).numel() * layout.dtype.itemsize
+        try:
+            self.pool = SlotPool(lane, (rows, *layout.unit), layout.dtype, depth=depth,
+                                 workspace_bytes=workspace_bytes, device=self.device)
+        except ProfileError:
+            raise ProfileError(
+                "kv_prefetch.workspace_mib",
+                f"a ring of {workspace_bytes / MIB:.2f} MiB is smaller than one full-KV slot "
+                f"({slot_bytes / MIB:.2f} MiB for {capacity_tokens:,} tokens); accepted: at "
+                f"least {slot_bytes / MIB:.2f} MiB, or fewer capacity_tokens") from None
+        self._executor_options = dict(capture=capture, gather_priority=gather_priority)
+        self.poison = poison
+        self.layers = 0
+        self.stepper: LayerStepper | None = None
+        self.dag = None
+        self.verification = Verification()
+        self.steps = 0
+        self.skipped_steps = 0
+        self.retired = 0
+        self.orphan_layers = 0
+        self._sources: Callable[[int], KVSource] | None = None
+        self._step_ok = False
+        self._current = -1
+        #: called before each gather on the gather stream (tests inject a sleep kernel here)
+        self.gather_hook: Callable[[], None] | None = None
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.pool.reserved_bytes
+
+    def describe(self) -> str:
+        return (f"full-KV ring '{self.name}': {self.pool.slots} slot(s) x "
+                f"{self.pool.slot_bytes / MIB:.2f} MiB ({self.capacity_tokens:,} tokens, "
+                f"{self.layout.kind} layout{', DCP all-gather' if self.dcp else ''}), "
+                f"depth {self.pool.depth}")
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def plan(self, layers: int) -> None:
+        """Plan ``layers`` attention layers, every one gathered (host work only; no allocation)."""
+        if self.stepper is not None and self.layers == layers:
+            return
+        if self.stepper is not None and self.stepper.in_forward:
+            raise RingflowError(f"'{self.name}': cannot re-plan in the middle of a step")
+        self.layers = layers
+        self.dag = Planner(layers, [self.pool.layout], gathered=range(layers),
+                           name=self.name).plan()
+        if self.device.type == "cuda":
+            executor = EagerExecutor(self.dag, [self.pool], self._gather, _noop, poison=False,
+                                     **self._executor_options)
+        else:
+            executor = SyncExecutor(self.dag, [self.pool], self._gather, _noop, poison=False)
+        self.stepper = LayerStepper(executor, poison=self.poison)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def begin(self, layer: int, sources: Callable[[int], KVSource]) -> None:
+        """Before ``layer``'s attention (or its KV update, whichever comes first; idempotent).
+
+        Waits for the layer's gather on the current stream and issues the gathers the plan
+        puts before it. At the first layer of a step ``sources`` becomes the step's sources.
+        """
+        if self.stepper is None:
+            raise RingflowError(f"'{self.name}' has no plan; call plan(layers) first")
+        if layer == self._current and self.stepper.in_forward:
+            return
+        if not self.stepper.in_forward and layer != 0:
+            self.orphan_layers += 1  # the rest of a step that was retired: nothing to wait for
+            return
+        if layer == 0 or layer < self._current:
+            self._start_step(sources)
+        self.stepper.before(layer)
+        self._current = layer
+        if self.verify and self._step_ok:
+            self._verify(layer)
+
+    def end(self, layer: int) -> None:
+        """After ``layer``'s attention: its slot retires and the gathers it frees are issued."""
+        if self.stepper is None or layer != self._current:
+            return  # a layer the step did not begin (no metadata, or after a retire)
+        self.stepper.after(layer)
+        if not self.stepper.in_forward:
+            self._current = -1
+            self._sources = None
+
+    def gathered(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s full context KV while its attention runs (None if not gathered).
+
+        Rows layout: ``[capacity, *row]`` with requests packed in order (request r's rows start
+        at the sum of the earlier context lengths); pages layout: the pages likewise.
+        """
+        if self.stepper is None or not self.stepper.in_forward or not self._step_ok:
+            return None
+        if layer != self._current:
+            return None
+        lease = self.stepper._path.lease(self.lane, layer)
+        return None if lease is None else lease.tensor[: self.capacity]
+
+    def retire(self, reason: str) -> None:
+        """Forget all per-step state; a step in flight hands its slots back (host sync)."""
+        if self.stepper is not None and self.stepper.in_forward:
+            self.stepper._reset(abandon=True)
+            log.info("'%s': %s; the step in flight was abandoned and its slots returned",
+                     self.name, reason)
+        self.pool.reclaim(sync=True)
+        self._sources, self._current, self._step_ok = None, -1, False
+        self.retired += 1
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _start_step(self, sources: Callable[[int], KVSource]) -> None:
+        self._sources = sources
+        self.steps += 1
+        bound = sources(0).max_tokens
+        self._step_ok = bound is None or bound <= self.capacity_tokens
+        if not self._step_ok:
+            self.skipped_steps += 1
+            if self.skipped_steps == 1 or self.skipped_steps % 1000 == 0:
+                log.warning("'%s': a step with up to %d context tokens does not fit a slot of "
+                            "%d; it runs without prefetched KV (%d such step(s) so far); raise "
+                            "kv_prefetch.capacity_tokens to cover it", self.name, bound,
+                            self.capacity_tokens, self.skipped_steps)
+
+    def _gather(self, layer: int, lane: str, slot: torch.Tensor) -> None:
+        if not self._step_ok:
+            return
+        if self.gather_hook is not None:
+            self.gather_hook()
+        source = self._sources(layer)
+        out = slot[: self.capacity]
+        if self.dcp is not None:
+            staging = slot[self.capacity:].view(self.dcp.size, self.local_capacity,
+                                                *self.layout.unit)
+            dcp_all_gather(source.cache, source.block_table, source.context_lens, out, staging,
+                           self.dcp.group, interleave=self.dcp.interleave)
+        elif self.layout.kind == "rows":
+            paged_gather(source.cache, source.block_table, source.context_lens, out)
+        else:
+            page_gather(source.cache, source.block_table, source.context_lens,
+                        self.layout.block_size, out)
+
+    def _verify(self, layer: int) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.verification.skipped_capture += 1
+            if self.verification.skipped_capture == 1:
+                log.info("'%s': verification skipped inside a CUDA graph capture (it reads "
+                         "back to the host)", self.name)
+            return
+        got = self.gathered(layer)
+        source = self._sources(layer)
+        if self.dcp is not None:
+            detail = _check_own_shard(got, source, self.dcp)
+        else:
+            if self.layout.kind == "rows":
+                want = ref.paged_gather_ref(source.cache, source.block_table,
+                                            source.context_lens, self.capacity)
+            else:
+                want = ref.page_gather_ref(source.cache, source.block_table, source.context_lens,
+                                           self.layout.block_size, self.capacity)
+            same = torch.equal(got.cpu(), want)
+            detail = None if same else _first_difference(got.cpu(), want)
+        self.verification.checked += 1
+        if detail is not None:
+            self.verification.mismatches.append((layer, detail))
+            log.error("'%s': verification: the slot of layer %d differs from its cache: %s",
+                      self.name, layer, detail)
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (got != want) & ~(torch.isnan(got) & torch.isnan(want)) if got.is_floating_point() \
+        else got != want
+    rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten()
+    return f"{len(rows)} row(s) differ, first at row {int(rows[0])}"
+
+
+def _check_own_shard(got: torch.Tensor, source: KVSource, dcp: DcpGroup) -> str | None:
+    """Under DCP a rank holds only its own tokens: check those rows of the gathered KV."""
+    cache, table = source.cache.cpu(), source.block_table.cpu()
+    got = got.cpu()
+    row, wrong = 0, 0
+    for r, n in enumerate(source.context_lens.tolist()):
+        for t in range(n):
+            owner, p = ref.dcp_owner(t, dcp.size, dcp.interleave)
+            if owner == dcp.rank:
+                block_size = cache.shape[1]
+                if not torch.equal(got[row + t], cache[table[r, p // block_size], p % block_size]):
+                    wrong += 1
+        row += n
+    return f"{wrong} own-shard row(s) differ" if wrong else None
+
+
+def check_not_after_kv(kv_sized: bool, name: str) -> None:
+    """Refuse to allocate a ring once the engine has sized its KV cache (the budget would lie)."""
+    if kv_sized:
+        raise LifecycleError(f"'{name}': a full-KV ring was requested after the KV cache was sized; "
+                         f"its bytes would come out of memory the cache already counted. Build "
+                         f"rings before KV sizing (ringflow's hooks do so when the attention "
+                         f"implementation is built)")

@@ -1,0 +1,209 @@
+"""KVPrefetcher on the CPU: slots equal their layer's context KV, outputs equal an engine that
+gathers inline, and the lifecycle bugs of hand-written rings (DESIGN.md) stay fixed."""
+
+import logging
+
+import pytest
+import torch
+
+from ringflow import LifecycleError, ProfileError, RingflowError, SlotPoolExhausted
+from ringflow.integrations.vllm.kv_prefetch import (KVLayout, KVPrefetcher, KVSource,
+                                                    check_not_after_kv)
+from ringflow.kernels import reference as ref
+from ringflow.testing import PagedAttentionStack
+
+MIB = 1 << 20
+
+
+def _prefetcher(stack, depth, *, verify=True, poison=True, capacity=None, mib=64):
+    layout = KVLayout("rows", (stack.row,), stack.dtype, stack.block_size)
+    pf = KVPrefetcher(layout, capacity or stack.capacity, max_requests=stack.requests,
+                      depth=depth, workspace_bytes=mib * MIB, device=stack.device,
+                      verify=verify, poison=poison, name="test-kv")
+    pf.plan(stack.layers)
+    return pf
+
+
+def _twin(seed=0, **kw):
+    return PagedAttentionStack(5, seed=seed, **kw), PagedAttentionStack(5, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_prefetched_steps_equal_inline_gathers_over_many_steps(depth, query_len):
+    ours, inline = _twin(query_len=query_len, max_tokens_per_request=64)
+    for s in (ours, inline):
+        s.start([3, 17, 0])   # different lengths, one request with no context yet
+    pf = _prefetcher(ours, depth)
+    for step in range(8):
+        for s in (ours, inline):
+            s.refill(step)
+        got, want = ours.step(pf), inline.step()
+        assert torch.equal(got, want), f"step {step}: outputs differ"
+        for s in (ours, inline):
+            s.advance()
+    assert pf.verification.checked == 8 * 5 and not pf.verification.mismatches
+    assert pf.pool.free_count == pf.pool.slots and pf.steps == 8
+
+
+def test_verification_catches_a_slot_that_differs_from_the_cache():
+    stack = PagedAttentionStack(3, seed=1)
+    stack.start([20, 5, 9])
+    pf = _prefetcher(stack, 1)
+    real = pf._gather
+
+    def late(layer, lane, slot):  # a gather that misses one row, like a torn copy
+        real(layer, lane, slot)
+        if layer == 2:
+            slot[4] += 1
+    pf.stepper.executor.gather = late
+    pf.stepper.executor._steps = [pf.stepper.executor._bind(n) for n in pf.dag.nodes]
+    stack.refill(0)
+    stack.step(pf)
+    assert [layer for layer, _ in pf.verification.mismatches] == [2]
+
+
+def test_pages_layout_gathers_whole_pages():
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn(12, 3, 8, 4, generator=gen) for _ in range(3)]  # opaque pages
+    table = torch.randperm(12, generator=gen)[:8].view(2, 4)
+    lens = torch.tensor([9, 30])
+    layout = KVLayout("pages", (3, 8, 4), torch.float32, block_size=8)
+    pf = KVPrefetcher(layout, 64, max_requests=2, depth=1, workspace_bytes=MIB, device="cpu",
+                      verify=True)
+    pf.plan(3)
+    seen = []
+    for layer in range(3):
+        pf.begin(layer, lambda j: KVSource(caches[j], table, lens, max_tokens=39))
+        seen.append(pf.gathered(layer).clone())
+        pf.end(layer)
+    for layer in range(3):
+        want = ref.page_gather_ref(caches[layer], table, lens, 8, pf.capacity)
+        assert torch.equal(seen[layer], want)
+    assert pf.verification.checked == 3 and not pf.verification.mismatches
+
+
+def test_kv_cache_replacement_mid_step_never_reads_the_old_cache():
+    """DESIGN.md: 'state keyed on freed tensors surviving a KV-cache replacement'."""
+    stack = PagedAttentionStack(4, seed=2)
+    stack.start([10, 30, 2])
+    pf = _prefetcher(stack, 2)
+    stack.refill(0)
+    pf.begin(0, stack.source)                     # gathers of layers 0..2 are in flight
+
+    # the engine replaces every cache (vLLM re-binds caches after memory profiling)
+    old = stack.caches
+    pf.retire("KV cache replaced")
+    stack.caches = [torch.randn_like(c) for c in old]
+    for c in old:
+        c.fill_(float("nan"))                     # freed memory: any read of it shows
+    assert pf.pool.free_count == pf.pool.slots    # the abandoned step's slots came back
+    assert pf.gathered(0) is None
+    for layer in range(1, 4):                     # the rest of the abandoned step: inert
+        pf.begin(layer, stack.source)
+        assert pf.gathered(layer) is None
+        pf.end(layer)
+    inline = PagedAttentionStack(4, seed=2)
+    inline.caches = [c.clone() for c in stack.caches]
+    inline.start([10, 30, 2])
+    for s in (stack, inline):
+        s.refill(1)
+    assert torch.equal(stack.step(pf), inline.step())
+    assert not pf.verification.mismatches and pf.retired == 1
+    assert not torch.isnan(stack.step(pf)).any()
+
+
+def test_a_ring_requested_after_kv_sizing_is_refused():
+    """DESIGN.md: 'buffers allocated lazily after the KV cache was sized'."""
+    check_not_after_kv(False, "kv")
+    with pytest.raises(LifecycleError, match="after the KV cache was sized"):
+        check_not_after_kv(True, "kv")
+
+
+def test_exhaustion_is_typed_and_hands_every_slot_back():
+    stack = PagedAttentionStack(4, seed=3)
+    stack.start([8, 8, 8])
+    pf = _prefetcher(stack, 1)
+    pf.pool.acquire(1)                       # someone holds the slot layer 1 needs
+    stack.refill(0)
+    with pytest.raises(SlotPoolExhausted):
+        stack.step(pf)
+    assert pf.pool.free_count == pf.pool.slots    # the failed step reclaimed the whole ring
+    inline = PagedAttentionStack(4, seed=3)
+    inline.start([8, 8, 8])
+    inline.caches = [c.clone() for c in stack.caches]
+    stack.refill(1)
+    inline.refill(1)
+    assert torch.equal(stack.step(pf), inline.step())
+
+
+def test_a_step_larger_than_a_slot_runs_without_prefetch_and_says_so(caplog):
+    stack = PagedAttentionStack(2, seed=4)
+    layout = KVLayout("rows", (stack.row,), stack.dtype, stack.block_size)
+    pf = KVPrefetcher(layout, 16, max_requests=3, depth=1, workspace_bytes=MIB, device="cpu")
+    pf.plan(2)
+    with caplog.at_level(logging.WARNING, "ringflow"):
+        pf.begin(0, lambda j: KVSource(stack.caches[j], stack.block_table,
+                                       torch.tensor([10, 10, 10]), max_tokens=30))
+    assert pf.gathered(0) is None and "does not fit a slot of 16" in caplog.text
+    pf.end(0)
+
+
+def test_per_instance_state_is_reset_for_every_instance():
+    """DESIGN.md: 'per-instance state reset only once per class'."""
+    stacks = [PagedAttentionStack(3, seed=s) for s in (5, 6)]
+    pfs = [_prefetcher(s, 1) for s in stacks]
+    for s, pf in zip(stacks, pfs):
+        s.start([4, 4, 4])
+        s.refill(0)
+        pf.begin(0, s.source)
+    for pf in pfs:
+        pf.retire("KV cache resized")
+    assert all(pf.pool.free_count == pf.pool.slots and pf.gathered(0) is None for pf in pfs)
+
+
+def test_bad_arguments_are_typed_errors():
+    layout = KVLayout("rows", (8,), torch.float32, 16)
+    with pytest.raises(ProfileError, match="kv_prefetch.workspace_mib"):
+        KVPrefetcher(layout, 1 << 20, max_requests=1, depth=1, workspace_bytes=1024,
+                     device="cpu")
+    with pytest.raises(ProfileError, match="capacity_tokens"):
+        KVPrefetcher(layout, 0, max_requests=1, depth=1, workspace_bytes=MIB, device="cpu")
+    with pytest.raises(RingflowError, match="layout"):
+        KVLayout("tiles", (8,), torch.float32, 16)
+    pf = KVPrefetcher(layout, 64, max_requests=1, depth=1, workspace_bytes=MIB, device="cpu")
+    with pytest.raises(RingflowError, match="no plan"):
+        pf.begin(0, lambda j: None)
+
+
+def _dcp_prefetch_rank(rank: int, world: int, depth: int) -> None:
+    """One DCP rank: a 3-layer step whose slots must hold every layer's full (global) KV."""
+    import torch.distributed as dist
+
+    from ringflow.integrations.vllm.kv_prefetch import DcpGroup
+    lens, row, block_size = [1, 6, 13], 8, 4
+    full, shards = [], []
+    for layer in range(3):
+        gen = torch.Generator().manual_seed(100 + layer)
+        rows = [torch.randn(n, row, generator=gen) for n in lens]
+        full.append(torch.cat(rows))
+        shards.append(ref.dcp_shard_ref(rows, world, 1, block_size, 4)[rank])
+    lane_group = dist.new_group(list(range(world)))
+    layout = KVLayout("rows", (row,), torch.float32, block_size)
+    pf = KVPrefetcher(layout, 32, max_requests=3, depth=depth, workspace_bytes=MIB,
+                      device="cpu", dcp=DcpGroup(lane_group, world, rank), verify=True)
+    pf.plan(3)
+    context = torch.tensor(lens)
+    for layer in range(3):
+        pf.begin(layer, lambda j: KVSource(shards[j][0], shards[j][1], context, max_tokens=20))
+        got = pf.gathered(layer)
+        assert torch.equal(got[:20], full[layer]), f"rank {rank} layer {layer}"
+        assert not got[20:].any()
+        pf.end(layer)
+    assert pf.verification.checked == 3 and not pf.verification.mismatches
+
+
+@pytest.mark.parametrize("world,depth", [(2, 1), (4, 2)])
+def test_dcp_prefetch_over_gloo_holds_the_full_kv(tmp_path, world, depth):
+    from ringflow.testing import spawn_group
+    spawn_group(world, _dcp_prefetch_rank, depth, rendezvous=str(tmp_path / "rdzv"))
