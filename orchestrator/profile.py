@@ -75,9 +75,26 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
                       "an integer >= 0", 1),
     "offload.workspace_mib": ("device budget of the weight ring, in MiB; depth is reduced to fit",
                               "a number > 0 that holds one layer's weights", None),
+    "kv_prefetch": ("vLLM attention: gather each attention layer's full context KV (paged "
+                    "cache, or a DCP group's all-gather) into a ring slot layers ahead; the "
+                    "plugin plans it from the model", "a mapping", None),
+    "kv_prefetch.depth": ("layers of lookahead; the ring holds depth + 1 full-KV slots",
+                          "an integer >= 0", 1),
+    "kv_prefetch.workspace_mib": ("device budget of each full-KV ring (one per model and "
+                                  "micro-batch), in MiB; depth is reduced to fit",
+                                  "a number > 0 that holds one slot", None),
+    "kv_prefetch.capacity_tokens": ("context tokens one slot holds (all requests of a step); a "
+                                    "larger step runs without prefetch and logs it",
+                                    "an integer >= 1, or omitted for max_num_seqs x "
+                                    "max_model_len", None),
+    "kv_prefetch.verify": ("compare every slot with its layer's cache before attention reads "
+                           "it, and (MLA) the backend's output with a reference attention over "
+                           "the slot; host-syncs: for tests and debugging", "true | false",
+                           False),
 }
 _REQUIRED = ("layers", "depth", "workspace_mib", "slot")
 _OFFLOAD_KEYS = ["layers", "depth", "workspace_mib"]
+_KV_KEYS = ["depth", "workspace_mib", "capacity_tokens", "verify"]
 _TOP = [k for k in FIELDS if "." not in k]
 
 
@@ -225,6 +242,38 @@ def _offload(doc: Any, source: str | None) -> OffloadSpec:
     return OffloadSpec(layers, depth, mib)
 
 
+@dataclass(frozen=True)
+class KVPrefetchSpec:
+    """Full-KV prefetch for vLLM attention layers: lookahead, budget, slot size, verification."""
+
+    depth: int
+    workspace_mib: float
+    capacity_tokens: int | None
+    verify: bool
+
+    def to_mapping(self) -> dict:
+        out = {"depth": self.depth, "workspace_mib": self.workspace_mib, "verify": self.verify}
+        if self.capacity_tokens is not None:
+            out["capacity_tokens"] = self.capacity_tokens
+        return out
+
+
+def _kv_prefetch(doc: Any, source: str | None) -> KVPrefetchSpec:
+    doc = _mapping("kv_prefetch", doc, _KV_KEYS, source)
+    if "workspace_mib" not in doc:
+        raise ProfileError("kv_prefetch.workspace_mib",
+                           f"is missing; {_accepted('kv_prefetch.workspace_mib')}", source)
+    capacity = doc.get("capacity_tokens")
+    if capacity is not None:
+        capacity = _int("kv_prefetch.capacity_tokens", capacity, source, 1, 1 << 40)
+    verify = doc.get("verify", False)
+    if not isinstance(verify, bool):
+        raise _fail("kv_prefetch.verify", verify, source)
+    return KVPrefetchSpec(_int("kv_prefetch.depth", doc.get("depth", 1), source, 0),
+                          _budget("kv_prefetch.workspace_mib", doc["workspace_mib"], source),
+                          capacity, verify)
+
+
 def _budget(name: str, value: Any, source: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value <= 0 or value > 1 << 24:
@@ -253,6 +302,7 @@ class Profile:
     kv_token_bytes: int | None = None
     workload: Workload = field(default_factory=Workload)
     offload: OffloadSpec | None = None
+    kv_prefetch: KVPrefetchSpec | None = None
     source: str | None = field(default=None, compare=False)
 
     # -- construction -------------------------------------------------------------------------
@@ -303,8 +353,10 @@ class Profile:
         """Validate a plain mapping (parsed YAML, vLLM ``additional_config``) into a Profile."""
         doc = _mapping(None, doc, _TOP, source)
         offload = _offload(doc["offload"], source) if "offload" in doc else None
+        kv_prefetch = _kv_prefetch(doc["kv_prefetch"], source) if "kv_prefetch" in doc else None
         run_keys = [k for k in _REQUIRED if k in doc]
-        if offload is None or run_keys:  # a run profile: all four or a missing-field error
+        vllm_only = offload is not None or kv_prefetch is not None
+        if not vllm_only or run_keys:  # a run profile: all four or a missing-field error
             for key in _REQUIRED:
                 if key not in doc:
                     raise ProfileError(key, f"is missing; {_accepted(key)}", source)
@@ -321,7 +373,8 @@ class Profile:
         if len(set(lanes)) != len(lanes):
             raise ProfileError("lanes", f"names repeat in {lanes}; accepted: unique names", source)
         common = dict(
-            name=name, lanes=tuple(lanes), offload=offload, source=source,
+            name=name, lanes=tuple(lanes), offload=offload, kv_prefetch=kv_prefetch,
+            source=source,
             capture=_choice("capture", doc.get("capture", "join"), CAPTURE_POLICIES, source),
             gather_priority=_choice("gather_priority", doc.get("gather_priority", "normal"),
                                     GATHER_PRIORITIES, source),
@@ -330,7 +383,7 @@ class Profile:
             for key in ("gathered_layers", "ineligible", "kv_token_bytes", "workload"):
                 if key in doc:
                     raise ProfileError(key, "needs the run fields layers, depth, workspace_mib "
-                                       "and slot; an offload-only profile takes its layers from "
+                                       "and slot; a vLLM-only profile takes its layers from "
                                        "the model", source)
             return cls(layers=None, depth=None, workspace_mib=None, slot=None, **common)
 
@@ -407,6 +460,8 @@ class Profile:
                                 "capture": self.capture, "gather_priority": self.gather_priority}
         if self.offload is not None:
             head["offload"] = self.offload.to_mapping()
+        if self.kv_prefetch is not None:
+            head["kv_prefetch"] = self.kv_prefetch.to_mapping()
         if self.layers is None:
             return head
         out: dict[str, Any] = {
@@ -434,8 +489,9 @@ class Profile:
     def require_run_fields(self) -> Profile:
         """Raise unless this profile can be planned on its own (it is not offload-only)."""
         if self.layers is None:
-            raise ProfileError("layers", "is missing: this profile has only an 'offload' section, "
-                               "which the vLLM plugin plans from the model it loads (set "
+            raise ProfileError("layers", "is missing: this profile has only vLLM sections "
+                               "('offload', 'kv_prefetch'), which the plugin plans from the "
+                               "model it loads (set "
                                "RINGFLOW_DUMP=path to see that plan); add layers, depth, "
                                "workspace_mib and slot to plan it here", self.source)
         return self

@@ -31,11 +31,12 @@ def test_every_shipped_profile_loads_and_plans():
     from ringflow import Planner
 
     names = builtin_profiles()
-    assert {"demo", "mla_ckv_dcp", "vllm_weights"} <= set(names)
+    assert {"demo", "mla_ckv_dcp", "vllm_weights", "vllm_kv_prefetch"} <= set(names)
     for path in PROFILES.glob("*.yaml"):
         profile = Profile.load(path)
-        if profile.offload is not None and profile.layers is None:
-            with pytest.raises(ProfileError, match="has only an 'offload' section"):
+        if profile.layers is None:
+            assert profile.offload is not None or profile.kv_prefetch is not None
+            with pytest.raises(ProfileError, match="has only vLLM sections"):
                 Planner.from_profile(profile)
         else:
             Planner.from_profile(profile).plan()
@@ -185,3 +186,17 @@ def test_every_field_is_documented_in_the_profiles_readme():
 def test_kv_tokens_displaced_is_pool_bytes_over_token_bytes_times_layers():
     p = Profile.load("mla_ckv_dcp")
     assert p.kv_tokens_displaced() == p.reserved_bytes // (1152 * 61)
+
+
+def test_a_kv_prefetch_section_is_validated_field_by_field():
+    p = Profile.load("vllm_kv_prefetch")
+    assert p.kv_prefetch.depth == 1 and p.kv_prefetch.capacity_tokens and not p.kv_prefetch.verify
+    assert Profile.from_mapping(p.to_mapping()) == p
+    for doc, field in [({"workspace_mib": 8, "depth": -1}, "kv_prefetch.depth"),
+                       ({"depth": 1}, "kv_prefetch.workspace_mib"),
+                       ({"workspace_mib": 8, "capacity_tokens": 0}, "kv_prefetch.capacity_tokens"),
+                       ({"workspace_mib": 8, "verify": "yes"}, "kv_prefetch.verify"),
+                       ({"workspace_mib": 8, "lookahead": 2}, "kv_prefetch.lookahead")]:
+        with pytest.raises(ProfileError) as err:
+            Profile.from_mapping({"kv_prefetch": doc})
+        assert err.value.field == field, (doc, err.value)
