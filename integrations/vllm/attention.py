@@ -1,0 +1,483 @@
+"""Attention hooks: full-KV prefetch for whichever attention backend vLLM picked, unforked.
+
+Enabled by a profile with a ``kv_prefetch`` section. What the hooks do, in vLLM's order:
+
+* model construction (``Attention.__init__`` / ``MLAAttention.__init__``, when the backend's
+  implementation is built): the first decoder attention layer of a model allocates that
+  model's rings, one per micro-batch (two under DBO), before vLLM sizes the KV cache. Each
+  model load (``BaseModelLoader.load_model``) is its own group, so a speculative-decoding draft
+  model never shares a lane with its target.
+* metadata (``AttentionGroup.build_metadata*``): the backend-neutral metadata each backend's
+  own metadata was built from (block table in kernel blocks, sequence and query lengths) is
+  kept on the result, so any backend's layers can be gathered.
+* each step: before a layer's KV update or attention (whichever comes first) the lane waits for
+  that layer's gather and issues the gathers its plan puts there (layer ``l + depth`` and any
+  slot that retired); after the attention the slot retires. The layer reads the cache as
+  before; the slot is offered to consumers through :func:`gathered_kv` and, in verification
+  mode, checked against the cache (and, for MLA, the backend's output against a reference
+  attention over the slot).
+* ``initialize_kv_cache`` (vLLM binds, re-binds or resizes its caches): every lane retires its
+  per-step state (``KVPrefetcher.retire``).
+
+Layouts: MLA caches (``[blocks, block_size, latent + rope]``) are gathered token by token. Other
+attention caches are block-major with a page interior private to the backend (vLLM 0.32's
+logical ``[blocks, heads, tokens, content]``, which CPU_ATTN packs for its kernels): they are
+gathered page by page, sized from the layer's own KV spec. A cache whose pages are not
+contiguous blocks is left alone with one log line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import itertools
+import logging
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ringflow.errors import RingflowError
+from ringflow.graphs.executor import poison_default
+from ringflow.integrations.vllm.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
+                                                    check_not_after_kv)
+from ringflow.orchestrator.budget import MIB
+from ringflow.orchestrator.profile import Profile
+
+log = logging.getLogger("ringflow")
+_group = contextvars.ContextVar("ringflow_model_group", default=0)
+_groups = itertools.count(1)
+
+
+class _Process:
+    """What this process knows: the models' lanes, and whether the KV cache is sized yet."""
+
+    def __init__(self) -> None:
+        # weak: a model's lanes live as long as its attention layers (which hold them)
+        self.models: weakref.WeakValueDictionary[int, ModelLanes] = weakref.WeakValueDictionary()
+        self.kv_sized = False
+        self.logged: set[str] = set()
+
+    def log_once(self, key: str, message: str, *args) -> None:
+        if key not in self.logged:
+            self.logged.add(key)
+            log.warning(message, *args)
+
+
+_state = _Process()
+
+
+class ModelLanes:
+    """One model's attention layers, in construction (= execution) order, and its lanes."""
+
+    def __init__(self, key: int, profile: Profile, layout: KVLayout, view, vllm_config,
+                 name: str) -> None:
+        spec = profile.kv_prefetch
+        scheduler, model = vllm_config.scheduler_config, vllm_config.model_config
+        self.key, self.layout, self.view, self.name = key, layout, view, name
+        self.names: list[str] = []
+        self.layers: list[weakref.ref] = []
+        capacity = spec.capacity_tokens or scheduler.max_num_seqs * model.max_model_len
+        ubatches = 2 if getattr(vllm_config.parallel_config, "enable_dbo", False) else 1
+        device = _device(vllm_config)
+        dcp = _dcp_group(vllm_config)
+        self.lanes = [
+            KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
+                         depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
+                         device=device, dcp=dcp, verify=spec.verify, capture=profile.capture,
+                         gather_priority=profile.gather_priority, poison=poison_default(),
+                         name=f"{name}/ubatch{u}", lane=f"kv{u}")
+            for u in range(ubatches)]
+        self.attention_checked = 0
+        self.attention_max_error = 0.0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(lane.reserved_bytes for lane in self.lanes)
+
+    def lane(self) -> KVPrefetcher | None:
+        ubatch = _ubatch_id()
+        if ubatch < len(self.lanes):
+            return self.lanes[ubatch]
+        _state.log_once(f"ubatch{ubatch}", "micro-batch %d has no full-KV lane (DBO was off when "
+                        "the model was built); it runs without prefetch", ubatch)
+        return None
+
+
+def models() -> list[ModelLanes]:
+    """The models of this process that have full-KV lanes."""
+    return list(_state.models.values())
+
+
+def gathered_kv(layer) -> torch.Tensor | None:
+    """The prefetched full context KV of attention ``layer`` while its attention runs.
+
+    Rows: ``[capacity, *row]``, requests packed in batch order, each with its context tokens
+    (sequence length minus the step's new tokens); the rest zero. None when this step has no
+    prefetched KV for the layer (not enabled, step too large, or inside a retired step).
+    """
+    owner = getattr(layer, "_ringflow_kv", None)
+    if owner is None:
+        return None
+    lanes, index = owner
+    lane = lanes.lane()
+    return None if lane is None else lane.gathered(index)
+
+
+# -- installation -------------------------------------------------------------------------------
+
+def install() -> None:
+    """Wrap vLLM's attention classes, loader, metadata builders and KV-cache initialisation."""
+    from vllm.model_executor.layers.attention import attention, mla_attention
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import utils as worker_utils
+
+    _wrap(attention.Attention, "__init__", _after_init)
+    _wrap(mla_attention.MLAAttention, "__init__", _after_init)
+    _wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
+    for name in ("build_metadata", "build_metadata_for_cudagraph_capture",
+                 "build_metadata_for_drafting"):
+        if hasattr(worker_utils.AttentionGroup, name):
+            _wrap(worker_utils.AttentionGroup, name, _keep_common_metadata)
+    _wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
+
+
+def _wrap(cls: type, name: str, hook) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "_ringflow_hook", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
+
+    wrapper._ringflow_hook = True
+    setattr(cls, name, wrapper)
+
+
+def new_model_load() -> None:
+    """A worker starts loading: a fresh lifecycle (tests build several engines per process)."""
+    _state.kv_sized = False
+
+
+def kv_cache_sized() -> None:
+    _state.kv_sized = True
+
+
+def _load_model_group(original, loader, *args, **kwargs):
+    token = _group.set(next(_groups))
+    try:
+        return original(loader, *args, **kwargs)
+    finally:
+        _group.reset(token)
+
+
+def _keep_common_metadata(original, group, common, *args, **kwargs):
+    result = original(group, common, *args, **kwargs)
+    if _state.models and result is not None:
+        ubatch = kwargs.get("ubatch_idx", args[0] if args and isinstance(args[0], int) else 0)
+        kernel = group._with_kernel_block_table(common, ubatch) \
+            if hasattr(group, "_with_kernel_block_table") else common
+        try:
+            result._ringflow_common = kernel
+        except (AttributeError, TypeError):
+            _state.log_once(f"meta:{type(result).__name__}", "%s takes no extra attributes; "
+                            "its layers run without full-KV prefetch", type(result).__name__)
+    return result
+
+
+def _initialize_kv_cache(original, runner, *args, **kwargs):
+    result = original(runner, *args, **kwargs)
+    for model in _state.models.values():
+        for lane in model.lanes:
+            lane.retire("the KV cache was (re)bound")
+    return result
+
+
+# -- attaching layers ---------------------------------------------------------------------------
+
+def _after_init(original, layer, *args, **kwargs):
+    original(layer, *args, **kwargs)
+    if getattr(layer, "_ringflow_kv", None) is not None:
+        return
+    from vllm.config import get_current_vllm_config_or_none
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return
+    from ringflow.integrations.vllm.plugin import profile_from
+    profile = profile_from(config)
+    if profile is None or profile.kv_prefetch is None:
+        return
+    try:
+        _attach(layer, profile, config)
+    except RingflowError as exc:
+        log.error("%s", exc)
+        raise
+
+
+def _attach(layer, profile: Profile, config) -> None:
+    found = _layout_of(layer, config)
+    if found is None:
+        return
+    layout, view = found
+    key = _group.get()
+    model = _state.models.get(key)
+    if model is None:
+        check_not_after_kv(_state.kv_sized, f"model group {key}")
+        model = ModelLanes(key, profile, layout, view, config,
+                           name=f"{profile.name}/model{key}")
+        _state.models[key] = model
+        from ringflow.integrations.vllm.plugin import lifecycle
+        lifecycle.append("kv-ring-allocated")
+        log.info("%s; allocated when the attention implementation was built, before the KV "
+                 "cache is sized (%.2f MiB)", "; ".join(lane.describe() for lane in model.lanes),
+                 model.reserved_bytes / MIB)
+    elif model.layout != layout:
+        _state.log_once(f"layout:{layer.layer_name}", "attention layer %s has a KV layout unlike "
+                        "its model's first layer; it runs without full-KV prefetch",
+                        layer.layer_name)
+        return
+    index = len(model.names)
+    model.names.append(layer.layer_name)
+    model.layers.append(weakref.ref(layer))
+    layer._ringflow_kv = (model, index)
+    _hook_layer(layer, model, index)
+
+
+def _layout_of(layer, config) -> tuple[KVLayout, Callable] | None:
+    """MLA: token rows of ``kv_lora_rank + qk_rope_head_dim``. Any other decoder attention:
+    whole pages of the size its own KV spec states (the interior is the backend's business)."""
+    block_size = config.cache_config.block_size
+    if hasattr(layer, "kv_lora_rank"):
+        if getattr(layer, "kv_cache_dtype", "auto") != "auto":
+            _state.log_once("mla-dtype", "full-KV prefetch supports MLA caches in the model "
+                            "dtype only (kv_cache_dtype=auto); it stays off")
+            return None
+        row = layer.kv_lora_rank + layer.qk_rope_head_dim
+        return KVLayout("rows", (row,), config.model_config.dtype, block_size), _identity
+    from vllm.v1.attention.backend import AttentionType
+    if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+        return None
+    dtype = getattr(layer, "kv_cache_torch_dtype", config.model_config.dtype)
+    try:
+        spec = layer.get_kv_cache_spec(config)
+        page_bytes, block_size = spec.page_size_bytes, spec.block_size
+    except Exception as exc:  # a layer without a KV spec: say so once, change nothing
+        _state.log_once(f"spec:{type(layer).__name__}", "cannot read the KV spec of %s (%s); "
+                        "full-KV prefetch stays off for it", type(layer).__name__, exc)
+        return None
+    if page_bytes % dtype.itemsize:
+        return None
+    return KVLayout("pages", (page_bytes // dtype.itemsize,), dtype, block_size), _flat_pages
+
+
+def _identity(cache: torch.Tensor) -> torch.Tensor:
+    return cache
+
+
+def _flat_pages(cache: torch.Tensor) -> torch.Tensor:
+    """``[blocks, page elements]`` as a view (a layout whose pages are not contiguous raises)."""
+    return cache.view(cache.shape[0], -1)
+
+
+def _hook_layer(layer, model: ModelLanes, index: int) -> None:
+    """Instance-level wrappers: the backend class and every other layer stay untouched."""
+    if hasattr(layer, "kv_lora_rank"):
+        targets = [(layer, "update_kv_cache", False), (layer, "forward_impl", True)]
+    else:
+        targets = [(layer.impl, "do_kv_cache_update", False), (layer.impl, "forward", True)]
+    for owner, name, is_attention in targets:
+        original = getattr(owner, name, None)
+        if original is not None:
+            setattr(owner, name, _layer_hook(original, model, index, is_attention))
+
+
+def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        lane = _begin(model, index)
+        if lane is None or not is_attention:
+            return original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+            if lane.verify and hasattr(model.layers[index](), "kv_lora_rank"):
+                _check_mla_output(model, lane, index, args, kwargs)
+        finally:
+            lane.end(index)
+        return result
+
+    return hooked
+
+
+def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    if not is_forward_context_available():
+        return None
+    context = get_forward_context()
+    if context.attn_metadata is None:  # profiling and dummy runs: nothing to gather
+        return None
+    lane = model.lane()
+    if lane is None:
+        return None
+    lane.plan(len(model.names))
+    lane.begin(index, _step_sources(model, context))
+    return lane
+
+
+def _metadata(context, name: str):
+    meta = context.attn_metadata
+    if isinstance(meta, dict):
+        return meta.get(name)
+    if isinstance(meta, list):  # speculative decoding: [0] is the base model's
+        return meta[0].get(name) if meta else None
+    return meta
+
+
+def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None]:
+    """Sources read lazily from this step's forward context (one context-lengths tensor)."""
+    lens: dict[int, tuple[torch.Tensor, int | None]] = {}
+
+    def source(j: int) -> KVSource | None:
+        layer = model.layers[j]()
+        common = getattr(_metadata(context, model.names[j]), "_ringflow_common", None)
+        if layer is None or common is None:
+            return None
+        cache = layer.kv_cache
+        if isinstance(cache, list):  # older vLLM kept one cache per virtual engine
+            cache = cache[0]
+        if cache.numel() == 0:
+            return None
+        try:
+            cache = model.view(cache)
+        except RuntimeError:
+            _state.log_once(f"view:{model.key}", "the KV cache's pages are not contiguous "
+                            "blocks; full-KV prefetch stays off")
+            return None
+        if tuple(cache.shape[1 if model.layout.kind == "pages" else 2:]) != model.layout.unit:
+            _state.log_once(f"unit:{model.key}", "a KV cache of shape %s does not match the "
+                            "layout the rings were sized for (%s); no prefetch",
+                            tuple(cache.shape), model.layout.unit)
+            return None
+        found = lens.get(id(common))
+        if found is None:
+            found = lens[id(common)] = _context_lens(common)
+        context_lens, bound = found
+        return KVSource(cache, common.block_table_tensor[: context_lens.shape[0]], context_lens,
+                        bound)
+
+    return source
+
+
+def _context_lens(common) -> tuple[torch.Tensor, int | None]:
+    """Tokens each request already has in the cache (device), and a host-side bound of the sum."""
+    n = common.num_reqs
+    starts = common.query_start_loc
+    context = common.seq_lens[:n] - (starts[1: n + 1] - starts[:n])
+    upper = getattr(common, "seq_lens_cpu_upper_bound", None)
+    starts_cpu = getattr(common, "query_start_loc_cpu", None)
+    if upper is not None and starts_cpu is not None:
+        bound = int(upper[:n].sum()) - int(starts_cpu[n] - starts_cpu[0])
+    else:
+        bound = n * int(common.max_seq_len)
+    return context, bound
+
+
+# -- verification of the backend's output (MLA) ------------------------------------------------
+
+def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, kwargs) -> None:
+    """A float64 attention over the slot (context) plus the step's new rows, against the output.
+
+    ``forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=...)``: q is
+    ``[tokens, heads, nope + rope]``, the output ``[tokens, heads * v_head_dim]``.
+    """
+    layer = model.layers[index]()
+    slot = lane.gathered(index)
+    if slot is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    q, kv_cache = args[0], args[3]
+    output = kwargs.get("output")
+    common = getattr(_metadata(_context(), model.names[index]), "_ringflow_common", None)
+    if output is None or common is None:
+        return
+    n, latent = common.num_reqs, layer.kv_lora_rank
+    starts = common.query_start_loc[: n + 1].cpu().tolist()
+    seq = common.seq_lens[:n].cpu().tolist()
+    table = common.block_table_tensor.cpu()
+    cache = kv_cache.cpu().double()
+    slot = slot.cpu().double()
+    w_uk_t, w_uv = layer.W_UK_T.cpu().double(), layer.W_UV.cpu().double()   # [N,P,L], [N,L,V]
+    nope = w_uk_t.shape[1]
+    scale = layer.impl.scale
+    block = cache.shape[1]
+    worst, offset = 0.0, 0
+    for r in range(n):
+        q_len = starts[r + 1] - starts[r]
+        ctx = seq[r] - q_len
+        new = torch.stack([cache[table[r, p // block], p % block] for p in range(ctx, seq[r])]) \
+            if q_len else cache.new_zeros(0, cache.shape[-1])
+        rows = torch.cat([slot[offset: offset + ctx], new])
+        offset += ctx
+        for i in range(q_len):
+            token = starts[r] + i
+            keys = rows[: ctx + i + 1]
+            qt = q[token].cpu().double()                                       # [N, P + R]
+            q_latent = torch.einsum("np,npl->nl", qt[:, :nope], w_uk_t)
+            scores = (q_latent @ keys[:, :latent].T + qt[:, nope:] @ keys[:, latent:].T) * scale
+            o_latent = torch.softmax(scores, dim=-1) @ keys[:, :latent]       # [N, L]
+            want = torch.einsum("nl,nlv->nv", o_latent, w_uv).reshape(-1)
+            got = output[token].cpu().double().reshape(-1)
+            worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp(min=1e-6)))
+    model.attention_checked += 1
+    model.attention_max_error = max(model.attention_max_error, worst)
+    if worst > 1e-3:
+        lane.verification.mismatches.append((index, f"attention output off by {worst:.2e}"))
+        log.error("'%s': the backend's attention output for layer %d differs from a reference "
+                  "attention over the prefetched slot (relative error %.2e)", lane.name, index,
+                  worst)
+
+
+def _context():
+    from vllm.forward_context import get_forward_context
+    return get_forward_context()
+
+
+# -- environment --------------------------------------------------------------------------------
+
+def _device(config) -> torch.device:
+    kind = getattr(config.device_config, "device_type", None) or "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _ubatch_id() -> int:
+    try:
+        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+    except ImportError:
+        return 0
+    return dbo_current_ubatch_id()
+
+
+def _dcp_group(config) -> DcpGroup | None:
+    """The gather lane's own communicator for the DCP all-gather (split from vLLM's DCP group)."""
+    size = getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
+    if size == 1:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_dcp_group
+    dcp = get_dcp_group()
+    try:
+        group = dist.split_group(parent_pg=dcp.device_group,
+                                 split_ranks=[list(range(dcp.world_size))],
+                                 group_desc="ringflow_dcp_gather")
+    except Exception as exc:
+        raise RingflowError(f"full-KV prefetch under DCP needs a communicator of its own for "
+                            f"the gather lane, split from the DCP group ({exc}); this needs "
+                            f"NCCL and torch.distributed.split_group. Remove kv_prefetch or "
+                            f"run without DCP") from None
+    interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
+    return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave)
+
+
+__all__ = ["ModelLanes", "gathered_kv", "install", "kv_cache_sized", "models", "new_model_load"]
