@@ -207,8 +207,14 @@ class PagedAttentionStack:
         from ringflow.integrations.vllm.kv_prefetch import KVSource
         return KVSource(self.caches[layer], self.block_table, self.context_lens)
 
-    def step(self, prefetcher=None, outputs: torch.Tensor | None = None) -> torch.Tensor:
-        """One step over all layers; returns ``[layers, tokens, row]`` attention outputs."""
+    def step(self, prefetcher=None, outputs: torch.Tensor | None = None,
+             snapshots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over all layers; returns ``[layers, tokens, row]`` attention outputs.
+
+        ``snapshots`` (``[layers, capacity, row]``), when given, receives the context KV each
+        layer's attention read: the exact thing to compare between a prefetched and an inline
+        run (outputs may round differently when a matmul is captured).
+        """
         from ringflow.kernels import paged_gather
         out = outputs if outputs is not None else torch.empty_like(self.queries)
         for layer in range(self.layers):
@@ -219,6 +225,8 @@ class PagedAttentionStack:
                 context = torch.empty(self.capacity, self.row, dtype=self.dtype,
                                       device=self.device)
                 paged_gather(self.caches[layer], self.block_table, self.context_lens, context)
+            if snapshots is not None:
+                snapshots[layer].copy_(context)
             self._write_new_rows(layer)
             out[layer] = self._attend(layer, context)
             if prefetcher is not None:
