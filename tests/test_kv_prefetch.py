@@ -207,3 +207,65 @@ def _dcp_prefetch_rank(rank: int, world: int, depth: int) -> None:
 def test_dcp_prefetch_over_gloo_holds_the_full_kv(tmp_path, world, depth):
     from ringflow.testing import spawn_group
     spawn_group(world, _dcp_prefetch_rank, depth, rendezvous=str(tmp_path / "rdzv"))
+
+
+def _config(dbo: bool):
+    from types import SimpleNamespace as NS
+    return NS(scheduler_config=NS(max_num_seqs=2), model_config=NS(max_model_len=64,
+                                                                   dtype=torch.float32),
+              parallel_config=NS(enable_dbo=dbo, decode_context_parallel_size=1),
+              device_config=NS(device_type="cpu"), cache_config=NS(block_size=16))
+
+
+def test_micro_batches_get_lanes_of_their_own(monkeypatch):
+    """DBO: two micro-batches run the same layers interleaved; each must own its ring."""
+    from ringflow.integrations.vllm import attention
+    from ringflow.orchestrator.profile import Profile
+    profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 1}})
+    layout = KVLayout("rows", (8,), torch.float32, 16)
+    lanes = attention.ModelLanes(1, profile, layout, lambda c: c, _config(True), name="m")
+    assert len(lanes.lanes) == 2
+    spans = [(lane.pool.storage.data_ptr(), lane.pool.reserved_bytes) for lane in lanes.lanes]
+    assert spans[0][0] + spans[0][1] <= spans[1][0] or spans[1][0] + spans[1][1] <= spans[0][0]
+    for ubatch in (0, 1):
+        monkeypatch.setattr(attention, "_ubatch_id", lambda u=ubatch: u)
+        assert lanes.lane() is lanes.lanes[ubatch]
+    monkeypatch.setattr(attention, "_ubatch_id", lambda: 2)
+    assert lanes.lane() is None
+    single = attention.ModelLanes(2, profile, layout, lambda c: c, _config(False), name="s")
+    assert len(single.lanes) == 1
+
+
+def test_the_vllm_hooks_refuse_a_ring_once_the_kv_cache_is_sized():
+    """DESIGN.md: 'buffers allocated lazily after the KV cache was sized' (an optimistic KV
+    budget that later OOMs). The attention hook allocates when a layer is built; after the
+    worker sized its KV cache, a new model's ring is an error, not a silent allocation."""
+    from ringflow.integrations.vllm import attention
+    from ringflow.orchestrator.profile import Profile
+    profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 4}})
+    config = _config(False)
+
+    class MLALayer:  # what the hook reads of vLLM's MLAAttention
+        kv_lora_rank, qk_rope_head_dim, kv_cache_dtype = 24, 8, "auto"
+
+    def mla_layer(name):
+        layer = MLALayer()
+        layer.layer_name = name
+        return layer
+
+    attention.new_model_load()
+    attention.kv_cache_sized()
+    token = attention._group.set(9001)
+    try:
+        with pytest.raises(LifecycleError, match="after the KV cache was sized"):
+            attention._attach(mla_layer("late.0"), profile, config)
+        assert 9001 not in attention._state.models
+        attention.new_model_load()                      # the next engine's load starts afresh
+        first, second = mla_layer("m.0"), mla_layer("m.1")
+        attention._attach(first, profile, config)
+        attention._attach(second, profile, config)
+        model = attention._state.models[9001]
+        assert model.names == ["m.0", "m.1"] and model.layout.unit == (32,)
+        assert second._ringflow_kv == (model, 1)
+    finally:
+        attention._group.reset(token)

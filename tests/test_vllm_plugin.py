@@ -80,6 +80,11 @@ def cases_for(model, dump):
         cases.append({"name": "llama/kv/with_weights", **base, "env": dict(POISON),
                       "additional_config": kv(1, offload={"layers": [1, 2, 3], "depth": 1,
                                                           "workspace_mib": 64})})
+        draft = {"speculative_config": {"method": "draft_model", "model": "DRAFT",
+                                        "num_speculative_tokens": 2}}
+        cases.append({"name": "llama/spec/off", "model": model, "engine": draft})
+        cases.append({"name": "llama/spec/kv", "model": model, "engine": draft,
+                      "env": dict(POISON), "additional_config": kv(1)})
         for name, (config, _) in BAD.items():
             cases.append({"name": f"llama/bad/{name}", "model": model,
                           "additional_config": config})
@@ -233,3 +238,17 @@ def test_weight_streaming_and_kv_prefetch_run_together(eager):
     same(run, results["llama/kv/plain"])
     assert run["kv"][0]["mismatches"] == [] and run["kv"][0]["checked"] > 0
     assert run["lifecycle"] == ["kv-ring-allocated", "ring-allocated", "kv-cache-initialized"]
+
+
+def test_a_speculative_draft_model_gets_lanes_of_its_own(eager):
+    """Target and draft are separate model loads: separate rings and plans, both verified."""
+    results, _ = eager
+    run = results["llama/spec/kv"]
+    same(run, results["llama/spec/off"])
+    target, draft = run["kv"]
+    assert target["steps"] > 0 and draft["steps"] > target["steps"]  # 2 drafts per target step
+    for stats in (target, draft):
+        assert stats["mismatches"] == [] and stats["checked"] == 4 * stats["steps"]
+    rings = [l for l in run["log"] if l.startswith("full-KV ring")]
+    assert len(rings) == 2 and rings[0].split("'")[1] != rings[1].split("'")[1]
+    assert not any("abandoned" in l for l in run["log"])

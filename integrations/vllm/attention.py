@@ -173,17 +173,24 @@ def _load_model_group(original, loader, *args, **kwargs):
         _group.reset(token)
 
 
-def _keep_common_metadata(original, group, common, *args, **kwargs):
-    result = original(group, common, *args, **kwargs)
-    if _state.models and result is not None:
-        ubatch = kwargs.get("ubatch_idx", args[0] if args and isinstance(args[0], int) else 0)
-        kernel = group._with_kernel_block_table(common, ubatch) \
-            if hasattr(group, "_with_kernel_block_table") else common
-        try:
-            result._ringflow_common = kernel
-        except (AttributeError, TypeError):
-            _state.log_once(f"meta:{type(result).__name__}", "%s takes no extra attributes; "
-                            "its layers run without full-KV prefetch", type(result).__name__)
+def _keep_common_metadata(original, group, *args, **kwargs):
+    """Any of AttentionGroup's ``build_metadata*`` methods: keep the backend-neutral metadata
+    (block table in the kernel's block size) on what the backend's builder returned."""
+    result = original(group, *args, **kwargs)
+    if not _state.models or result is None:
+        return result
+    common = kwargs.get("common_attn_metadata", args[0] if args else None)
+    if common is None or not hasattr(common, "block_table_tensor"):
+        return result
+    drafting = getattr(original, "__name__", "") == "build_metadata_for_drafting"
+    ubatch = 0 if drafting else kwargs.get("ubatch_idx", args[1] if len(args) > 1 else 0)
+    kernel = group._with_kernel_block_table(common, ubatch) \
+        if hasattr(group, "_with_kernel_block_table") else common
+    try:
+        result._ringflow_common = kernel
+    except (AttributeError, TypeError):
+        _state.log_once(f"meta:{type(result).__name__}", "%s takes no extra attributes; "
+                        "its layers run without full-KV prefetch", type(result).__name__)
     return result
 
 
