@@ -98,3 +98,22 @@ def _wrong_staging(rank: int, world: int) -> None:
     with pytest.raises(KernelError, match="staging must be"):
         dcp_all_gather(torch.zeros(2, 4, 3), torch.zeros(1, 2, dtype=torch.int64),
                        torch.tensor([3]), torch.zeros(8, 3), torch.zeros(2, 8, 3), dist.group.WORLD)
+
+
+def _bench_shards(rank: int, world: int) -> None:
+    """dcp_bench's shards (block tables not the identity) all-gather back to its full KV."""
+    from ringflow.dcp_bench import ROW, _full_kv, _shard
+    from ringflow.kernels import dcp_local_capacity
+    batch, context = 2, 300
+    full = _full_kv(batch, context, 1, "cpu")
+    cache, table = _shard(full, batch, context, rank, world)
+    local = dcp_local_capacity(batch * context, batch, world)
+    slot = torch.full((batch * context + world * local, ROW), float("nan"), dtype=torch.bfloat16)
+    dcp_all_gather(cache, table, torch.full((batch,), context), slot[: batch * context],
+                   slot[batch * context:].view(world, local, ROW), dist.new_group(list(range(world))))
+    assert torch.equal(slot[: batch * context], full)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_dcp_benchmarks_shards_gather_back_to_its_full_kv(tmp_path, world):
+    spawn_group(world, _bench_shards, rendezvous=str(tmp_path / "rdzv"))

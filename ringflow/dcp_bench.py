@@ -1,0 +1,259 @@
+"""dcp-allgather: MLA decode whose full compressed KV is all-gathered across a DCP group one or
+more layers ahead of the attention that reads it (the motivating work: TP8/DCP4, +7.9% at 400k).
+
+    python -m ringflow.dcp_bench [--world N] [--contexts 65536 409600] [--layers 61]
+        [--batch 1] [--heads 16] [--extra-gemm 16384] [--depths 1 2] [--replays 10]
+        [--json FILE] [--plot DIR]
+
+One process per GPU over NCCL (``--world`` GPUs of one host). Every rank holds its DCP shard of
+each request's KV (576 bf16 per token, vLLM's interleave of 1) in a paged cache; a layer's
+gather all-gathers the shards over the gather lane's own communicator and restores sequence
+order (``ringflow.kernels.dcp_all_gather``); the layer's compute is an absorbed-MLA decode
+attention of ``--heads`` heads over the gathered KV plus a ``--extra-gemm``-square GEMM standing
+for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
+gather of the wrong layer shows.
+
+Variants, each captured into a CUDA graph and replayed interleaved (medians): ``sync`` (depth 0:
+gather then compute on one stream), ``ringflow dN`` (depth N), ``gather`` alone and ``compute``
+alone (their maximum is the ideal). Reported per context: ms per forward, hidden = (sync −
+ringflow) / min(gather, compute), decode tokens/s per GPU, pool bytes and the KV tokens the pool
+costs (pool bytes over one token's KV on one rank: layers × 1152 B / world). Before timing, one
+eager forward checks every layer's slot against the full KV (bit-exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROW, BLOCK = 576, 64
+
+
+def _full_kv(batch: int, context: int, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(batch * context, ROW, generator=gen, device=device).to(torch.bfloat16)
+
+
+def _shard(full: torch.Tensor, batch: int, context: int, rank: int, world: int):
+    """This rank's paged cache and block table: token t of a request lives on rank t % world."""
+    local = -(-context // world)
+    blocks_per = -(-local // BLOCK)
+    cache = torch.zeros(batch * blocks_per, BLOCK, ROW, dtype=full.dtype, device=full.device)
+    table = torch.arange(batch * blocks_per, device=full.device, dtype=torch.int32)
+    table = table.view(batch, blocks_per).flip(1).contiguous()  # not the identity map
+    for r in range(batch):
+        mine = full[r * context:(r + 1) * context][rank::world]
+        pos = torch.arange(mine.shape[0], device=full.device)
+        block = table[r].to(torch.int64)[pos // BLOCK]
+        cache.view(-1, ROW).index_copy_(0, block * BLOCK + pos % BLOCK, mine)
+    return cache, table
+
+
+class Model:
+    """The per-rank decode model: attention over the gathered KV plus a square GEMM per layer."""
+
+    def __init__(self, args, batch: int, context: int, device) -> None:
+        gen = torch.Generator(device=device).manual_seed(5)
+        self.layers, self.batch, self.context = args.layers, batch, context
+        self.q = torch.randn(batch, args.heads, ROW, generator=gen, device=device).to(torch.bfloat16)
+        self.w = (torch.randn(args.extra_gemm, args.extra_gemm, generator=gen, device=device)
+                  / args.extra_gemm ** 0.5).to(torch.bfloat16) if args.extra_gemm else None
+        self.x = torch.randn(max(batch, 16), args.extra_gemm or 1, generator=gen,
+                             device=device).to(torch.bfloat16)
+        self.out = torch.empty(2, batch, args.heads, 512, dtype=torch.bfloat16, device=device)
+        self.y = torch.empty_like(self.x)
+
+    def compute(self, layer: int, kv: torch.Tensor) -> None:
+        kv = kv[: self.batch * self.context].view(self.batch, self.context, ROW)
+        scores = torch.einsum("bhd,bcd->bhc", self.q, kv) * ROW ** -0.5
+        torch.bmm(torch.softmax(scores.float(), dim=-1).to(kv.dtype), kv[..., :512],
+                  out=self.out[layer % 2])
+        if self.w is not None:
+            torch.mm(self.x, self.w, out=self.y)
+
+
+def _elapsed_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _graph(fn):
+    fn()  # warm-up, eagerly
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _rank(rank: int, world: int, args) -> None:
+    import torch.distributed as dist
+
+    from ringflow.integrations.vllm.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher, KVSource
+    from ringflow.kernels import dcp_all_gather, dcp_local_capacity
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    lane_group = dist.new_group(list(range(world)))  # the gather lane's own communicator
+    rows = []
+    for context in args.contexts:
+        batch = args.batch
+        fulls = [_full_kv(batch, context, seed, device) for seed in (1, 2)]
+        shards = [_shard(f, batch, context, rank, world) for f in fulls]
+        lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+        model = Model(args, batch, context, device)
+        layout = KVLayout("rows", (ROW,), torch.bfloat16, BLOCK)
+        dcp = DcpGroup(lane_group, world, rank)
+
+        def source(layer: int) -> KVSource:
+            cache, table = shards[layer % 2]
+            return KVSource(cache, table, lens, batch * context)
+
+        def forward_with(pf):
+            def forward() -> None:
+                for layer in range(args.layers):
+                    pf.begin(layer, source)
+                    model.compute(layer, pf.gathered(layer))
+                    pf.end(layer)
+            return forward
+
+        variants, pools = {}, {}
+        for depth in [0, *args.depths]:
+            pf = KVPrefetcher(layout, batch * context, max_requests=batch, depth=depth,
+                              workspace_bytes=1 << 40, device=device, dcp=dcp,
+                              name=f"dcp-d{depth}")
+            pf.plan(args.layers)
+            if depth == args.depths[0]:
+                _check(pf, source, fulls, args.layers, batch * context)
+            name = "sync" if depth == 0 else f"ringflow d{depth}"
+            variants[name] = _graph(forward_with(pf))
+            pools[name] = pf.reserved_bytes
+        local = dcp_local_capacity(batch * context, batch, world)
+        slots = [torch.empty(batch * context + world * local, ROW, dtype=torch.bfloat16,
+                             device=device) for _ in range(2)]
+
+        def gather_only() -> None:
+            for layer in range(args.layers):
+                cache, table = shards[layer % 2]
+                slot = slots[layer % 2]
+                dcp_all_gather(cache, table, lens, slot[: batch * context],
+                               slot[batch * context:].view(world, local, ROW), lane_group)
+
+        def compute_only() -> None:
+            for layer in range(args.layers):
+                model.compute(layer, slots[layer % 2])
+
+        variants["gather"] = _graph(gather_only)
+        variants["compute"] = _graph(compute_only)
+        ms = {name: [] for name in variants}
+        for round_ in range(args.replays + 2):  # interleaved; the first two rounds warm up
+            for name, graph in variants.items():
+                elapsed = _elapsed_ms(graph.replay)
+                if round_ >= 2:
+                    ms[name].append(elapsed)
+        result = {name: statistics.median(v) for name, v in ms.items()}
+        rows.append({"context": context, "batch": batch, "rank": rank, "ms": result,
+                     "pool_bytes": pools})
+        del variants, fulls, shards, slots
+        torch.cuda.empty_cache()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        _report(args, world, everyone)
+
+
+def _check(pf, source, fulls, layers: int, rows: int) -> None:
+    """One eager forward: every layer's slot equals that layer's full KV, bit for bit."""
+    bad = []
+    for layer in range(layers):
+        pf.begin(layer, source)
+        if not torch.equal(pf.gathered(layer)[:rows], fulls[layer % 2]):
+            bad.append(layer)
+        pf.end(layer)
+    if bad:
+        raise AssertionError(f"DCP all-gather: slots of layers {bad} differ from the full KV")
+
+
+def _report(args, world: int, everyone) -> None:
+    results = []
+    for i, context in enumerate(args.contexts):
+        per_rank = [rows[i] for rows in everyone]
+        ms = {k: max(r["ms"][k] for r in per_rank) for k in per_rank[0]["ms"]}  # slowest rank
+        gather, compute, sync = ms["gather"], ms["compute"], ms["sync"]
+        entry = {"context": context, "batch": args.batch, "layers": args.layers, "world": world,
+                 "ms": ms, "ideal_ms": max(gather, compute), "variants": {}}
+        token_bytes = args.layers * ROW * 2 / world   # one token's KV on one rank
+        for name in ms:
+            if name.startswith("ringflow"):
+                t = ms[name]
+                pool = per_rank[0]["pool_bytes"][name]
+                entry["variants"][name] = {
+                    "ms": t, "speedup_vs_sync": sync / t, "vs_ideal": t / max(gather, compute),
+                    "gather_hidden_pct": 100 * (sync - t) / max(min(gather, compute), 1e-9),
+                    "tokens_per_s_per_gpu": 1000 * args.batch / t / world,
+                    "pool_bytes": pool, "kv_tokens_displaced": int(pool // token_bytes)}
+        entry["sync_tokens_per_s_per_gpu"] = 1000 * args.batch / sync / world
+        entry["sync_pool_bytes"] = per_rank[0]["pool_bytes"]["sync"]
+        results.append(entry)
+    doc = {"gpu": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "command": "python -m ringflow.dcp_bench " +
+           " ".join(sys.argv[1:]), "replays": args.replays, "heads": args.heads,
+           "extra_gemm": args.extra_gemm, "results": results}
+    print(_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+def _table(results) -> str:
+    lines = [f"{'context':>8} {'variant':<12} {'ms':>9} {'x sync':>7} {'/ideal':>7} "
+             f"{'hidden':>7} {'tok/s/GPU':>10} {'pool MiB':>9} {'KV tokens':>10}"]
+    for e in results:
+        lines.append(f"{e['context']:>8} {'sync':<12} {e['ms']['sync']:>9.3f} {'1.00x':>7} "
+                     f"{e['ms']['sync'] / e['ideal_ms']:>7.3f} {'-':>7} "
+                     f"{e['sync_tokens_per_s_per_gpu']:>10.1f} "
+                     f"{e['sync_pool_bytes'] / 2**20:>9.1f} {'-':>10}")
+        for name, v in e["variants"].items():
+            lines.append(f"{e['context']:>8} {name:<12} {v['ms']:>9.3f} "
+                         f"{v['speedup_vs_sync']:>6.2f}x {v['vs_ideal']:>7.3f} "
+                         f"{v['gather_hidden_pct']:>6.1f}% {v['tokens_per_s_per_gpu']:>10.1f} "
+                         f"{v['pool_bytes'] / 2**20:>9.1f} {v['kv_tokens_displaced']:>10,}")
+        lines.append(f"{'':>8} gather alone {e['ms']['gather']:.3f} ms, compute alone "
+                     f"{e['ms']['compute']:.3f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ringflow.dcp_bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=torch.cuda.device_count() or 1)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[65536, 409600])
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--extra-gemm", type=int, default=16384)
+    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
+        raise SystemExit(f"dcp_bench needs {args.world} CUDA GPU(s); found "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if any(d < 1 for d in args.depths):
+        raise SystemExit("--depths are ringflow's lookaheads (>= 1); depth 0 is the sync variant")
+    from ringflow.testing import spawn_group
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_group(args.world, _rank, args, backend="nccl", rendezvous=f"{tmp}/rdzv")
+
+
+if __name__ == "__main__":
+    main()
