@@ -171,3 +171,32 @@ def test_dcp_prefetch_on_nccl_feeds_attention_eager_and_captured(nccl):
     want_kv = snapshots(inline)
     inline.step(snapshots=want_kv)
     assert torch.equal(kv, want_kv)
+
+
+@torch.no_grad()
+def test_resize_and_kv_replacement_on_the_gpu_never_read_a_freed_ring_or_cache():
+    ours, inline = stacks(layers=4)
+    pf = prefetcher(ours, 2, verify=True)
+    ours.refill(0)
+    pf.begin(0, ours.source)                   # gathers of layers 0..2 in flight (slept)
+    pf.resize(ours.capacity, 1 << 30)          # a new ring while they run
+    old = ours.caches
+    pf.retire("KV cache replaced")
+    ours.caches = [c.clone() for c in old]     # the engine re-binds its caches
+    for c in old:
+        c.fill_(float("nan"))
+    inline.caches = [c.clone() for c in ours.caches]
+    for layer in range(1, 4):
+        pf.begin(layer, ours.source)
+        pf.end(layer)
+    for step in range(3):
+        for s in (ours, inline):
+            s.refill(10 + step)
+        got_kv, want_kv = snapshots(ours), snapshots(inline)
+        ours.step(pf, snapshots=got_kv)
+        inline.step(snapshots=want_kv)
+        assert torch.equal(got_kv, want_kv)
+        for s in (ours, inline):
+            s.advance()
+    torch.cuda.synchronize()
+    assert not pf.verification.mismatches and pf.pool.free_count == pf.pool.slots

@@ -269,3 +269,37 @@ def test_the_vllm_hooks_refuse_a_ring_once_the_kv_cache_is_sized():
         assert second._ringflow_kv == (model, 1)
     finally:
         attention._group.reset(token)
+
+
+def test_a_workspace_resize_retires_the_step_and_replans_over_the_new_ring():
+    stack = PagedAttentionStack(4, seed=8)
+    stack.start([12, 40, 3])
+    pf = _prefetcher(stack, 1)
+    stack.refill(0)
+    pf.begin(0, stack.source)                      # a step in flight holds slots of the old ring
+    old = pf.pool
+    with pytest.raises(ProfileError, match="kv_prefetch.workspace_mib"):
+        pf.resize(stack.capacity, 1024)            # too small: refused before anything is lost
+    assert pf.pool is old and pf.stepper.in_forward
+    pf.resize(2 * stack.capacity, 64 * MIB)
+    assert pf.pool is not old and old.storage.numel() == 0      # the old ring is gone
+    assert pf.gathered(0) is None and not pf.stepper.in_forward
+    new_span = (pf.pool.storage.data_ptr(), pf.pool.storage.data_ptr() + pf.pool.reserved_bytes)
+    inline = PagedAttentionStack(4, seed=8)
+    inline.start([12, 40, 3])
+    inline.caches = [c.clone() for c in stack.caches]
+    seen = []
+    for layer in range(1, 4):                      # the rest of the retired step: inert
+        pf.begin(layer, stack.source)
+        pf.end(layer)
+    for s in (stack, inline):
+        s.refill(1)
+    real_begin = pf.begin
+
+    def begin(layer, sources):
+        real_begin(layer, sources)
+        seen.append(pf.gathered(layer).data_ptr())
+    pf.begin = begin
+    assert torch.equal(stack.step(pf), inline.step())
+    assert all(new_span[0] <= p < new_span[1] for p in seen)
+    assert pf.capacity_tokens == 2 * stack.capacity and not pf.verification.mismatches

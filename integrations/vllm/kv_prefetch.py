@@ -37,7 +37,7 @@ from ringflow.graphs.stepped import LayerStepper
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.kernels import dcp_all_gather, dcp_local_capacity, page_gather, paged_gather
 from ringflow.kernels import reference as ref
-from ringflow.orchestrator.budget import MIB
+from ringflow.orchestrator.budget import MIB, PoolLayout
 from ringflow.orchestrator.planner import Planner
 from ringflow.orchestrator.slots import SlotPool
 
@@ -135,30 +135,13 @@ class KVPrefetcher:
                  workspace_bytes: int, device: torch.device | str, dcp: DcpGroup | None = None,
                  verify: bool = False, capture: str = "join", gather_priority: str = "normal",
                  poison: bool = False, name: str = "kv", lane: str = "kv") -> None:
-        if capacity_tokens < 1 or max_requests < 1:
-            raise ProfileError("kv_prefetch.capacity_tokens", f"a slot must hold at least one "
-                               f"token of one request, got {capacity_tokens} tokens and "
-                               f"{max_requests} requests")
         if dcp is not None and layout.kind != "rows":
             raise RingflowError("a DCP all-gather restores token order and needs a rows layout; "
                                 "this backend's cache is paged opaquely")
         self.layout, self.dcp, self.verify = layout, dcp, verify
-        self.capacity_tokens, self.max_requests = capacity_tokens, max_requests
         self.name, self.lane, self.device = name, lane, torch.device(device)
-        self.capacity = layout.units(capacity_tokens, max_requests)
-        self.local_capacity = (dcp_local_capacity(capacity_tokens, max_requests, dcp.size,
-                                                  dcp.interleave) if dcp else 0)
-        rows = self.capacity + (dcp.size * self.local_capacity if dcp else 0)
-        slot_bytes = rows * torch.Size(layout.unit).numel() * layout.dtype.itemsize
-        try:
-            self.pool = SlotPool(lane, (rows, *layout.unit), layout.dtype, depth=depth,
-                                 workspace_bytes=workspace_bytes, device=self.device)
-        except ProfileError:
-            raise ProfileError(
-                "kv_prefetch.workspace_mib",
-                f"a ring of {workspace_bytes / MIB:.2f} MiB is smaller than one full-KV slot "
-                f"({slot_bytes / MIB:.2f} MiB for {capacity_tokens:,} tokens); accepted: at "
-                f"least {slot_bytes / MIB:.2f} MiB, or fewer capacity_tokens") from None
+        self.max_requests, self.depth = max_requests, depth
+        self._allocate(capacity_tokens, workspace_bytes)
         self._executor_options = dict(capture=capture, gather_priority=gather_priority)
         self.poison = poison
         self.layers = 0
@@ -175,6 +158,51 @@ class KVPrefetcher:
         self._current = -1
         #: called before each gather on the gather stream (tests inject a sleep kernel here)
         self.gather_hook: Callable[[], None] | None = None
+
+    def _sizes(self, capacity_tokens: int, workspace_bytes: int) -> tuple[int, int, int]:
+        """(slot rows, output rows, staging rows per rank), checked against the budget."""
+        if capacity_tokens < 1 or self.max_requests < 1:
+            raise ProfileError("kv_prefetch.capacity_tokens", f"a slot must hold at least one "
+                               f"token of one request, got {capacity_tokens} tokens and "
+                               f"{self.max_requests} requests")
+        layout, dcp = self.layout, self.dcp
+        capacity = layout.units(capacity_tokens, self.max_requests)
+        local = (dcp_local_capacity(capacity_tokens, self.max_requests, dcp.size,
+                                    dcp.interleave) if dcp else 0)
+        rows = capacity + (dcp.size * local if dcp else 0)
+        slot_bytes = rows * torch.Size(layout.unit).numel() * layout.dtype.itemsize
+        try:
+            PoolLayout.fit(self.lane, slot_bytes, self.depth, workspace_bytes)
+        except ProfileError:
+            raise ProfileError(
+                "kv_prefetch.workspace_mib",
+                f"a ring of {workspace_bytes / MIB:.2f} MiB is smaller than one full-KV slot "
+                f"({slot_bytes / MIB:.2f} MiB for {capacity_tokens:,} tokens); accepted: at "
+                f"least {slot_bytes / MIB:.2f} MiB, or fewer capacity_tokens") from None
+        return rows, capacity, local
+
+    def _allocate(self, capacity_tokens: int, workspace_bytes: int) -> None:
+        """The ring: the one allocation of this lane (Note [Lifecycle])."""
+        rows, capacity, local = self._sizes(capacity_tokens, workspace_bytes)
+        self.pool = SlotPool(self.lane, (rows, *self.layout.unit), self.layout.dtype,
+                             depth=self.depth, workspace_bytes=workspace_bytes,
+                             device=self.device)
+        self.capacity_tokens, self.capacity, self.local_capacity = capacity_tokens, capacity, local
+
+    def resize(self, capacity_tokens: int, workspace_bytes: int) -> None:
+        """A new ring for new sizes: every per-step state retires, the old ring is freed after
+        its last reader, the new one allocated and the plan rebuilt over it. Host-syncs.
+
+        Raises:
+            ProfileError: the new sizes do not fit (checked first: nothing is lost then).
+        """
+        self._sizes(capacity_tokens, workspace_bytes)
+        self.retire("the workspace is resized")
+        self.pool.close()
+        self._allocate(capacity_tokens, workspace_bytes)
+        layers, self.stepper, self.dag = self.layers, None, None
+        if layers:
+            self.plan(layers)
 
     @property
     def reserved_bytes(self) -> int:
