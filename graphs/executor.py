@@ -115,7 +115,7 @@ class DagExecutor:
             for step in self._steps[start:stop]:
                 step()
         except BaseException:
-            self._abandon()
+            self.abandon()
             raise
 
     def lease(self, lane: str, layer: int) -> Lease | None:
@@ -124,9 +124,6 @@ class DagExecutor:
 
     def abandon(self) -> None:
         """Give back every lease of an unfinished forward (host-syncs unless capturing)."""
-        self._abandon()
-
-    def _abandon(self) -> None:
         outstanding = sum(pool.reclaim(sync=self._may_sync()) for pool in self.pools.values())
         self._leases.clear()
         if outstanding:

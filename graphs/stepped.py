@@ -81,7 +81,7 @@ class LayerStepper:
             raise PlanError(f"after({layer}) without a matching before({layer}); the engine "
                             f"must call both around every layer")
         if self.poison:
-            lease = self._path.lease(self.lane, layer)
+            lease = self.lease(layer)
             if lease is not None:  # bytes 0xFF read as NaN in every float format
                 lease.tensor.fill_(255 if not lease.tensor.dtype.is_floating_point
                                    else float("nan"))
@@ -91,6 +91,14 @@ class LayerStepper:
             self.forwards += 1
             if self.on_forward_done is not None:
                 self.on_forward_done()
+
+    def lease(self, layer: int):
+        """The lease ``layer`` holds in the forward in flight (None outside one)."""
+        return None if self._path is None else self._path.lease(self.lane, layer)
+
+    def abandon(self) -> None:
+        """Hand back every slot of the forward in flight and forget it (host-syncs)."""
+        self._reset(abandon=True)
 
     def _issue(self, stop: int) -> None:
         try:

@@ -273,13 +273,13 @@ class KVPrefetcher:
             return None
         if layer != self._current or layer not in self._valid:
             return None
-        lease = self.stepper._path.lease(self.lane, layer)
+        lease = self.stepper.lease(layer)
         return None if lease is None else lease.tensor[: self.capacity]
 
     def retire(self, reason: str) -> None:
         """Forget all per-step state; a step in flight hands its slots back (host sync)."""
         if self.stepper is not None and self.stepper.in_forward:
-            self.stepper._reset(abandon=True)
+            self.stepper.abandon()
             log.info("'%s': %s; the step in flight was abandoned and its slots returned",
                      self.name, reason)
         self.pool.reclaim(sync=True)
