@@ -347,7 +347,13 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
 
     def source(j: int) -> KVSource | None:
         layer = model.layers[j]()
-        common = getattr(_metadata(context, model.names[j]), "_ringflow_common", None)
+        meta = _metadata(context, model.names[j])
+        common = getattr(meta, "_ringflow_common", None)
+        if meta is not None and common is None:
+            _state.log_once("no-common", "attention metadata of type %s was not built through "
+                            "AttentionGroup.build_metadata* (vLLM's V2 model runner builds it "
+                            "elsewhere); full-KV prefetch is off for these steps",
+                            type(meta).__name__)
         if layer is None or common is None:
             return None
         cache = layer.kv_cache

@@ -297,6 +297,9 @@ class KVPrefetcher:
         self._step_ok = first is not None and (bound is None or bound <= self.capacity_tokens)
         if first is None:
             self.skipped_steps += 1
+            if self.skipped_steps == 1:
+                log.warning("'%s': the engine gave no KV source for the first layer of a step; "
+                            "such steps run without prefetched KV", self.name)
         elif not self._step_ok:
             self.skipped_steps += 1
             if self.skipped_steps == 1 or self.skipped_steps % 1000 == 0:
