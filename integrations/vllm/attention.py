@@ -75,6 +75,7 @@ class ModelLanes:
         spec = profile.kv_prefetch
         scheduler, model = vllm_config.scheduler_config, vllm_config.model_config
         self.key, self.layout, self.view, self.name = key, layout, view, name
+        self.max_model_len = model.max_model_len
         self.names: list[str] = []
         self.layers: list[weakref.ref] = []
         capacity = spec.capacity_tokens or scheduler.max_num_seqs * model.max_model_len
@@ -374,7 +375,7 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
             return None
         found = lens.get(id(common))
         if found is None:
-            found = lens[id(common)] = _context_lens(common)
+            found = lens[id(common)] = _context_lens(common, model.max_model_len)
         context_lens, bound = found
         return KVSource(cache, common.block_table_tensor[: context_lens.shape[0]], context_lens,
                         bound)
@@ -382,11 +383,18 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
     return source
 
 
-def _context_lens(common) -> tuple[torch.Tensor, int | None]:
-    """Tokens each request already has in the cache (device), and a host-side bound of the sum."""
+def _context_lens(common, max_model_len: int) -> tuple[torch.Tensor, int | None]:
+    """Tokens each request already has in the cache (device), and a host-side bound of the sum.
+
+    Inside a CUDA graph capture the bound must hold for every replay, whose lengths are not
+    known yet: it is the worst case, so a ring smaller than ``requests x max_model_len`` leaves
+    captured steps without prefetch (and says so) rather than handing out a truncated slot.
+    """
     n = common.num_reqs
     starts = common.query_start_loc
     context = common.seq_lens[:n] - (starts[1: n + 1] - starts[:n])
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return context, n * max_model_len
     upper = getattr(common, "seq_lens_cpu_upper_bound", None)
     starts_cpu = getattr(common, "query_start_loc_cpu", None)
     if upper is not None and starts_cpu is not None:
