@@ -153,6 +153,17 @@ def _rank(rank: int, world: int, args) -> None:
             for layer in range(args.layers):
                 model.compute(layer, slots[layer % 2])
 
+        if args.plot:  # every rank takes part (the gathers are collectives); rank 0 plots
+            pf = KVPrefetcher(layout, batch * context, max_requests=batch, depth=args.depths[0],
+                              workspace_bytes=1 << 40, device=device, dcp=dcp, name="timeline")
+            spans = _timeline(pf, model, source, args.layers)
+            del pf
+            if rank == 0:
+                from ringflow.timeline import plot_timeline
+                Path(args.plot).mkdir(parents=True, exist_ok=True)
+                plot_timeline(spans, Path(args.plot) / f"dcp-allgather-{context}-x{world}.png",
+                              title=f"dcp-allgather, {world} GPU(s), context {context:,}: one "
+                                    f"forward, ringflow eager, depth {args.depths[0]}")
         variants["gather"] = _graph(gather_only)
         variants["compute"] = _graph(compute_only)
         ms = {name: [] for name in variants}
@@ -170,6 +181,43 @@ def _rank(rank: int, world: int, args) -> None:
     dist.all_gather_object(everyone, rows)
     if rank == 0:
         _report(args, world, everyone)
+
+
+def _timeline(pf, model, source, layers: int) -> list[dict]:
+    """Gather and compute spans of one eager forward (after a warm-up), on one clock."""
+    marks = []
+    gather = pf._gather
+
+    def timed_gather(layer, lane, slot):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gather(layer, lane, slot)
+        end.record()
+        marks.append(("gather", layer, start, end))
+
+    pf._gather = timed_gather  # the executor binds it when the plan is made, next line
+    pf.plan(layers)
+
+    def forward():
+        for layer in range(layers):
+            pf.begin(layer, source)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.compute(layer, pf.gathered(layer))
+            end.record()
+            marks.append(("compute", layer, start, end))
+            pf.end(layer)
+
+    forward()
+    torch.cuda.synchronize()
+    marks.clear()
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record()
+    forward()
+    torch.cuda.synchronize()
+    return [{"lane": "kv", "kind": kind, "layer": layer,
+             "start_ms": round(origin.elapsed_time(s), 4), "end_ms": round(origin.elapsed_time(e), 4)}
+            for kind, layer, s, e in marks]
 
 
 def _check(pf, source, fulls, layers: int, rows: int) -> None:
@@ -244,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="folder for one timeline PNG per context")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
         raise SystemExit(f"dcp_bench needs {args.world} CUDA GPU(s); found "
