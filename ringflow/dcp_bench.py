@@ -87,13 +87,20 @@ def _elapsed_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
-def _graph(fn):
-    fn()  # warm-up, eagerly
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+class _Graph:
+    """``fn`` captured once. The graph holds raw pointers into whatever ``fn`` reaches (a
+    prefetcher's ring): keeping ``fn`` alive keeps that memory alive as long as the graph."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        fn()  # warm-up, eagerly
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 def _rank(rank: int, world: int, args) -> None:
@@ -136,7 +143,7 @@ def _rank(rank: int, world: int, args) -> None:
             if depth == args.depths[0]:
                 _check(pf, source, fulls, args.layers, batch * context)
             name = "sync" if depth == 0 else f"ringflow d{depth}"
-            variants[name] = _graph(forward_with(pf))
+            variants[name] = _Graph(forward_with(pf))
             pools[name] = pf.reserved_bytes
         local = dcp_local_capacity(batch * context, batch, world)
         slots = [torch.empty(batch * context + world * local, ROW, dtype=torch.bfloat16,
@@ -164,8 +171,8 @@ def _rank(rank: int, world: int, args) -> None:
                 plot_timeline(spans, Path(args.plot) / f"dcp-allgather-{context}-x{world}.png",
                               title=f"dcp-allgather, {world} GPU(s), context {context:,}: one "
                                     f"forward, ringflow eager, depth {args.depths[0]}")
-        variants["gather"] = _graph(gather_only)
-        variants["compute"] = _graph(compute_only)
+        variants["gather"] = _Graph(gather_only)
+        variants["compute"] = _Graph(compute_only)
         ms = {name: [] for name in variants}
         for round_ in range(args.replays + 2):  # interleaved; the first two rounds warm up
             for name, graph in variants.items():
