@@ -193,6 +193,9 @@ class KVPrefetcher:
         """A new ring for new sizes: every per-step state retires, the old ring is freed after
         its last reader, the new one allocated and the plan rebuilt over it. Host-syncs.
 
+        A CUDA graph captured over the old ring keeps its raw pointers: drop and recapture
+        such graphs (vLLM recaptures after it re-initialises its KV cache).
+
         Raises:
             ProfileError: the new sizes do not fit (checked first: nothing is lost then).
         """
