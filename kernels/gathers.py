@@ -60,6 +60,20 @@ def index_gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
     return dst
 
 
+def packed_positions(units: torch.Tensor, capacity: int):
+    """Requests packed one after another into ``capacity`` rows, computed on the device.
+
+    ``units[r]`` rows belong to request r. Returns, per row: the request it belongs to, its
+    index within that request, and whether it is used at all (rows past the last are not).
+    """
+    ends = torch.cumsum(units, 0)
+    row = torch.arange(capacity, device=units.device)
+    request = torch.searchsorted(ends, row, right=True)
+    valid = request < units.shape[0]
+    request = request.clamp_(max=max(units.shape[0] - 1, 0))
+    return request, row - (ends[request] - units[request]), valid
+
+
 def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """Pack the paged rows of each request into ``out``, request after request, no host sync.
@@ -86,14 +100,8 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     if not (cache.device == block_table.device == seq_lens.device == out.device):
         raise KernelError("cache, block_table, seq_lens and out must share a device")
     block_size = cache.shape[1]
-    capacity = out.shape[0]
     lens = seq_lens.to(torch.int64)
-    ends = torch.cumsum(lens, 0)
-    row = torch.arange(capacity, device=out.device)
-    request = torch.searchsorted(ends, row, right=True)
-    valid = request < lens.shape[0]
-    request = request.clamp_(max=lens.shape[0] - 1)
-    pos = row - (ends[request] - lens[request])
+    request, pos, valid = packed_positions(lens, out.shape[0])
     block = block_table.to(torch.int64)[request, (pos // block_size).clamp_(max=block_table.shape[1] - 1)]
     block = torch.where(valid, block, torch.zeros_like(block))
     offset = torch.where(valid, pos % block_size, torch.zeros_like(pos))

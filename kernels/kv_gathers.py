@@ -20,21 +20,11 @@ import torch
 import torch.distributed as dist
 
 from ringflow.errors import KernelError
-from ringflow.kernels.gathers import paged_gather
+from ringflow.kernels.gathers import packed_positions, paged_gather
 
 
 # torch >= 2.12 names it all_gather_single and deprecates the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _packed(lens: torch.Tensor, units: torch.Tensor, capacity: int):
-    """For ``capacity`` packed positions: (request, index within request, valid)."""
-    ends = torch.cumsum(units, 0)
-    pos = torch.arange(capacity, device=lens.device)
-    request = torch.searchsorted(ends, pos, right=True)
-    valid = request < units.shape[0]
-    request = request.clamp_(max=max(units.shape[0] - 1, 0))
-    return request, pos - (ends[request] - units[request]), valid
 
 
 def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -55,7 +45,7 @@ def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
         raise KernelError(f"block_size must be positive, got {block_size}")
     lens = seq_lens.to(torch.int64)
     pages = (lens + block_size - 1) // block_size
-    request, index, valid = _packed(lens, pages, out.shape[0])
+    request, index, valid = packed_positions(pages, out.shape[0])
     block = block_table.to(torch.int64)[request, index.clamp_(max=block_table.shape[1] - 1)]
     block = torch.where(valid, block, torch.zeros_like(block))
     torch.index_select(cache, 0, block, out=out)
@@ -104,7 +94,7 @@ def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
     _all_gather(staging.view(-1, *staging.shape[2:]), staging[rank], group=group)
 
     lens = seq_lens.to(torch.int64)
-    request, t, valid = _packed(lens, lens, out.shape[0])
+    request, t, valid = packed_positions(lens, out.shape[0])
     owner = (t // interleave) % size
     position = (t // (interleave * size)) * interleave + t % interleave
     starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive

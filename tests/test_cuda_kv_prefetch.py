@@ -41,6 +41,20 @@ def snapshots(stack):
                       dtype=stack.dtype, device="cuda")
 
 
+def steps_agree(ours, inline, pf, steps, seed=0, *, outputs=True):
+    """Run ``steps`` steps on both stacks; every layer must read the same context KV."""
+    for step in range(steps):
+        for s in (ours, inline):
+            s.refill(seed + step)
+        got_kv, want_kv = snapshots(ours), snapshots(inline)
+        got, want = ours.step(pf, snapshots=got_kv), inline.step(snapshots=want_kv)
+        assert torch.equal(got_kv, want_kv), f"step {step}: a slot differs from its context KV"
+        if outputs:
+            assert torch.equal(got, want), f"step {step}: attention outputs differ"
+        for s in (ours, inline):
+            s.advance()
+
+
 @pytest.mark.parametrize("lens", [[5, 0, 300], [64, 128, 1]])
 def test_page_and_strided_row_gathers_match_their_references_on_the_gpu(lens):
     gen = torch.Generator().manual_seed(1)
@@ -61,15 +75,7 @@ def test_page_and_strided_row_gathers_match_their_references_on_the_gpu(lens):
 def test_eager_prefetch_feeds_attention_the_exact_context_kv(depth, query_len):
     ours, inline = stacks(query_len=query_len)
     pf = prefetcher(ours, depth, verify=True)
-    for step in range(4):
-        for s in (ours, inline):
-            s.refill(step)
-        got_kv, want_kv = snapshots(ours), snapshots(inline)
-        got, want = ours.step(pf, snapshots=got_kv), inline.step(snapshots=want_kv)
-        assert torch.equal(got_kv, want_kv), f"step {step}: a slot differs from its context KV"
-        assert torch.equal(got, want), f"step {step}: attention outputs differ"
-        for s in (ours, inline):
-            s.advance()
+    steps_agree(ours, inline, pf, 4)
     torch.cuda.synchronize()
     assert pf.verification.checked == 4 * ours.layers and not pf.verification.mismatches
     assert pf.pool.free_count == pf.pool.slots
@@ -149,15 +155,7 @@ def test_dcp_all_gather_on_nccl_eager_and_captured(nccl):
 def test_dcp_prefetch_on_nccl_feeds_attention_eager_and_captured(nccl):
     ours, inline = stacks(layers=4)
     pf = prefetcher(ours, 1, dcp=DcpGroup(nccl, 1, 0), verify=True)
-    for step in range(2):
-        for s in (ours, inline):
-            s.refill(step)
-        got_kv, want_kv = snapshots(ours), snapshots(inline)
-        ours.step(pf, snapshots=got_kv)
-        inline.step(snapshots=want_kv)
-        assert torch.equal(got_kv, want_kv)
-        for s in (ours, inline):
-            s.advance()
+    steps_agree(ours, inline, pf, 2, outputs=False)
     assert pf.verification.checked == 8 and not pf.verification.mismatches
     out, kv = torch.empty_like(ours.queries), snapshots(ours)
     inline.refill(100)
@@ -189,14 +187,6 @@ def test_resize_and_kv_replacement_on_the_gpu_never_read_a_freed_ring_or_cache()
     for layer in range(1, 4):
         pf.begin(layer, ours.source)
         pf.end(layer)
-    for step in range(3):
-        for s in (ours, inline):
-            s.refill(10 + step)
-        got_kv, want_kv = snapshots(ours), snapshots(inline)
-        ours.step(pf, snapshots=got_kv)
-        inline.step(snapshots=want_kv)
-        assert torch.equal(got_kv, want_kv)
-        for s in (ours, inline):
-            s.advance()
+    steps_agree(ours, inline, pf, 3, seed=10, outputs=False)
     torch.cuda.synchronize()
     assert not pf.verification.mismatches and pf.pool.free_count == pf.pool.slots

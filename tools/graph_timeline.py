@@ -84,28 +84,26 @@ def main() -> None:
         variants[name] = plain
     spans = {name: {} for name in timed}
     totals = {name: [] for name in list(timed) + [f"{n}-untimed" for n in variants]}
-    for r in range(args.replays + 2):
+    def replay(graph) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        origin = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
+        origin.record()
+        graph.run()
+        done.record()
+        done.synchronize()
+        return origin, done
+
+    for r in range(args.replays + 2):  # the first two rounds warm up
         work.refresh(7000 + r, sources=False)
         for name, (graph, marks) in timed.items():
-            origin = torch.cuda.Event(enable_timing=True)
-            done = torch.cuda.Event(enable_timing=True)
-            origin.record()
-            graph.run()
-            done.record()
-            done.synchronize()
-            if r < 2:
-                continue
-            totals[name].append(origin.elapsed_time(done))
-            for kind, layer, start, end in marks:
-                spans[name].setdefault((kind, layer), []).append(
-                    (origin.elapsed_time(start), origin.elapsed_time(end)))
+            origin, done = replay(graph)
+            if r >= 2:
+                totals[name].append(origin.elapsed_time(done))
+                for kind, layer, start, end in marks:
+                    spans[name].setdefault((kind, layer), []).append(
+                        (origin.elapsed_time(start), origin.elapsed_time(end)))
         for name, plain in variants.items():
-            origin = torch.cuda.Event(enable_timing=True)
-            done = torch.cuda.Event(enable_timing=True)
-            origin.record()
-            plain.run()
-            done.record()
-            done.synchronize()
+            origin, done = replay(plain)
             if r >= 2:
                 totals[f"{name}-untimed"].append(origin.elapsed_time(done))
     med = {name: {f"{k}/L{l}": [statistics.median(s for s, _ in v), statistics.median(e for _, e in v)]

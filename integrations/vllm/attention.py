@@ -39,6 +39,7 @@ import torch
 
 from ringflow.errors import RingflowError
 from ringflow.graphs.executor import poison_default
+from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
 from ringflow.orchestrator.budget import MIB
@@ -134,27 +135,14 @@ def install() -> None:
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker import utils as worker_utils
 
-    _wrap(attention.Attention, "__init__", _after_init)
-    _wrap(mla_attention.MLAAttention, "__init__", _after_init)
-    _wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
+    wrap(attention.Attention, "__init__", _after_init)
+    wrap(mla_attention.MLAAttention, "__init__", _after_init)
+    wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
     for name in ("build_metadata", "build_metadata_for_cudagraph_capture",
                  "build_metadata_for_drafting"):
         if hasattr(worker_utils.AttentionGroup, name):
-            _wrap(worker_utils.AttentionGroup, name, _keep_common_metadata)
-    _wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
-
-
-def _wrap(cls: type, name: str, hook) -> None:
-    original = getattr(cls, name)
-    if getattr(original, "_ringflow_hook", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        return hook(original, self, *args, **kwargs)
-
-    wrapper._ringflow_hook = True
-    setattr(cls, name, wrapper)
+            wrap(worker_utils.AttentionGroup, name, _keep_common_metadata)
+    wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
 
 
 def new_model_load() -> None:

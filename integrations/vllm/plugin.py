@@ -21,7 +21,6 @@ Errors in a profile stop vLLM at start-up with one ``ringflow: ...`` line in the
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ from torch import nn
 from ringflow.errors import ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.vllm import attention, ops
+from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.weight_stream import WeightStreamer
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.budget import MIB
@@ -68,9 +68,9 @@ def register() -> None:
     except (ImportError, AttributeError) as exc:
         log.warning("ringflow: vLLM's attention layers are not where this plugin looks (%s); "
                     "full-KV prefetch stays off", exc)
-    _wrap(gpu_worker.Worker, "load_model", _load_model)
-    _wrap(gpu_worker.Worker, "initialize_from_config", _initialize_from_config)
-    _wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights)
+    wrap(gpu_worker.Worker, "load_model", _load_model)
+    wrap(gpu_worker.Worker, "initialize_from_config", _initialize_from_config)
+    wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights)
 
 
 def _ensure_log_handler() -> None:
@@ -80,19 +80,6 @@ def _ensure_log_handler() -> None:
         log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
-
-
-def _wrap(cls: type, name: str, hook) -> None:
-    original = getattr(cls, name)
-    if getattr(original, "_ringflow_hook", False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(self, *args, **kwargs):
-        return hook(original, self, *args, **kwargs)
-
-    wrapper._ringflow_hook = True
-    setattr(cls, name, wrapper)
 
 
 def profile_from(vllm_config) -> Profile | None:
