@@ -99,24 +99,34 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
                           f"of {tuple(out.shape)} {out.dtype}")
     if not (cache.device == block_table.device == seq_lens.device == out.device):
         raise KernelError("cache, block_table, seq_lens and out must share a device")
+    if block_table.shape[0] == 0:
+        return out.zero_()
     block_size = cache.shape[1]
     lens = seq_lens.to(torch.int64)
     request, pos, valid = packed_positions(lens, out.shape[0])
     block = block_table.to(torch.int64)[request, (pos // block_size).clamp_(max=block_table.shape[1] - 1)]
     block = torch.where(valid, block, torch.zeros_like(block))
     offset = torch.where(valid, pos % block_size, torch.zeros_like(pos))
-    rows = _flat_rows(cache)
+    rows, per_block = _row_view(cache)
     if rows is not None:
-        torch.index_select(rows, 0, block * block_size + offset, out=out)
-    else:  # a strided view of an engine's cache (e.g. K and V planes): index it in place
+        torch.index_select(rows, 0, block * per_block + offset, out=out)
+    else:  # rows that no stride pattern reaches: index in place (a temporary of out's size)
         out.copy_(cache[block, offset])
     out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
     return out
 
 
-def _flat_rows(cache: torch.Tensor) -> torch.Tensor | None:
-    """``cache`` as ``[num_blocks * block_size, *row]`` without a copy, or None if impossible."""
-    try:
-        return cache.view(-1, *cache.shape[2:])
-    except RuntimeError:
-        return None
+def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``cache`` ``[blocks, block_size, *row]`` as one row axis, without a copy.
+
+    A block may be padded or its rows interleaved with other data (K and V planes): as long as
+    a block's stride is a whole number of row strides, row ``b * per_block + t`` is token t of
+    block b. Returns (None, 0) when no such view exists.
+    """
+    step = cache.stride(1)
+    if step <= 0 or cache.stride(0) % step:
+        return None, 0
+    per_block = cache.stride(0) // step
+    rows = cache.as_strided((cache.shape[0] * per_block, *cache.shape[2:]),
+                            (step, *cache.stride()[2:]), cache.storage_offset())
+    return rows, per_block

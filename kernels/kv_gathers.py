@@ -43,6 +43,10 @@ def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
                           f"slot of {tuple(out.shape)} {out.dtype}")
     if block_size < 1:
         raise KernelError(f"block_size must be positive, got {block_size}")
+    if not (cache.device == block_table.device == seq_lens.device == out.device):
+        raise KernelError("cache, block_table, seq_lens and out must share a device")
+    if block_table.shape[0] == 0:
+        return out.zero_()
     lens = seq_lens.to(torch.int64)
     pages = (lens + block_size - 1) // block_size
     request, index, valid = packed_positions(pages, out.shape[0])
@@ -89,6 +93,14 @@ def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
         raise KernelError("staging must be contiguous and of the slot's dtype")
     if interleave < 1:
         raise KernelError(f"interleave must be positive, got {interleave}")
+    requests = block_table.shape[0]
+    needed = dcp_local_capacity(out.shape[0], requests, size, interleave)
+    if staging.shape[1] < needed:
+        raise KernelError(f"staging holds {staging.shape[1]} rows per rank; {requests} requests "
+                          f"of up to {out.shape[0]} tokens over {size} ranks need {needed} "
+                          f"(dcp_local_capacity)")
+    if requests == 0:  # every rank sees the same batch: all skip the collective together
+        return out.zero_()
     local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
     paged_gather(cache, block_table, local[:, rank], staging[rank])
     _all_gather(staging.view(-1, *staging.shape[2:]), staging[rank], group=group)

@@ -18,7 +18,7 @@ gather then compute on one stream), ``ringflow dN`` (depth N), ``gather`` alone 
 alone (their maximum is the ideal). Reported per context: ms per forward, hidden = (sync −
 ringflow) / min(gather, compute), decode tokens/s per GPU, pool bytes and the KV tokens the pool
 costs (pool bytes over one token's KV on one rank: layers × 1152 B / world). Before timing, one
-eager forward checks every layer's slot against the full KV (bit-exact).
+eager forward checks every layer's slot against the full KV (bit-exact), for every variant.
 """
 
 from __future__ import annotations
@@ -140,8 +140,7 @@ def _rank(rank: int, world: int, args) -> None:
                               workspace_bytes=1 << 40, device=device, dcp=dcp,
                               name=f"dcp-d{depth}")
             pf.plan(args.layers)
-            if depth == args.depths[0]:
-                _check(pf, source, fulls, args.layers, batch * context)
+            _check(pf, source, fulls, args.layers, batch * context)
             name = "sync" if depth == 0 else f"ringflow d{depth}"
             variants[name] = _Graph(forward_with(pf))
             pools[name] = pf.reserved_bytes

@@ -117,3 +117,36 @@ def _bench_shards(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_the_dcp_benchmarks_shards_gather_back_to_its_full_kv(tmp_path, world):
     spawn_group(world, _bench_shards, rendezvous=str(tmp_path / "rdzv"))
+
+
+def test_paged_gather_reads_padded_blocks_through_a_row_view():
+    """Blocks padded past their rows (a block stride that is not block_size rows)."""
+    gen = torch.Generator().manual_seed(9)
+    padded = torch.randn(6, 5, 3, generator=gen)          # 5 row-slots per block, 4 used
+    cache = padded[:, :4]
+    table = torch.tensor([[4, 1], [0, 5]])
+    seq = torch.tensor([7, 2])
+    out = torch.full((12, 3), float("nan"))
+    paged_gather(cache, table, seq, out)
+    assert torch.equal(out, ref.paged_gather_ref(cache.contiguous(), table, seq, 12))
+
+
+def test_gathers_of_an_empty_batch_zero_the_slot():
+    empty = torch.zeros(0, 2, dtype=torch.int64)
+    out = torch.full((4, 3), float("nan"))
+    paged_gather(torch.randn(2, 4, 3), empty, torch.zeros(0, dtype=torch.int64), out)
+    assert not out.any()
+    out.fill_(float("nan"))
+    page_gather(torch.randn(2, 3), empty, torch.zeros(0, dtype=torch.int64), 4, out)
+    assert not out.any()
+
+
+def _small_staging(rank: int, world: int) -> None:
+    with pytest.raises(KernelError, match="dcp_local_capacity"):
+        dcp_all_gather(torch.zeros(2, 4, 3), torch.zeros(3, 2, dtype=torch.int64),
+                       torch.tensor([3, 3, 3]), torch.zeros(8, 3), torch.zeros(1, 4, 3),
+                       dist.group.WORLD)
+
+
+def test_dcp_all_gather_refuses_a_staging_part_too_small_for_the_batch(tmp_path):
+    spawn_group(1, _small_staging, rendezvous=str(tmp_path / "rdzv"))

@@ -146,6 +146,7 @@ def test_a_step_larger_than_a_slot_runs_without_prefetch_and_says_so(caplog):
         pf.begin(0, lambda j: KVSource(stack.caches[j], stack.block_table,
                                        torch.tensor([10, 10, 10]), max_tokens=30))
     assert pf.gathered(0) is None and "does not fit a slot of 16" in caplog.text
+    assert pf.skipped == {"capacity": 1}
     pf.end(0)
 
 
@@ -303,3 +304,58 @@ def test_a_workspace_resize_retires_the_step_and_replans_over_the_new_ring():
     assert torch.equal(stack.step(pf), inline.step())
     assert all(new_span[0] <= p < new_span[1] for p in seen)
     assert pf.capacity_tokens == 2 * stack.capacity and not pf.verification.mismatches
+
+
+def test_a_step_cut_short_after_layer_0_does_not_leak_into_the_next():
+    """An engine step that ends after layer 0 (an error, a dummy run): the next step's layer 0
+    starts afresh with its own sources, not the old step's."""
+    stack = PagedAttentionStack(3, seed=11)
+    stack.start([9, 20, 4])
+    pf = _prefetcher(stack, 1)
+    stack.refill(0)
+    pf.begin(0, stack.source)
+    pf.end(0)                                        # ... and layer 1 never comes
+    old = stack.caches
+    stack.caches = [torch.randn_like(c) for c in old]
+    for c in old:
+        c.fill_(float("nan"))
+    inline = PagedAttentionStack(3, seed=11)
+    inline.start([9, 20, 4])
+    inline.caches = [c.clone() for c in stack.caches]
+    for s in (stack, inline):
+        s.refill(1)
+    assert torch.equal(stack.step(pf), inline.step())
+    assert not pf.verification.mismatches
+
+
+def test_a_step_with_more_requests_than_the_ring_was_sized_for_is_skipped(caplog):
+    stack = PagedAttentionStack(2, seed=12, requests=3)
+    layout = KVLayout("rows", (stack.row,), stack.dtype, stack.block_size)
+    pf = KVPrefetcher(layout, stack.capacity, max_requests=2, depth=1, workspace_bytes=MIB,
+                      device="cpu")
+    pf.plan(2)
+    with caplog.at_level(logging.WARNING, "ringflow"):
+        pf.begin(0, stack.source)
+    assert pf.gathered(0) is None and "3 requests exceeds the 2" in caplog.text
+    assert pf.skipped == {"requests": 1}
+
+
+def test_an_engine_that_goes_back_mid_step_drops_the_step_without_raising(caplog):
+    stack = PagedAttentionStack(4, seed=13)
+    stack.start([5, 5, 5])
+    pf = _prefetcher(stack, 1)
+    stack.refill(0)
+    for layer in (0, 1, 2):
+        pf.begin(layer, stack.source)
+        pf.end(layer)
+    with caplog.at_level(logging.WARNING, "ringflow"):
+        pf.begin(1, stack.source)                    # back to layer 1: not a new step
+    assert "layer 1 came after layer 2" in caplog.text
+    assert pf.gathered(1) is None and pf.pool.free_count == pf.pool.slots
+    pf.end(1)
+    inline = PagedAttentionStack(4, seed=13)
+    inline.start([5, 5, 5])
+    inline.caches = [c.clone() for c in stack.caches]
+    for s in (stack, inline):
+        s.refill(1)
+    assert torch.equal(stack.step(pf), inline.step())

@@ -82,11 +82,12 @@ class ModelLanes:
         capacity = spec.capacity_tokens or scheduler.max_num_seqs * model.max_model_len
         ubatches = 2 if getattr(vllm_config.parallel_config, "enable_dbo", False) else 1
         device = _device(vllm_config)
-        dcp = _dcp_group(vllm_config)
-        self.lanes = [
+        self.connector: bool | None = None  # a KV connector in use (known at the first step)
+        self.lanes = [  # each lane gathers over a DCP communicator of its own
             KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
                          depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
-                         device=device, dcp=dcp, verify=spec.verify, capture=profile.capture,
+                         device=device, dcp=_dcp_group(vllm_config), verify=spec.verify,
+                         capture=profile.capture,
                          gather_priority=profile.gather_priority, poison=poison_default(),
                          name=f"{name}/ubatch{u}", lane=f"kv{u}")
             for u in range(ubatches)]
@@ -175,8 +176,8 @@ def _keep_common_metadata(original, group, *args, **kwargs):
     ubatch = 0 if drafting else kwargs.get("ubatch_idx", args[1] if len(args) > 1 else 0)
     kernel = group._with_kernel_block_table(common, ubatch) \
         if hasattr(group, "_with_kernel_block_table") else common
-    try:
-        result._ringflow_common = kernel
+    try:  # with the layers it was built for: vLLM copies metadata across groups
+        result._ringflow_common = (kernel, frozenset(group.layer_names))
     except (AttributeError, TypeError):
         _state.log_once(f"meta:{type(result).__name__}", "%s takes no extra attributes; "
                         "its layers run without full-KV prefetch", type(result).__name__)
@@ -184,11 +185,11 @@ def _keep_common_metadata(original, group, *args, **kwargs):
 
 
 def _initialize_kv_cache(original, runner, *args, **kwargs):
-    result = original(runner, *args, **kwargs)
+    # before the old caches go: a step in flight may still have gathers reading them
     for model in _state.models.values():
         for lane in model.lanes:
-            lane.retire("the KV cache was (re)bound")
-    return result
+            lane.retire("the KV cache is (re)bound")
+    return original(runner, *args, **kwargs)
 
 
 # -- attaching layers ---------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
             return original(*args, **kwargs)
         try:
             result = original(*args, **kwargs)
-            if lane.verify and hasattr(model.layers[index](), "kv_lora_rank"):
+            if lane.verify and lane.dcp is None and hasattr(model.layers[index](), "kv_lora_rank"):
                 _check_mla_output(model, lane, index, args, kwargs)
         finally:
             lane.end(index)
@@ -312,6 +313,14 @@ def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
         return None
     context = get_forward_context()
     if context.attn_metadata is None:  # profiling and dummy runs: nothing to gather
+        return None
+    if model.connector is None:
+        model.connector = _has_kv_connector()
+        if model.connector:
+            _state.log_once("connector", "a KV connector loads KV layer by layer inside the "
+                            "attention op, after the gather was issued; full-KV prefetch "
+                            "stays off")
+    if model.connector:
         return None
     lane = model.lane()
     if lane is None:
@@ -336,13 +345,7 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
 
     def source(j: int) -> KVSource | None:
         layer = model.layers[j]()
-        meta = _metadata(context, model.names[j])
-        common = getattr(meta, "_ringflow_common", None)
-        if meta is not None and common is None:
-            _state.log_once("no-common", "attention metadata of type %s was not built through "
-                            "AttentionGroup.build_metadata* (vLLM's V2 model runner builds it "
-                            "elsewhere); full-KV prefetch is off for these steps",
-                            type(meta).__name__)
+        common = _common(_metadata(context, model.names[j]), model.names[j])
         if layer is None or common is None:
             return None
         cache = layer.kv_cache
@@ -369,6 +372,26 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
                         bound)
 
     return source
+
+
+def _common(meta, name: str):
+    """The backend-neutral metadata kept for layer ``name``, or None (logged once)."""
+    if meta is None:
+        return None
+    kept = getattr(meta, "_ringflow_common", None)
+    if kept is None:
+        _state.log_once("no-common", "attention metadata of type %s was not built through "
+                        "AttentionGroup.build_metadata* (vLLM's V2 model runner builds it "
+                        "elsewhere); full-KV prefetch is off for these steps",
+                        type(meta).__name__)
+        return None
+    common, names = kept
+    if name not in names:  # metadata vLLM copied from another KV-cache group's
+        _state.log_once(f"group:{name}", "layer %s reads attention metadata built for another "
+                        "KV-cache group (vLLM reuses it and swaps the block table); it runs "
+                        "without full-KV prefetch", name)
+        return None
+    return common
 
 
 def _context_lens(common, max_model_len: int) -> tuple[torch.Tensor, int | None]:
@@ -406,7 +429,7 @@ def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, k
         return
     q, kv_cache = args[0], args[3]
     output = kwargs.get("output")
-    common = getattr(_metadata(_context(), model.names[index]), "_ringflow_common", None)
+    common = _common(_metadata(_context(), model.names[index]), model.names[index])
     if output is None or common is None:
         return
     n, latent = common.num_reqs, layer.kv_lora_rank
@@ -458,6 +481,14 @@ def _device(config) -> torch.device:
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _has_kv_connector() -> bool:
+    try:
+        from vllm.distributed.kv_transfer import has_kv_transfer_group
+    except ImportError:
+        return False
+    return has_kv_transfer_group()
 
 
 def _ubatch_id() -> int:

@@ -149,13 +149,14 @@ class KVPrefetcher:
         self.dag = None
         self.verification = Verification()
         self.steps = 0
-        self.skipped_steps = 0
+        self.skipped: dict[str, int] = {}  # steps run without prefetch, by reason
         self.retired = 0
         self.orphan_layers = 0
         self._valid: set[int] = set()
         self._sources: Callable[[int], KVSource] | None = None
         self._step_ok = False
         self._current = -1
+        self._open: int | None = None  # the layer begun and not yet ended
         #: called before each gather on the gather stream (tests inject a sleep kernel here)
         self.gather_hook: Callable[[], None] | None = None
 
@@ -202,8 +203,8 @@ class KVPrefetcher:
         self._sizes(capacity_tokens, workspace_bytes)
         self.retire("the workspace is resized")
         self.pool.close()
+        layers, self.stepper, self.dag = self.layers, None, None  # no plan over a closed ring
         self._allocate(capacity_tokens, workspace_bytes)
-        layers, self.stepper, self.dag = self.layers, None, None
         if layers:
             self.plan(layers)
 
@@ -238,29 +239,37 @@ class KVPrefetcher:
     # -- the step -----------------------------------------------------------------------------
 
     def begin(self, layer: int, sources: Callable[[int], KVSource | None]) -> None:
-        """Before ``layer``'s attention (or its KV update, whichever comes first; idempotent).
+        """Before ``layer``'s attention (or its KV update, whichever comes first).
 
         Waits for the layer's gather on the current stream and issues the gathers the plan
-        puts before it. At the first layer of a step ``sources`` becomes the step's sources.
+        puts before it. Layer 0 starts a step and ``sources`` becomes the step's sources; a
+        second ``begin`` of the layer in flight (update, then attention) does nothing.
         """
         if self.stepper is None:
             raise RingflowError(f"'{self.name}' has no plan; call plan(layers) first")
-        if layer == self._current and self.stepper.in_forward:
+        if layer == self._open:
             return
-        if not self.stepper.in_forward and layer != 0:
-            self.orphan_layers += 1  # the rest of a step that was retired: nothing to wait for
+        if layer != 0 and (not self.stepper.in_forward or layer < self._current):
+            if self.stepper.in_forward:  # the engine went back mid-step: drop this step
+                log.warning("'%s': layer %d came after layer %d; the step is dropped and its "
+                            "slots returned; prefetch resumes at the next layer 0", self.name,
+                            layer, self._current)
+                self.stepper.abandon()
+                self._current = -1
+            self.orphan_layers += 1  # the rest of a dropped or retired step: nothing to do
             return
-        if layer == 0 or layer < self._current:
+        if layer == 0:
             self._start_step(sources)
         self.stepper.before(layer)
-        self._current = layer
+        self._current = self._open = layer
         if self.verify and self._step_ok and layer in self._valid:
             self._verify(layer)
 
     def end(self, layer: int) -> None:
         """After ``layer``'s attention: its slot retires and the gathers it frees are issued."""
-        if self.stepper is None or layer != self._current:
+        if self.stepper is None or layer != self._open:
             return  # a layer the step did not begin (no metadata, or after a retire)
+        self._open = None
         self.stepper.after(layer)
         if not self.stepper.in_forward:
             self._current = -1
@@ -286,7 +295,7 @@ class KVPrefetcher:
             log.info("'%s': %s; the step in flight was abandoned and its slots returned",
                      self.name, reason)
         self.pool.reclaim(sync=True)
-        self._sources, self._current, self._step_ok = None, -1, False
+        self._sources, self._current, self._open, self._step_ok = None, -1, None, False
         self.retired += 1
 
     # -- internals ----------------------------------------------------------------------------
@@ -296,20 +305,33 @@ class KVPrefetcher:
         self._valid.clear()
         self.steps += 1
         first = sources(0)
-        bound = None if first is None else first.max_tokens
-        self._step_ok = first is not None and (bound is None or bound <= self.capacity_tokens)
+        reason = None
         if first is None:
-            self.skipped_steps += 1
-            if self.skipped_steps == 1:
-                log.warning("'%s': the engine gave no KV source for the first layer of a step; "
-                            "such steps run without prefetched KV", self.name)
-        elif not self._step_ok:
-            self.skipped_steps += 1
-            if self.skipped_steps == 1 or self.skipped_steps % 1000 == 0:
-                log.warning("'%s': a step with up to %d context tokens does not fit a slot of "
-                            "%d; it runs without prefetched KV (%d such step(s) so far); raise "
-                            "kv_prefetch.capacity_tokens to cover it", self.name, bound,
-                            self.capacity_tokens, self.skipped_steps)
+            reason = ("no-source", "the engine gave no KV source for the first layer of a step",
+                      "check the log line above for why")
+        elif first.block_table.shape[0] > self.max_requests:
+            reason = ("requests", f"a step of {first.block_table.shape[0]} requests exceeds the "
+                      f"{self.max_requests} the ring was sized for", "raise max_requests")
+        else:
+            bound = first.max_tokens
+            if bound is None:  # every block the table can address: a bound with no sync
+                bound = first.block_table.numel() * self.layout.block_size * \
+                    (self.dcp.size if self.dcp else 1)
+            if bound > self.capacity_tokens:
+                reason = ("capacity", f"a step with up to {bound:,} context tokens does not fit "
+                          f"a slot of {self.capacity_tokens:,}",
+                          "raise kv_prefetch.capacity_tokens")
+        self._step_ok = reason is None
+        if reason is not None:
+            key, what, fix = reason
+            count = self.skipped[key] = self.skipped.get(key, 0) + 1
+            if count == 1 or count % 1000 == 0:
+                log.warning("'%s': %s; it runs without prefetched KV (%d such step(s) so far; "
+                            "%s)", self.name, what, count, fix)
+
+    @property
+    def skipped_steps(self) -> int:
+        return sum(self.skipped.values())
 
     def _gather(self, layer: int, lane: str, slot: torch.Tensor) -> None:
         if not self._step_ok:
