@@ -127,6 +127,11 @@ def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     if step <= 0 or cache.stride(0) % step:
         return None, 0
     per_block = cache.stride(0) // step
-    rows = cache.as_strided((cache.shape[0] * per_block, *cache.shape[2:]),
-                            (step, *cache.stride()[2:]), cache.storage_offset())
+    if cache.shape[0] == 0:
+        return None, 0
+    # up to the last block's last token only: rows past a block's tokens may reach beyond the
+    # storage when other data (the other heads) sits between a block's rows
+    count = (cache.shape[0] - 1) * per_block + cache.shape[1]
+    rows = cache.as_strided((count, *cache.shape[2:]), (step, *cache.stride()[2:]),
+                            cache.storage_offset())
     return rows, per_block

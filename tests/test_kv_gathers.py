@@ -150,3 +150,18 @@ def _small_staging(rank: int, world: int) -> None:
 
 def test_dcp_all_gather_refuses_a_staging_part_too_small_for_the_batch(tmp_path):
     spawn_group(1, _small_staging, rendezvous=str(tmp_path / "rdzv"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_gather_reads_rows_interleaved_with_other_heads(device):
+    """[blocks, heads, tokens, content] read as token rows: a block's rows are spread between
+    the heads, so a row view must stop at the last block's last token."""
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(40, 2, 64, 128, generator=gen).to(device)
+    rows = cache.permute(0, 2, 1, 3)
+    table = torch.randperm(40, generator=gen)[:30].view(3, 10).to(device)
+    table[2, 9] = 39                                       # the cache's last block is read
+    seq = torch.tensor([5, 0, 640], device=device)
+    out = torch.full((700, 2, 128), float("nan"), device=device)
+    paged_gather(rows, table, seq, out)
+    assert torch.equal(out.cpu(), ref.paged_gather_ref(rows.contiguous(), table, seq, 700))
