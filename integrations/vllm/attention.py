@@ -326,8 +326,13 @@ def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
     if lane is None:
         return None
     lane.plan(len(model.names))
-    lane.begin(index, _step_sources(model, context))
+    # sources matter only where a step starts: no per-layer closure on the hot path
+    lane.begin(index, _step_sources(model, context) if index == 0 else _no_sources)
     return lane
+
+
+def _no_sources(j: int) -> None:
+    return None
 
 
 def _metadata(context, name: str):
