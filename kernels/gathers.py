@@ -60,6 +60,21 @@ def index_gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
     return dst
 
 
+def check_paged_args(cache: torch.Tensor, row_dim: int, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """What every paged gather needs: a table per request, rows that fit ``out``, one device.
+
+    ``cache.shape[row_dim:]`` is one unit copied (a token row, or a whole page)."""
+    if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        raise KernelError(f"block_table must be [requests, max_blocks] and seq_lens [requests], "
+                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    if cache.dtype != out.dtype or cache.shape[row_dim:] != out.shape[1:]:
+        raise KernelError(f"cannot gather pages of {tuple(cache.shape)} {cache.dtype} into a "
+                          f"slot of {tuple(out.shape)} {out.dtype}")
+    if not (cache.device == block_table.device == seq_lens.device == out.device):
+        raise KernelError("cache, block_table, seq_lens and out must share a device")
+
+
 def packed_positions(units: torch.Tensor, capacity: int):
     """Requests packed one after another into ``capacity`` rows, computed on the device.
 
@@ -91,14 +106,7 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     """
     if cache.dim() < 2:
         raise KernelError(f"cache must be [num_blocks, block_size, ...], got {tuple(cache.shape)}")
-    if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        raise KernelError(f"block_table must be [requests, max_blocks] and seq_lens [requests], got "
-                          f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
-    if cache.dtype != out.dtype or cache.shape[2:] != out.shape[1:]:
-        raise KernelError(f"cannot gather pages of {tuple(cache.shape)} {cache.dtype} into a slot "
-                          f"of {tuple(out.shape)} {out.dtype}")
-    if not (cache.device == block_table.device == seq_lens.device == out.device):
-        raise KernelError("cache, block_table, seq_lens and out must share a device")
+    check_paged_args(cache, 2, block_table, seq_lens, out)
     if block_table.shape[0] == 0:
         return out.zero_()
     block_size = cache.shape[1]

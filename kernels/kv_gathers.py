@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringflow.errors import KernelError
-from ringflow.kernels.gathers import packed_positions, paged_gather
+from ringflow.kernels.gathers import check_paged_args, packed_positions, paged_gather
 
 
 # torch >= 2.12 names it all_gather_single and deprecates the old name
@@ -35,16 +35,9 @@ def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
     kernel): ``cache`` is ``[num_blocks, *page]`` and pages are copied whole. Request r takes
     ``ceil(seq_lens[r] / block_size)`` pages; pages past the last are zeroed.
     """
-    if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        raise KernelError(f"block_table must be [requests, max_blocks] and seq_lens [requests], "
-                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
-    if cache.dtype != out.dtype or cache.shape[1:] != out.shape[1:]:
-        raise KernelError(f"cannot gather pages of {tuple(cache.shape)} {cache.dtype} into a "
-                          f"slot of {tuple(out.shape)} {out.dtype}")
+    check_paged_args(cache, 1, block_table, seq_lens, out)
     if block_size < 1:
         raise KernelError(f"block_size must be positive, got {block_size}")
-    if not (cache.device == block_table.device == seq_lens.device == out.device):
-        raise KernelError("cache, block_table, seq_lens and out must share a device")
     if block_table.shape[0] == 0:
         return out.zero_()
     lens = seq_lens.to(torch.int64)

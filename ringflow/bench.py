@@ -209,6 +209,17 @@ def release_memory() -> None:
         empty_host_cache()
 
 
+def scenario_parts(profile: Profile):
+    """What every measurement of ``profile`` starts from, on the GPU: its pools, plan,
+    synthetic workload and the set of gathered layers."""
+    pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
+    dag = Planner.from_profile(profile).plan()
+    work = SyntheticWorkload(profile, "cuda")
+    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
+        else set(profile.gathered_layers)
+    return pools, dag, work, gathered
+
+
 def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
              timeline_dir: Path | None) -> Result:
     torch.cuda.synchronize()
@@ -217,11 +228,7 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     priority = priority or profile.gather_priority
     lane = profile.lanes[0]
     _say(f"{name}: allocating pools and {profile.workload.store_layers} source layers")
-    pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
-    dag = Planner.from_profile(profile).plan()
-    work = SyntheticWorkload(profile, "cuda")
-    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
-        else set(profile.gathered_layers)
+    pools, dag, work, gathered = scenario_parts(profile)
     graph_pool = torch.cuda.graph_pool_handle()
 
     def gather_only() -> None:

@@ -24,6 +24,18 @@ def _prefetcher(stack, depth, *, verify=True, poison=True, capacity=None, mib=64
     return pf
 
 
+def _next_step_matches_inline(stack, pf, seed=1):
+    """One more step with ``pf``, against a twin of ``stack`` (same caches, table, lengths)
+    that gathers inline."""
+    inline = PagedAttentionStack(stack.layers)
+    inline.caches = [c.clone() for c in stack.caches]
+    inline.block_table = stack.block_table.clone()
+    inline.context_lens = stack.context_lens.clone()
+    for s in (stack, inline):
+        s.refill(seed)
+    return torch.equal(stack.step(pf), inline.step())
+
+
 def _twin(seed=0, **kw):
     return PagedAttentionStack(5, seed=seed, **kw), PagedAttentionStack(5, seed=seed, **kw)
 
@@ -103,12 +115,7 @@ def test_kv_cache_replacement_mid_step_never_reads_the_old_cache():
         pf.begin(layer, stack.source)
         assert pf.gathered(layer) is None
         pf.end(layer)
-    inline = PagedAttentionStack(4, seed=2)
-    inline.caches = [c.clone() for c in stack.caches]
-    inline.start([10, 30, 2])
-    for s in (stack, inline):
-        s.refill(1)
-    assert torch.equal(stack.step(pf), inline.step())
+    assert _next_step_matches_inline(stack, pf)
     assert not pf.verification.mismatches and pf.retired == 1
     assert not torch.isnan(stack.step(pf)).any()
 
@@ -129,12 +136,7 @@ def test_exhaustion_is_typed_and_hands_every_slot_back():
     with pytest.raises(SlotPoolExhausted):
         stack.step(pf)
     assert pf.pool.free_count == pf.pool.slots    # the failed step reclaimed the whole ring
-    inline = PagedAttentionStack(4, seed=3)
-    inline.start([8, 8, 8])
-    inline.caches = [c.clone() for c in stack.caches]
-    stack.refill(1)
-    inline.refill(1)
-    assert torch.equal(stack.step(pf), inline.step())
+    assert _next_step_matches_inline(stack, pf)
 
 
 def test_a_step_larger_than_a_slot_runs_without_prefetch_and_says_so(caplog):
@@ -286,22 +288,17 @@ def test_a_workspace_resize_retires_the_step_and_replans_over_the_new_ring():
     assert pf.pool is not old and old.storage.numel() == 0      # the old ring is gone
     assert pf.gathered(0) is None and not pf.stepper.in_forward
     new_span = (pf.pool.storage.data_ptr(), pf.pool.storage.data_ptr() + pf.pool.reserved_bytes)
-    inline = PagedAttentionStack(4, seed=8)
-    inline.start([12, 40, 3])
-    inline.caches = [c.clone() for c in stack.caches]
     seen = []
     for layer in range(1, 4):                      # the rest of the retired step: inert
         pf.begin(layer, stack.source)
         pf.end(layer)
-    for s in (stack, inline):
-        s.refill(1)
     real_begin = pf.begin
 
     def begin(layer, sources):
         real_begin(layer, sources)
         seen.append(pf.gathered(layer).data_ptr())
     pf.begin = begin
-    assert torch.equal(stack.step(pf), inline.step())
+    assert _next_step_matches_inline(stack, pf)
     assert all(new_span[0] <= p < new_span[1] for p in seen)
     assert pf.capacity_tokens == 2 * stack.capacity and not pf.verification.mismatches
 
@@ -319,12 +316,7 @@ def test_a_step_cut_short_after_layer_0_does_not_leak_into_the_next():
     stack.caches = [torch.randn_like(c) for c in old]
     for c in old:
         c.fill_(float("nan"))
-    inline = PagedAttentionStack(3, seed=11)
-    inline.start([9, 20, 4])
-    inline.caches = [c.clone() for c in stack.caches]
-    for s in (stack, inline):
-        s.refill(1)
-    assert torch.equal(stack.step(pf), inline.step())
+    assert _next_step_matches_inline(stack, pf)
     assert not pf.verification.mismatches
 
 
@@ -353,9 +345,4 @@ def test_an_engine_that_goes_back_mid_step_drops_the_step_without_raising(caplog
     assert "layer 1 came after layer 2" in caplog.text
     assert pf.gathered(1) is None and pf.pool.free_count == pf.pool.slots
     pf.end(1)
-    inline = PagedAttentionStack(4, seed=13)
-    inline.start([5, 5, 5])
-    inline.caches = [c.clone() for c in stack.caches]
-    for s in (stack, inline):
-        s.refill(1)
-    assert torch.equal(stack.step(pf), inline.step())
+    assert _next_step_matches_inline(stack, pf)

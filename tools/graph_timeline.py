@@ -18,12 +18,9 @@ import sys
 
 import torch
 
-from ringflow.bench import SCENARIOS, HandRing, _Graphed
+from ringflow.bench import SCENARIOS, HandRing, _Graphed, scenario_parts
 from ringflow.graphs.captured import CapturedExecutor
-from ringflow.orchestrator.planner import Planner
 from ringflow.orchestrator.profile import Profile
-from ringflow.orchestrator.slots import SlotPool
-from ringflow.workload import SyntheticWorkload
 
 
 class Stamped:
@@ -57,11 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     profile = Profile.load(SCENARIOS[args.scenario])
     lane = profile.lanes[0]
-    pools = [SlotPool.for_profile(profile, name, "cuda") for name in profile.lanes]
-    dag = Planner.from_profile(profile).plan()
-    work = SyntheticWorkload(profile, "cuda")
-    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
-        else set(profile.gathered_layers)
+    pools, dag, work, gathered = scenario_parts(profile)
     pool = torch.cuda.graph_pool_handle()
     timed, variants = {}, {}
     for name in ("ringflow", "hand"):

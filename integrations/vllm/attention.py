@@ -136,6 +136,7 @@ def install() -> None:
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker import utils as worker_utils
 
+    _resolve_step_functions()
     wrap(attention.Attention, "__init__", _after_init)
     wrap(mla_attention.MLAAttention, "__init__", _after_init)
     wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
@@ -308,10 +309,9 @@ def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
 
 
 def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-    if not is_forward_context_available():
+    if not _vllm.context_available():
         return None
-    context = get_forward_context()
+    context = _vllm.context()
     if context.attn_metadata is None:  # profiling and dummy runs: nothing to gather
         return None
     if model.connector is None:
@@ -434,7 +434,7 @@ def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, k
         return
     q, kv_cache = args[0], args[3]
     output = kwargs.get("output")
-    common = _common(_metadata(_context(), model.names[index]), model.names[index])
+    common = _common(_metadata(_vllm.context(), model.names[index]), model.names[index])
     if output is None or common is None:
         return
     n, latent = common.num_reqs, layer.kv_lora_rank
@@ -474,11 +474,6 @@ def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, k
                   worst)
 
 
-def _context():
-    from vllm.forward_context import get_forward_context
-    return get_forward_context()
-
-
 # -- environment --------------------------------------------------------------------------------
 
 def _device(config) -> torch.device:
@@ -496,12 +491,29 @@ def _has_kv_connector() -> bool:
     return has_kv_transfer_group()
 
 
-def _ubatch_id() -> int:
+class _StepFunctions:
+    """vLLM functions every hooked layer call needs, looked up once (not per layer)."""
+
+    context_available = staticmethod(lambda: False)
+    context = staticmethod(lambda: None)
+    ubatch = staticmethod(lambda: 0)
+
+
+_vllm = _StepFunctions()
+
+
+def _resolve_step_functions() -> None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    _vllm.context_available, _vllm.context = is_forward_context_available, get_forward_context
     try:
         from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-    except ImportError:
-        return 0
-    return dbo_current_ubatch_id()
+    except ImportError:  # a vLLM without dual-batch overlap: one micro-batch
+        return
+    _vllm.ubatch = dbo_current_ubatch_id
+
+
+def _ubatch_id() -> int:
+    return _vllm.ubatch()
 
 
 def _dcp_group(config) -> DcpGroup | None:
