@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ringflow.errors import RingflowError
+
 ROW, BLOCK = 576, 64
 
 
@@ -235,7 +237,8 @@ def _check(pf, source, fulls, layers: int, rows: int) -> None:
             bad.append(layer)
         pf.end(layer)
     if bad:
-        raise AssertionError(f"DCP all-gather: slots of layers {bad} differ from the full KV")
+        raise RingflowError(f"DCP all-gather: the slots of layers {bad} differ from the full KV; "
+                            f"the measurement is void (report this with the command line)")
 
 
 def _report(args, world: int, everyone) -> None:
@@ -301,14 +304,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", help="folder for one timeline PNG per context")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        raise SystemExit(f"dcp_bench needs {args.world} CUDA GPU(s); found "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        raise RingflowError(f"dcp_bench needs {args.world} CUDA GPU(s) of one host and found "
+                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
+                            f"run it on a multi-GPU machine or lower --world")
     if any(d < 1 for d in args.depths):
-        raise SystemExit("--depths are ringflow's lookaheads (>= 1); depth 0 is the sync variant")
+        raise RingflowError("--depths are ringflow's lookaheads (>= 1); depth 0 is the sync "
+                            "variant, always measured")
     from ringflow.testing import spawn_group
     with tempfile.TemporaryDirectory() as tmp:
         spawn_group(args.world, _rank, args, backend="nccl", rendezvous=f"{tmp}/rdzv")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RingflowError as exc:
+        print(f"ringflow dcp_bench: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
