@@ -173,19 +173,6 @@ def test_bad_profiles_stop_vllm_at_start_up_with_one_clear_message(eager, bad):
     assert sum(needle in line for line in run["log"]) == 1  # logged once, before vLLM unwinds
 
 
-def test_weight_streaming_works_under_torch_compile(tmp_path):
-    cases = [{"name": "plain", "model": "llama", "eager": False,
-              "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}},
-             {"name": "streamed", "model": "llama", "eager": False, "env": POISON,
-              "additional_config": ring([1, 2, 3], 1)}]
-    results, _ = run_cases(tmp_path, cases)
-    plain, streamed = results["plain"], results["streamed"]
-    assert "error" not in streamed, streamed["error"]
-    assert streamed["tokens"] == plain["tokens"]
-    assert max_logprob_diff(streamed, plain) < 1e-4
-    assert streamed["forwards"][0] >= 8  # the stepper ran inside the compiled model
-
-
 def test_the_plugin_loads_in_vllms_worker_process_with_multiprocessing_on(tmp_path, eager):
     results, _ = eager
     profile = tmp_path / "p.yaml"

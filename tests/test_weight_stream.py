@@ -99,9 +99,79 @@ def test_bad_requests_say_what_to_change():
 
 
 def test_the_layer_ops_are_real_custom_ops_that_declare_their_mutation():
-    schema = torch.ops.ringflow.layer_begin.default._schema
-    assert re.search(r"Tensor\(a\d*!\) anchor", str(schema)), schema
+    begin = str(torch.ops.ringflow.layer_begin.default._schema)
+    end = str(torch.ops.ringflow.layer_end.default._schema)
+    assert re.search(r"Tensor\(a\d*!\) anchor", begin), begin
+    assert re.search(r"Tensor\(a\d*!\)\[\] tensors", end), end
     assert set(ops.OP_NAMES) == {"ringflow::layer_begin", "ringflow::layer_end"}
+
+
+class _SandwichLayer(nn.Module):
+    """A Gemma2-style layer: it returns (hidden, residual), and the residual is a cheap
+    pointwise function of a streamed norm weight (what Inductor recomputed after the release)."""
+
+    def __init__(self, hidden, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.proj = nn.Parameter(torch.randn(hidden, hidden, generator=g) / hidden ** 0.5,
+                                 requires_grad=False)
+        self.post_norm = nn.Parameter(0.1 * torch.randn(hidden, generator=g), requires_grad=False)
+
+    def forward(self, positions, hidden, residual=None):
+        residual = hidden if residual is None else hidden + residual
+        residual = torch.tanh(hidden @ self.proj) * (1.0 + self.post_norm) + residual
+        return torch.tanh(residual), residual
+
+
+def test_the_release_anchors_every_tensor_a_streamed_layer_returns():
+    """Note [Release boundary under torch.compile]: both outputs enter layer_end, so no
+    compiler may compute either of them after the slot is released."""
+    layers = nn.ModuleList(_SandwichLayer(16, i) for i in range(3))
+    ws = WeightStreamer(layers, [0, 1, 2], depth=1, workspace_bytes=1 << 20)  # noqa: F841 (alive)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def run(h):
+        r, positions = None, torch.arange(h.shape[0])
+        for layer in layers:
+            h, r = layer(positions, h, r)
+        return h + r
+
+    torch._dynamo.reset()
+    torch.compile(run, backend=capture, fullgraph=True)(torch.randn(4, 16))
+    [gm] = graphs
+    end = torch.ops.ringflow.layer_end
+    ends = [n for n in gm.graph.nodes if n.target in (end, end.default)]
+    assert len(ends) == 3
+    for node in ends:
+        anchored = node.args[0]
+        assert len(anchored) == 2, f"layer_end anchors {len(anchored)} of the layer's 2 outputs"
+        assert {a.meta["example_value"].shape for a in anchored} == {torch.Size([4, 16])}
+
+
+def test_a_sandwich_norm_stack_compiled_by_inductor_reads_only_its_own_weights():
+    layers = nn.ModuleList(_SandwichLayer(32, i) for i in range(4))
+    x = torch.randn(5, 32)
+    r = None
+    h = x
+    for layer in layers:
+        h, r = layer(None, h, r)
+    want = h + r
+    ws = WeightStreamer(layers, [1, 2, 3], depth=1, workspace_bytes=1 << 22, poison=True)
+
+    def run(h):
+        r = None
+        for layer in layers:
+            h, r = layer(None, h, r)
+        return h + r
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True)
+    for _ in range(2):
+        assert torch.allclose(compiled(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_streaming_under_torch_compile_keeps_the_layer_order():

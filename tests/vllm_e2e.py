@@ -17,29 +17,59 @@ import sys
 import time
 from pathlib import Path
 
+_SMALL = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 4, "intermediate_size": 512, "vocab_size": 1000,
+          "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+          "torch_dtype": "float32"}
 MODELS = {
-    "llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "num_hidden_layers": 4, "intermediate_size": 512, "vocab_size": 1000,
-        "max_position_embeddings": 512, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
-        "eos_token_id": 2, "torch_dtype": "float32",
+    "llama": {  # dense
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **_SMALL, "head_dim": 64,
+        "hidden_act": "silu",
     },
     "dsv2": {  # DeepSeek-V2 with MLA; every layer dense (first_k_dense_replace >= layers)
-        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 4, "intermediate_size": 512, "moe_intermediate_size": 128,
-        "vocab_size": 1000, "max_position_embeddings": 512, "hidden_act": "silu",
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "kv_lora_rank": 512, "q_lora_rank": None,
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **_SMALL,
+        "num_key_value_heads": 4, "moe_intermediate_size": 128, "hidden_act": "silu",
+        "kv_lora_rank": 512, "q_lora_rank": None,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
         "first_k_dense_replace": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
         "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
-        "scoring_func": "softmax", "torch_dtype": "float32",
+        "scoring_func": "softmax",
+    },
+    "qwen3_moe": {  # mixture of experts: FusedMoE's w13_weight / w2_weight are streamed
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_SMALL,
+        "head_dim": 64, "hidden_act": "silu", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "gemma2": {  # sandwich norms (post-attention and post-feedforward), soft-capping
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **_SMALL,
+        "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 64, "tie_word_embeddings": True,
+    },
+    "gemma3": {  # sliding-window layers between global ones (two KV-cache groups)
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_SMALL,
+        "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                        "full_attention"],
+        "query_pre_attn_scalar": 64, "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "opt": {  # decoder layers at model.decoder.layers, learned positions, biases
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 256,
+        "num_attention_heads": 4, "num_hidden_layers": 4, "ffn_dim": 512,
+        "vocab_size": 1000, "max_position_embeddings": 512, "word_embed_proj_dim": 256,
+        "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "torch_dtype": "float32",
     },
 }
+#: families whose RMSNorm computes x * (1 + w) and whose embeddings are scaled by sqrt(hidden)
+_ONE_PLUS_NORMS = ("gemma2", "gemma3")
+#: tied-embedding families: larger layer weights, so the output is not the input token echoed
+_LAYER_GAIN = {"gemma2": 3.0, "gemma3": 3.0, "opt": 3.0}
 PROMPTS = [[1, 17, 42, 99, 123, 7, 300, 512], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
            [1, 250, 3]]
 
@@ -77,21 +107,57 @@ def write_model(root: Path, name: str) -> str:
                                                          "torch_dtype")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
-        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        shapes = {k: v.shape for k, v in model.named_parameters()}  # tied weights once
     gen = torch.Generator().manual_seed(0)
     weights = {}
     for key, shape in sorted(shapes.items()):
-        if len(shape) == 1:
+        if len(shape) == 1 and key.endswith("bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # norms; Gemma's scale by (1 + w): 2 as well
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif "embed_tokens" in key:
-            t = torch.randn(shape, generator=gen)
+        elif "embed" in key:  # Gemma scales embeddings by sqrt(hidden): keep them small
+            scale = 0.5 * shape[1] ** -0.5 if name in _ONE_PLUS_NORMS else 1.0
+            t = scale * torch.randn(shape, generator=gen)
         elif "lm_head" in key:
             t = 3.0 * torch.randn(shape, generator=gen) / shape[1] ** 0.5
         else:
-            t = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+            t = _LAYER_GAIN.get(name, 1.0) * torch.randn(shape, generator=gen) / shape[1] ** 0.5
         weights[key] = t.float().contiguous()
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
+
+
+def probe_ring_reads(llm, streamer) -> dict[str, float]:
+    """Change one host copy at a time (every parameter of the first offloaded layer) and
+    record how far the first step's top-5 logprobs move: a parameter whose change moves
+    nothing is not read from the ring."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def first_step():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [sorted(o.outputs[0].logprobs[0].items()) for o in outs]
+
+    def moved(a, b):
+        return max(abs(x[1].logprob - y[1].logprob) if x[0] == y[0] else float("inf")
+                   for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+    clean = first_step()
+    gen = torch.Generator().manual_seed(1)
+    shifts = {}
+    for name, host in streamer.host_copies(streamer.offloaded[0]).items():
+        saved = host.clone()
+        host.copy_(torch.randn(host.shape, generator=gen, dtype=torch.float32).to(host.dtype))
+        try:
+            shifts[name] = moved(first_step(), clean)
+        finally:
+            host.copy_(saved)
+    shifts["(restored)"] = moved(first_step(), clean)
+    return shifts
 
 
 class _Lines(logging.Handler):
@@ -140,6 +206,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         result["top5"] = [[sorted([tok, lp.logprob] for tok, lp in step.items())
                            for step in o.outputs[0].logprobs] for o in outs]
         streamer = plugin.latest() if len(plugin.lifecycle) > first_event else None
+        if case.get("probe") and streamer is not None:
+            result["probe"] = probe_ring_reads(llm, streamer)
         result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
         result["kv"] = [kv_stats(model) for model in attention.models()]
     except Exception as exc:  # a profile error must stop vLLM: record what it said

@@ -1,13 +1,44 @@
 """Custom ops that mark a decoder layer's start and end for the LayerStepper.
 
 Under ``torch.compile`` (vLLM compiles its models) Python hooks would be traced away or
-reordered; these ops are opaque to the compiler and declare that they mutate the tensor the
-layer reads first (its hidden states) and the tensor it produces, so every kernel of the layer
-that reads streamed weights stays between them: the weights' wait comes first, the slot's
-retire comes after the last read. In eager mode the hooks call the stepper directly.
+reordered; these ops are opaque to the compiler, and what they declare to mutate is what keeps
+every read of a streamed layer's slot between its wait and its release
+(Note [Release boundary under torch.compile]). In eager mode the hooks call the stepper
+directly.
 
 They are also vLLM "splitting ops" under piecewise CUDA graphs (the plugin registers them), so
 they run eagerly between graph pieces and the gather streams never cross a piece boundary.
+
+Note [Release boundary under torch.compile]
+    ``layer_begin(anchor)`` declares that it mutates the layer's hidden-state input;
+    ``layer_end(tensors)`` declares that it mutates *every tensor the layer returned*.
+    Functionalization turns each into an ``auto_functionalized`` node that consumes those
+    tensors and produces their new versions, and rewrites every later use to the new versions.
+    Hence, under Inductor:
+
+    * Release: a value the layer returned is an input of ``layer_end``, so it is materialized
+      into a buffer before the op runs, and every later reader reads the op's (re-inplaced)
+      result. Inductor cannot recompute a returned value after the release from the layer's
+      weights, because the recomputed value would be the pre-mutation version, which the graph
+      no longer refers to. (Anchoring only the first output let Inductor recompute a Gemma2 /
+      Gemma3 sandwich-norm residual from the streamed ``post_attention_layernorm`` weight after
+      the slot had been refilled: silent wrong tokens.)
+    * Wait: every kernel that combines a weight with the layer's activations depends on the
+      anchor's post-``begin`` version, so it runs after the wait.
+
+    Where this does not hold:
+
+    * A value computed from the slot that leaves the layer other than through its return value
+      (stored in a module attribute, written into a buffer that is not returned) is not
+      anchored and may be read after the release.
+    * A kernel that reads *only* weights (a norm's ``1 + w`` materialized on its own) depends on
+      no declared tensor, so nothing forbids running it before the wait. Inductor inlines such
+      pointwise work into its consumer and keeps graph order otherwise, so we have not seen it;
+      declaring the slot's parameters mutated by ``layer_begin`` would close it, but they alias
+      one ring storage and AOTAutograd's synthetic-base path for mutated aliased inputs failed
+      on torch 2.13 (``assert_size_stride`` on the synthetic base) for rings of several layers.
+    * Freezing (``torch._inductor.config.freezing``) would constant-fold weights; vLLM does
+      not freeze.
 """
 
 from __future__ import annotations
@@ -46,26 +77,30 @@ def _layer_begin_fake(anchor: torch.Tensor, handle: int, layer: int) -> None:
     return None
 
 
-@torch.library.custom_op("ringflow::layer_end", mutates_args=("anchor",))
-def layer_end(anchor: torch.Tensor, handle: int, layer: int) -> None:
+@torch.library.custom_op("ringflow::layer_end", mutates_args=("tensors",))
+def layer_end(tensors: list[torch.Tensor], handle: int, layer: int) -> None:
     _STEPPERS[handle].after(layer)
 
 
 @layer_end.register_fake
-def _layer_end_fake(anchor: torch.Tensor, handle: int, layer: int) -> None:
+def _layer_end_fake(tensors: list[torch.Tensor], handle: int, layer: int) -> None:
     return None
 
 
 def begin(anchor: torch.Tensor, handle: int, layer: int) -> None:
-    """Layer start: the custom op while compiling, a direct call otherwise (cheaper)."""
+    """Layer start (``anchor``: the layer's hidden-state input): the custom op while
+    compiling, a direct call otherwise (cheaper)."""
     if torch.compiler.is_compiling():
         torch.ops.ringflow.layer_begin(anchor, handle, layer)
     else:
         _STEPPERS[handle].before(layer)
 
 
-def end(anchor: torch.Tensor, handle: int, layer: int) -> None:
+def end(output: object, handle: int, layer: int) -> None:
+    """Layer end: ``output`` is whatever the layer returned; every tensor in it is anchored."""
     if torch.compiler.is_compiling():
-        torch.ops.ringflow.layer_end(anchor, handle, layer)
+        leaves = torch.utils._pytree.tree_leaves(output)
+        tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+        torch.ops.ringflow.layer_end(tensors, handle, layer)
     else:
         _STEPPERS[handle].after(layer)

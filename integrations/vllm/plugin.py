@@ -28,11 +28,10 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ringflow.errors import ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.vllm import attention, ops
+from ringflow.integrations.vllm import attention, layers, ops
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.weight_stream import WeightStreamer
 from ringflow.orchestrator import dumps
@@ -68,6 +67,7 @@ def register() -> None:
     except (ImportError, AttributeError) as exc:
         log.warning("ringflow: vLLM's attention layers are not where this plugin looks (%s); "
                     "full-KV prefetch stays off", exc)
+    layers.install()
     wrap(gpu_worker.Worker, "load_model", _load_model)
     wrap(gpu_worker.Worker, "initialize_from_config", _initialize_from_config)
     wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights)
@@ -125,12 +125,13 @@ def _load_model(original, worker, *args, **kwargs):
     streaming = profile is not None and profile.offload is not None
     _plain_gemm = streaming or os.environ.get(ENV_PLAIN_GEMM) == "1"
     try:
-        result = original(worker, *args, **kwargs)
+        with layers.recording() as stacks:
+            result = original(worker, *args, **kwargs)
     finally:
         _plain_gemm = False
     if streaming:
         try:
-            _enable(worker, profile)
+            _enable(worker, profile, stacks)
         except RingflowError as exc:
             log.error("%s", exc)  # one clear line before vLLM's own start-up failure
             raise
@@ -152,26 +153,33 @@ def _initialize_from_config(original, worker, *args, **kwargs):
         lifecycle.append("kv-cache-initialized")
         log.info("KV cache allocated after ringflow's rings (%.2f MiB reserved before sizing)",
                  reserved / MIB)
+        _log_kv_size(worker, streamer, *args, **kwargs)
     attention.kv_cache_sized()
     return original(worker, *args, **kwargs)
+
+
+def _log_kv_size(worker, streamer, kv_cache_config=None, *args, **kwargs) -> None:
+    """What vLLM's own sizing gave the KV cache, and the part ringflow's saving bought."""
+    config = kv_cache_config if kv_cache_config is not None else kwargs.get("kv_cache_config")
+    try:
+        block = config.kv_cache_groups[0].kv_cache_spec.block_size
+        sized = config.num_blocks * block
+    except (AttributeError, IndexError, TypeError):
+        return
+    saved = getattr(streamer, "saved_bytes", None)
+    available = getattr(worker, "available_kv_cache_memory_bytes", None)
+    bought = ""
+    if saved is not None and isinstance(available, int) and available > 0:
+        without = int(config.num_blocks * max(available - saved, 0) / available) * block
+        bought = (f"; without ringflow's measured saving of {saved / MIB:.2f} MiB it would "
+                  f"have been {without:,} ({sized - without:+,} tokens)")
+    log.info("vLLM sized the KV cache at %d blocks x %d = %s tokens%s", config.num_blocks,
+             block, f"{sized:,}", bought)
 
 
 def latest() -> WeightStreamer | None:
     """The most recently built streamer of this process that is still alive."""
     return None if _latest is None else _latest()
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """A vLLM model's decoder layers on this pipeline stage, in execution order."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise RingflowError(f"cannot find the decoder layers of {type(model).__name__} (looked "
-                            f"for model.model.layers); this model is not supported for weight "
-                            f"streaming")
-    start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(layers))
-    return [layer for layer in list(layers)[start:end] if type(layer).__name__ != "PPMissingLayer"]
 
 
 def kv_bytes_per_token(worker) -> float | None:
@@ -184,11 +192,14 @@ def kv_bytes_per_token(worker) -> float | None:
         return None
 
 
-def _enable(worker, profile: Profile) -> WeightStreamer:
-    layers = decoder_layers(worker.model_runner.get_model())
-    offload = profile.offload.resolve(len(layers), profile.source)
+def _enable(worker, profile: Profile, stacks) -> WeightStreamer:
+    _refuse_vllm_offloader()
+    decoder = layers.decoder_layers(worker.model_runner.get_model(), stacks)
+    offload = profile.offload.resolve(len(decoder), profile.source)
+    on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in decoder[0].parameters())
+    before = torch.cuda.memory_allocated() if on_gpu else 0
     streamer = WeightStreamer(
-        layers, offload, depth=profile.offload.depth,
+        decoder, offload, depth=profile.offload.depth,
         workspace_bytes=int(profile.offload.workspace_mib * MIB), capture=profile.capture,
         gather_priority=profile.gather_priority, poison=poison_default(), name=profile.name)
     global _latest
@@ -197,10 +208,21 @@ def _enable(worker, profile: Profile) -> WeightStreamer:
     _latest = weakref.ref(streamer)
     lifecycle.append("ring-allocated")
     per_token = kv_bytes_per_token(worker)
-    cost = (f"it costs {int(streamer.reserved_bytes // per_token):,} KV tokens "
-            f"({per_token:,.0f} B/token)") if per_token else "its KV-token cost is unknown"
-    log.info("profile '%s': %s; allocated before the KV cache is sized, %s", profile.name,
-             streamer.describe(), cost)
+    tokens = (lambda nbytes: f"{int(nbytes // per_token):,} KV tokens ({per_token:,.0f} B/token)"
+              ) if per_token else (lambda nbytes: "an unknown number of KV tokens")
+    if on_gpu:
+        streamer.saved_bytes = before - torch.cuda.memory_allocated()  # measured, not estimated
+        credited = _credit_weights_memory(worker, streamer.saved_bytes)
+        log.info("profile '%s': %s; allocated before the KV cache is sized; device memory "
+                 "%s by %.2f MiB (offloaded weights freed minus the ring)%s, worth %s",
+                 profile.name, streamer.describe(),
+                 "fell" if streamer.saved_bytes >= 0 else "grew", abs(streamer.saved_bytes) / MIB,
+                 ", credited to vLLM's weights memory before it sizes the KV cache" if credited
+                 else " (vLLM's weights memory figure not found: not credited)",
+                 tokens(abs(streamer.saved_bytes)))
+    else:
+        log.info("profile '%s': %s; allocated before the KV cache is sized, it costs %s",
+                 profile.name, streamer.describe(), tokens(streamer.reserved_bytes))
     if streamer.device.type == "cpu":
         log.info("on a CPU, linear layers run plain F.linear (vLLM's packed CPU GEMMs cannot "
                  "read streamed weights)")
@@ -210,6 +232,26 @@ def _enable(worker, profile: Profile) -> WeightStreamer:
     if dump:
         streamer.stepper.on_forward_done = _dump_once(streamer, dump, worker)
     return streamer
+
+
+def _credit_weights_memory(worker, saved: int) -> bool:
+    """vLLM measured the model's weights when loading returned, before streaming freed some:
+    subtract what streaming saved, so the KV budget it computes next includes it."""
+    runner = worker.model_runner
+    if not isinstance(getattr(runner, "model_memory_usage", None), (int, float)):
+        return False
+    runner.model_memory_usage -= saved
+    return True
+
+
+def _refuse_vllm_offloader() -> None:
+    from vllm.model_executor.offloader import get_offloader
+    name = type(get_offloader()).__name__
+    if name != "NoopOffloader":
+        raise RingflowError(f"vLLM's own weight offloader ({name}) is on: it and ringflow's "
+                            f"offload section would both move the same layers' weights; turn "
+                            f"one off (drop --offload-backend/--cpu-offload-gb, or the profile's "
+                            f"offload section)")
 
 
 def _split_pieces_at_layer_ops(vllm_config) -> None:

@@ -137,6 +137,9 @@ class WeightStreamer:
         self.slot_of = {n.layer: n.slot for n in self.dag.nodes
                         if n.kind in (NodeKind.GATHER, NodeKind.SYNC_GATHER)}
 
+        self._regions = {i: regions for i, (regions, _) in layouts.items()}
+        self.saved_bytes: int | None = None  # device bytes streaming freed (the plugin measures)
+
         # 3. every offloaded parameter now views its layer's slot (Note [Weight slots])
         for i, (regions, _) in layouts.items():
             slot = self.pool.storage[self.slot_of[i]]
@@ -182,11 +185,18 @@ class WeightStreamer:
     @staticmethod
     def _point(region: _Region, buffer: torch.Tensor) -> None:
         """Make every param of ``region`` view ``buffer`` at the region's offset."""
-        base = buffer[region.offset: region.offset + region.nbytes]
         for _, param, offset in region.params:
-            typed = base.view(param.dtype)
-            param.data = typed.as_strided(param.shape, param.stride(),
-                                          typed.storage_offset() + offset)
+            param.data = _view(region, buffer, param, offset)
+
+    def host_copies(self, layer: int) -> dict[str, torch.Tensor]:
+        """The host copies of offloaded layer ``layer``'s parameters, by name, each shaped like
+        its parameter: what every gather of that layer copies into its slot (tests change one
+        to prove that the layer really computes from its slot)."""
+        if layer not in self._regions:
+            raise RingflowError(f"layer {layer} is not offloaded; offloaded layers: "
+                                f"{self.offloaded}")
+        return {name: _view(region, self.host[layer], param, offset)
+                for region in self._regions[layer] for name, param, offset in region.params}
 
     #: called before each gather on the copy stream (tests inject a sleep kernel here)
     gather_hook = None
@@ -205,7 +215,7 @@ class WeightStreamer:
         def forward(*args, **kwargs):
             ops.begin(_anchor_in(args, kwargs), handle, index)
             out = original(*args, **kwargs)
-            ops.end(out[0] if isinstance(out, (tuple, list)) else out, handle, index)
+            ops.end(out, handle, index)  # Note [Release boundary under torch.compile]
             return out
 
         layer.forward = forward
@@ -235,6 +245,12 @@ class WeightStreamer:
         self._originals.clear()
         ops.unregister_stepper(self.handle)
         self.pool.close()
+
+
+def _view(region: _Region, buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    """``param``'s shape, strides and offset over ``region``'s bytes in ``buffer``."""
+    typed = buffer[region.offset: region.offset + region.nbytes].view(param.dtype)
+    return typed.as_strided(param.shape, param.stride(), typed.storage_offset() + offset)
 
 
 def _anchor_in(args: tuple, kwargs: dict) -> torch.Tensor:

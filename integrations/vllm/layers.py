@@ -1,0 +1,98 @@
+"""Finding a vLLM model's decoder layers the way vLLM itself does.
+
+vLLM builds every decoder stack through one helper, ``make_layers``
+(``vllm/model_executor/models/utils.py``), which passes the stage's freshly built layers through
+the process's weight offloader: ``get_offloader().wrap_modules(layers)``. vLLM's own prefetch
+offloader finds its layers there, and so does ringflow: while a worker loads its model, the
+offloader's ``wrap_modules`` records every stack it is handed. Attribute paths
+(``model.model.layers``, ``model.decoder.layers``, ``transformer.h``) differ per family; this
+does not.
+
+A model whose stack was not built through ``make_layers`` (or that has several candidate stacks
+in its language model) is refused with one line naming its class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+from torch import nn
+
+from ringflow.errors import RingflowError
+from ringflow.integrations.vllm.hooks import wrap
+
+# the stacks recorded during the current model load (None: not loading)
+_recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
+    contextvars.ContextVar("ringflow_layer_stacks", default=None)
+
+
+def install() -> None:
+    """Wrap ``wrap_modules`` of every offloader class vLLM defines (the global instance may be
+    any of them)."""
+    from vllm.model_executor.offloader.base import BaseOffloader
+
+    pending, seen = [BaseOffloader], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        if "wrap_modules" in vars(cls) and not getattr(cls.wrap_modules, "__isabstractmethod__",
+                                                         False):
+            wrap(cls, "wrap_modules", _record_stack)
+
+
+def _record_stack(original, offloader, modules, *args, **kwargs):
+    stacks = _recording.get()
+    if stacks is None:
+        return original(offloader, modules, *args, **kwargs)
+    token = _recording.set(None)  # an offloader calling its parent's wrap_modules: one record
+    try:
+        result = original(offloader, modules, *args, **kwargs)
+    finally:
+        _recording.reset(token)
+    if not (args or kwargs.get("prefix")):  # with a prefix: a vision tower, not make_layers
+        stacks.append(list(result))
+    return result
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[list[nn.Module]]]:
+    """Collects the layer stacks ``make_layers`` builds inside the block (one model load)."""
+    stacks: list[list[nn.Module]] = []
+    token = _recording.set(stacks)
+    try:
+        yield stacks
+    finally:
+        _recording.reset(token)
+
+
+def decoder_layers(model: nn.Module, stacks: list[list[nn.Module]]) -> list[nn.Module]:
+    """``model``'s decoder layers on this pipeline stage, in execution order.
+
+    Args:
+        model: the loaded model (the target model; a draft model's stack is ignored).
+        stacks: what :func:`recording` collected while the worker loaded it.
+
+    Raises:
+        RingflowError: no stack, or more than one, belongs to the model's language model.
+    """
+    owner = model.get_language_model() if hasattr(model, "get_language_model") else model
+    inside = {id(m) for m in owner.modules()}
+    mine = [stack for stack in stacks if stack and all(id(m) in inside for m in stack)]
+    name = type(model).__name__
+    if not mine:
+        raise RingflowError(
+            f"cannot find the decoder layers of {name}: vLLM did not build them through "
+            f"make_layers, which is where ringflow finds them; weight streaming supports models "
+            f"whose decoder stack vLLM builds with make_layers (remove the offload section)")
+    if len(mine) > 1:
+        sizes = ", ".join(str(len(s)) for s in mine)
+        raise RingflowError(
+            f"{name} has {len(mine)} layer stacks built by make_layers ({sizes} layers); "
+            f"ringflow cannot tell which is the decoder: weight streaming does not support this "
+            f"model (remove the offload section)")
+    return [layer for layer in mine[0] if type(layer).__name__ != "PPMissingLayer"]
