@@ -1,22 +1,38 @@
 """Test helpers users can reuse to check their own plans and executors.
 
-:class:`TracingWorkload` makes every gather write a value that names its (lane, layer), and
-every compute record what it actually read, on the device, without a host sync (so it also
-works inside a CUDA graph). After a forward, :meth:`TracingWorkload.check` says whether every
-read saw exactly the write the plan intended.
+:class:`TracingWorkload` makes every gather write a value that names its (lane, layer, forward,
+bucket), and every compute record what it actually read, on the device, without a host sync
+(so it also works inside a CUDA graph and across back-to-back forwards). Afterwards,
+:meth:`TracingWorkload.check` says whether every read saw exactly the write the plan intended.
+
+:class:`RaceWindows` widens the windows that a plan's orderings close, with device-side delays
+sized from measurement (Note [Sizing race windows]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ringflow.orchestrator.dag import Dag, NodeKind
 from ringflow.workload import decoder_block
+
+_FORWARD_STRIDE = 4096   # tag = sign * (1 + forward * 4096 + layer * 16 + lane + bucket * 2^20)
+_FORWARDS = 256          # forward numbers wrap here: every tag stays exact in float32
+_BUCKET_STRIDE = 1 << 20
 
 
 class TracingWorkload:
-    """Gathers write ``tag(layer, lane)``; computes record the min and max of what they read.
+    """Gathers write a tag; computes record the min and max of what they read.
+
+    Tags live in a device tensor refreshed by :meth:`new_forward`, so a captured graph's
+    gathers write the *current* forward's tags at every replay, and the reads of the last
+    ``history`` forwards are kept on the device (archived by :meth:`new_forward` on the current
+    stream), so forwards can run back to back without a host sync and all be checked after.
 
     Args:
         lanes: lane names, in plan order.
@@ -24,68 +40,198 @@ class TracingWorkload:
         slot_shape: shape of one slot (small: the values are what matter).
         device: where slots live.
         gathered: layers that gather (None: all); others read resident data tagged negative.
-        epoch: added to every tag so consecutive forwards write different values.
+        bucket: 0..7, added to every tag, so graphs of different buckets write different values.
+        history: forwards whose reads :meth:`check` covers.
     """
 
     def __init__(self, lanes: Sequence[str], layers: int, slot_shape: Sequence[int] = (4,),
                  device: torch.device | str = "cpu", gathered: Iterable[int] | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, bucket: int = 0, history: int = 8) -> None:
+        if not 0 <= bucket < 8:
+            raise ValueError(f"bucket must be in 0..7 (tags stay exact in float32), got {bucket}")
         self.lanes = list(lanes)
         self.layers = layers
         self.device = torch.device(device)
         self.gathered = set(range(layers)) if gathered is None else set(gathered)
         self.dtype = dtype
+        self.bucket = bucket
         self.epoch = 0
         n = (len(self.lanes), layers)
+        self._sign = torch.tensor([[1.0 if layer in self.gathered else -1.0
+                                    for layer in range(layers)] for _ in self.lanes],
+                                  dtype=torch.float64, device=self.device)
+        base = [[1 + layer * 16 + i + bucket * _BUCKET_STRIDE for layer in range(layers)]
+                for i in range(len(self.lanes))]
+        self._base = torch.tensor(base, dtype=torch.float64, device=self.device) * self._sign
+        self._tags = torch.empty(n, dtype=dtype, device=self.device)   # this forward's tags
         self.seen_min = torch.full(n, float("nan"), dtype=torch.float64, device=self.device)
         self.seen_max = torch.full(n, float("nan"), dtype=torch.float64, device=self.device)
+        self._history: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque(maxlen=history)
         self.resident = torch.empty(tuple(slot_shape), dtype=dtype, device=self.device)
         self.gather_hook = None  # called before each gather (e.g. a sleep kernel)
+        self._set_tags()
 
-    def tag(self, layer: int, lane: str) -> float:
+    def tag(self, layer: int, lane: str, epoch: int | None = None) -> float:
         """The value the plan intends layer ``layer`` of ``lane`` to read (exact in fp32)."""
         sign = 1 if layer in self.gathered else -1
-        return float(sign * (1 + self.epoch * 4096 + layer * 16 + self.lanes.index(lane)))
+        epoch = self.epoch if epoch is None else epoch
+        return float(sign * (1 + epoch * _FORWARD_STRIDE + layer * 16 + self.lanes.index(lane)
+                             + self.bucket * _BUCKET_STRIDE))
+
+    def _set_tags(self) -> None:  # on the current stream: ordered before the next forward
+        self._tags.copy_(self._base + self._sign * (self.epoch * _FORWARD_STRIDE))
 
     def new_forward(self) -> None:
-        """Next forward writes new values; recorded reads are poisoned with NaN."""
-        self.epoch = (self.epoch + 1) % 1000
+        """Archive this forward's reads, then make the next forward write new values (all on
+        the current stream, no host sync); the next forward's reads start as NaN."""
+        self._history.append((self.epoch, self.seen_min.clone(), self.seen_max.clone()))
+        self.epoch = (self.epoch + 1) % _FORWARDS
         self.seen_min.fill_(float("nan"))
         self.seen_max.fill_(float("nan"))
+        self._set_tags()
 
     def gather(self, layer: int, lane: str, out: torch.Tensor) -> None:
         if self.gather_hook is not None:
             self.gather_hook()
-        out.fill_(self.tag(layer, lane))
+        out.copy_(self._tags[self.lanes.index(lane), layer])  # read at run (and replay) time
 
     def compute(self, layer: int, lane: str, slot: torch.Tensor | None) -> None:
-        if slot is None:
-            slot = self.resident.fill_(self.tag(layer, lane))
         i = self.lanes.index(lane)
+        if slot is None:
+            slot = self.resident
+            slot.copy_(self._tags[i, layer])
         flat = slot.reshape(-1).to(torch.float64)
         self.seen_min[i, layer].copy_(flat.amin())
         self.seen_max[i, layer].copy_(flat.amax())
 
-    def expected(self) -> torch.Tensor:
-        return torch.tensor([[self.tag(layer, lane) for layer in range(self.layers)]
+    def expected(self, epoch: int | None = None) -> torch.Tensor:
+        return torch.tensor([[self.tag(layer, lane, epoch) for layer in range(self.layers)]
                              for lane in self.lanes], dtype=torch.float64)
 
-    def mismatches(self) -> list[tuple[str, int, float, float, float]]:
-        """``(lane, layer, expected, seen_min, seen_max)`` for every read that saw another write."""
-        want = self.expected()
-        lo, hi = self.seen_min.cpu(), self.seen_max.cpu()
+    def mismatches(self, *, all_forwards: bool = False) -> list[tuple]:
+        """``(lane, layer, expected, seen_min, seen_max)`` for every read of the current forward
+        that saw another write; ``all_forwards`` also checks the archived ones (each entry then
+        starts with the forward's number)."""
+        forwards = [(self.epoch, self.seen_min, self.seen_max)]
+        if all_forwards:
+            forwards = [(e, lo, hi) for e, lo, hi in self._history
+                        if not torch.isnan(lo).all()] + forwards
         bad = []
-        for i, lane in enumerate(self.lanes):
-            for layer in range(self.layers):
-                w, a, b = float(want[i, layer]), float(lo[i, layer]), float(hi[i, layer])
-                if not (a == w and b == w):
-                    bad.append((lane, layer, w, a, b))
+        for epoch, lo, hi in forwards:
+            want, lo, hi = self.expected(epoch), lo.cpu(), hi.cpu()
+            for i, lane in enumerate(self.lanes):
+                for layer in range(self.layers):
+                    w, a, b = float(want[i, layer]), float(lo[i, layer]), float(hi[i, layer])
+                    if not (a == w and b == w):
+                        bad.append(((epoch,) if all_forwards else ()) + (lane, layer, w, a, b))
         return bad
 
-    def check(self) -> None:
+    def check(self, *, all_forwards: bool = False) -> None:
         """Raise AssertionError listing the reads that did not see their intended write."""
-        bad = self.mismatches()
+        bad = self.mismatches(all_forwards=all_forwards)
         assert not bad, f"{len(bad)} read(s) saw the wrong data, e.g. {bad[:3]}"
+
+
+class RaceWindows:
+    """Seeded random device-side delays before gathers (producer) and before computes'
+    reads (consumer), long enough to open every window a plan's orderings close.
+
+    Note [Sizing race windows]
+        A missing ordering shows only if the two racing operations really overlap on the
+        device. Eagerly, the host issues a slot's writer and its reader some nodes apart; the
+        device may finish the writer before the host even issues the reader, and then a
+        missing READY wait changes nothing. A delay placed on the device before the writer
+        (producer side) that is longer than the host's issue time between the two makes the
+        reader run first unless it waits; a delay before a reader (consumer side) does the
+        same for the next writer of its slot (RETIRE), for the next forward's first gathers
+        (FORK) and for a replay on another stream. So the delay is sized as
+        ``factor x`` (host issue time per node, measured on the plan's own callables) ``x``
+        (the largest number of nodes between a record and its wait in the plan), and converted
+        to GPU cycles with the sleep rate measured here. Each gather and compute is delayed
+        with probability ``p``, drawn from a seeded generator, so a failing run can be replayed.
+        Inside a CUDA graph every branch starts at launch, so the same delays outlast the
+        competing kernel instead.
+
+    Args:
+        cycles: the delay, in GPU cycles (see :meth:`measured`).
+        seed: seeds the per-node draws.
+        probability: chance that a given gather or compute is delayed.
+    """
+
+    def __init__(self, cycles: int, seed: int, probability: float = 0.5) -> None:
+        self.cycles = int(cycles)
+        self.seed = seed
+        self.probability = probability
+        self._rng = random.Random(seed)
+        self.delays = 0
+
+    @staticmethod
+    def cycles_per_second(device: torch.device | str = "cuda") -> float:
+        """GPU sleep rate, timed with events around ``torch.cuda._sleep``."""
+        with torch.cuda.device(device):
+            torch.cuda._sleep(1000)  # load the kernel
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(2_000_000)
+            stop.record()
+            stop.synchronize()
+            return 2_000_000 / (start.elapsed_time(stop) / 1e3)
+
+    @staticmethod
+    def issue_seconds_per_node(run: Callable[[], None], nodes: int, repeats: int = 5) -> float:
+        """Host time per node of ``run()`` (one forward issued with its real callables)."""
+        run()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        return best / max(nodes, 1)
+
+    @staticmethod
+    def widest_gap(dag: Dag) -> int:
+        """The most nodes between a record and a wait on its event (issue order), at least 1."""
+        last: dict[str, int] = {}
+        gap = 1
+        for node in dag.nodes:
+            if node.kind is NodeKind.RECORD:
+                last[node.event] = node.id
+            elif node.kind is NodeKind.WAIT and node.event in last:
+                gap = max(gap, node.id - last[node.event])
+        return gap
+
+    @classmethod
+    def measured(cls, dag: Dag, run: Callable[[], None], *, seed: int, factor: float = 4.0,
+                 probability: float = 0.5, floor_seconds: float = 50e-6) -> RaceWindows:
+        """Windows for ``dag`` issued by ``run`` (Note [Sizing race windows])."""
+        per_node = cls.issue_seconds_per_node(run, len(dag.nodes))
+        seconds = max(factor * per_node * cls.widest_gap(dag), floor_seconds)
+        windows = cls(seconds * cls.cycles_per_second(), seed, probability)
+        windows.seconds = seconds
+        windows.per_node_seconds = per_node
+        return windows
+
+    def delay(self) -> None:
+        """Maybe sleep on the current stream (a seeded draw)."""
+        if self._rng.random() < self.probability:
+            self.delays += 1
+            torch.cuda._sleep(self.cycles)
+
+    def producer(self, gather):
+        """``gather`` with a chance of a delay before it writes (on its own stream)."""
+        def delayed(layer, lane, out):
+            self.delay()
+            return gather(layer, lane, out)
+        return delayed
+
+    def consumer(self, compute):
+        """``compute`` with a chance of a delay before it reads its slot."""
+        def delayed(layer, lane, slot):
+            self.delay()
+            return compute(layer, lane, slot)
+        return delayed
 
 
 class DecoderLayer(torch.nn.Module):
@@ -189,6 +335,7 @@ class PagedAttentionStack:
         self.capacity = requests * max_tokens_per_request
         self._token_request = torch.arange(requests, device=device).repeat_interleave(query_len)
         self._token_offset = torch.arange(query_len, device=device).repeat(requests)
+        self.before_read: Callable[[], None] | None = None  # e.g. a delay before each read
 
     def start(self, context_lens: list[int]) -> None:
         """Set each request's tokens already cached (the caches' random rows stand for them)."""
@@ -221,6 +368,8 @@ class PagedAttentionStack:
             if prefetcher is not None:
                 prefetcher.begin(layer, self.source)
                 context = prefetcher.gathered(layer)
+                if self.before_read is not None:
+                    self.before_read()
             else:
                 context = torch.empty(self.capacity, self.row, dtype=self.dtype,
                                       device=self.device)

@@ -6,6 +6,22 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--mutant", default=None,
+                     help="patch the executors with a deliberate ordering bug (tests/mutants.py; "
+                          "tools/gpu-mutants runs them all) before any test runs")
+
+
+def pytest_configure(config):
+    import mutants
+
+    name = config.getoption("--mutant")
+    if name:
+        mutants.apply(name)
+    else:
+        mutants.apply_from_env()
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m cuda` on one")
     for item in items:

@@ -1,0 +1,108 @@
+"""Deliberate ordering bugs in the executors, for checking that the GPU tests catch them.
+
+``pytest -m cuda --mutant NAME`` (or ``RINGFLOW_MUTANT=NAME`` in a test's subprocess) patches
+the executors in this process before any test runs; ``tools/gpu-mutants`` runs the GPU suite
+once per mutant and reports which tests killed it. Each mutant is one way a hand-written
+prefetch ring goes wrong (DESIGN.md): nothing here is imported by ringflow itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ringflow.graphs.captured import CapturedExecutor
+from ringflow.graphs.eager import EagerExecutor
+from ringflow.orchestrator.dag import EventRole, NodeKind
+
+
+def _skip_wait(role: EventRole):
+    original = EagerExecutor._wait
+
+    def wait(self, node):
+        if node.role is role:
+            return  # the stream no longer waits: whatever it runs next may race
+        original(self, node)
+
+    EagerExecutor._wait = wait
+
+
+def _retire_before_read() -> None:
+    """The slot's retire event is recorded before its compute reads it (a lease handed back
+    before its last read): the next writer waits on nothing."""
+    original_bind, original_record = EagerExecutor._bind_compute, EagerExecutor._record
+
+    def bind_compute(self, node):
+        step = original_bind(self, node)
+        retire = next((n for n in self.dag.nodes if n.kind is NodeKind.RECORD
+                       and n.role is EventRole.RETIRE and n.lane == node.lane
+                       and n.layer == node.layer), None)
+        if retire is None:
+            return step
+
+        def early():
+            self._events[retire.event].record(self.stream(retire.stream))
+            step()
+
+        return early
+
+    def record(self, node):
+        if node.role is EventRole.RETIRE:
+            return self._events[node.event]  # already recorded, before the read
+        return original_record(self, node)
+
+    EagerExecutor._bind_compute = bind_compute
+    EagerExecutor._record = record
+
+
+def _retire_wait_on_a_stale_event() -> None:
+    """A gather into a reused slot waits on an event recorded before the slot's last read
+    (the forward's fork), not on the retire that follows the read."""
+    original = EagerExecutor._wait
+
+    def wait(self, node):
+        if node.role is EventRole.RETIRE:
+            fork = f"{node.lane}/{EventRole.FORK}"
+            self.stream(node.stream).wait_event(self._events[fork])
+            return
+        original(self, node)
+
+    EagerExecutor._wait = wait
+
+
+def _no_replay_order() -> None:
+    """Replays on different streams are not ordered after each other (buckets share a pool)."""
+    original = CapturedExecutor.run
+
+    def run(self, bucket=None):
+        original(self, bucket)
+        self._last_stream = None  # forget the previous replay: the next never waits for it
+
+    CapturedExecutor.run = run
+
+
+MUTANTS = {
+    "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
+    "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
+    "skip-fork-wait": lambda: _skip_wait(EventRole.FORK),
+    "skip-join-wait": lambda: _skip_wait(EventRole.JOIN),
+    "retire-before-read": _retire_before_read,
+    "retire-wait-on-stale-event": _retire_wait_on_a_stale_event,
+    "no-replay-order": _no_replay_order,
+}
+
+ENV = "RINGFLOW_MUTANT"
+
+
+def apply(name: str) -> None:
+    """Patch the executors with mutant ``name`` for the rest of this process (and its
+    children, which read ``RINGFLOW_MUTANT``)."""
+    if name not in MUTANTS:
+        raise SystemExit(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    MUTANTS[name]()
+    os.environ[ENV] = name
+
+
+def apply_from_env() -> None:
+    name = os.environ.get(ENV)
+    if name:
+        apply(name)
