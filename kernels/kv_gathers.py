@@ -32,9 +32,13 @@ def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
     """Copy the pages holding each request's first ``seq_lens`` tokens into ``out``, packed.
 
     For caches whose page interior is a backend's private layout (packed or transposed for a
-    kernel): ``cache`` is ``[num_blocks, *page]`` and pages are copied whole. Request r takes
-    ``ceil(seq_lens[r] / block_size)`` pages; pages past the last are zeroed.
+    kernel): ``cache`` is ``[num_blocks, *page]`` (a page may be strided: FLASH_ATTN keeps K and
+    V in two planes) and pages are copied whole. ``out`` is ``[capacity, *page]`` or
+    ``[capacity, page elements]``. Request r takes ``ceil(seq_lens[r] / block_size)`` pages;
+    pages past the last are zeroed.
     """
+    if out.dim() == 2 and out.shape[1:] != cache.shape[1:] and out.shape[1] == cache[0].numel():
+        out = out.view(out.shape[0], *cache.shape[1:])  # a flat slot, shaped like the pages
     check_paged_args(cache, 1, block_table, seq_lens, out)
     if block_size < 1:
         raise KernelError(f"block_size must be positive, got {block_size}")

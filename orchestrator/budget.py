@@ -61,8 +61,9 @@ class PoolLayout:
             raise ProfileError("lane", f"expected a non-empty name, got {lane!r}")
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
             raise ProfileError("slot.shape", f"a slot must hold at least one byte, got {slot_bytes!r}")
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ProfileError("depth", f"expected an integer >= 0, got {depth!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < MAX_LAYERS:
+            raise ProfileError("depth", f"expected an integer in 0..{MAX_LAYERS - 1} (a ring "
+                               f"holds depth + 1 slots; no plan has more layers), got {depth!r}")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) \
                 or not math.isfinite(budget_bytes) or budget_bytes <= 0:
             raise ProfileError("workspace_mib", f"expected a positive budget in bytes, got "

@@ -156,8 +156,14 @@ class SlotPool:
         if self.layout.reduced:
             log.warning("%s", self.layout.arithmetic())
         # The one allocation of this lane: every slot is a view of it; nothing allocates later.
-        self.storage = torch.empty((self.layout.slots, *self.slot_shape), dtype=self.dtype,
-                                   device=device)
+        try:
+            self.storage = torch.empty((self.layout.slots, *self.slot_shape), dtype=self.dtype,
+                                       device=device)
+        except (RuntimeError, MemoryError) as exc:  # out of memory, or a size past any device
+            raise ProfileError(
+                "workspace_mib", f"lane '{lane}': the ring of {self.layout.slots} slot(s) x "
+                f"{slot_bytes:,} B cannot be allocated on {device} ({str(exc).splitlines()[0]}); "
+                f"accepted: a smaller depth or workspace_mib") from None
         self._leases: list[Lease | None] = [None] * self.layout.slots
         self._free: deque[int] = deque(range(self.layout.slots))
         self._closed = False

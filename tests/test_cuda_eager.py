@@ -16,6 +16,7 @@ pytestmark = pytest.mark.cuda
 PROFILES = [p for p in sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.yaml"))
             if Profile.load(p).layers is not None]
 SLEEP_CYCLES = 200_000  # ~0.1 ms at H200 clocks: longer than most layers here
+MAX_LAYERS = 6
 
 
 def sleepy(gather):
@@ -29,6 +30,9 @@ def sleepy(gather):
 @pytest.mark.parametrize("race", [False, True], ids=["plain", "sleep+poison"])
 def test_eager_is_bit_identical_to_sync_for_every_profile(path, race):
     profile = Profile.load(path)
+    if profile.layers > MAX_LAYERS:  # the 61-layer 400k-token profile: its slots, fewer layers
+        profile = profile.replace(layers=MAX_LAYERS, ineligible=[l for l in profile.ineligible
+                                                                 if l < MAX_LAYERS])
     pools = [SlotPool.for_profile(profile, lane, "cuda") for lane in profile.lanes]
     dag = Planner.from_profile(profile).plan()
     work = SyntheticWorkload(profile, "cuda")

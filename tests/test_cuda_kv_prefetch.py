@@ -111,7 +111,33 @@ def test_captured_prefetch_replays_with_new_lengths_and_data(depth):
         want = inline.step(snapshots=want_kv)
         assert torch.equal(kv, want_kv), f"replay {step}: a slot differs from its context KV"
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
-    assert pf.verification.skipped_capture >= 1
+    torch.cuda.synchronize()
+    seen = pf.read_captured_verification()               # counted on the device, per replay
+    assert seen.captured_checked == 6 * ours.layers      # a capture records, replays run
+    assert seen.captured_mismatches == 0
+
+
+@torch.no_grad()
+def test_captured_verification_counts_a_slot_its_gather_did_not_fill():
+    ours, _ = stacks(layers=3)
+    pf = prefetcher(ours, 1, verify=True)
+    real = pf._gather
+
+    def broken(layer, lane, slot):
+        real(layer, lane, slot)
+        if layer == 1:
+            slot.zero_()  # what a stale or unwritten slot looks like to the attention
+
+    pf._gather = broken
+    pf.stepper = None  # plan again: the executor binds the gather callable when it is built
+    pf.plan(3)
+    out, kv = torch.empty_like(ours.queries), snapshots(ours)
+    graph = _capture(ours, pf, out, kv)
+    graph.replay()
+    torch.cuda.synchronize()
+    seen = pf.read_captured_verification()
+    assert seen.captured_checked == ours.layers and seen.captured_mismatches == 1
+    assert seen.mismatches  # the eager warm-up's check found it on the host too
 
 
 @pytest.fixture(scope="module")

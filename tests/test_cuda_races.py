@@ -36,7 +36,7 @@ def random_plan(rng):
     return dag, pools, lanes, gathered
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_eager_forwards_back_to_back_see_exactly_their_own_writes(seed):
     rng = random.Random(seed)
     delays = 0
@@ -58,7 +58,7 @@ def test_eager_forwards_back_to_back_see_exactly_their_own_writes(seed):
     assert delays > 0
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_captured_replays_see_the_current_forwards_writes(seed):
     rng = random.Random(100 + seed)
     dag, pools, lanes, gathered = random_plan(rng)
@@ -146,7 +146,7 @@ def test_streamed_weights_with_delays_on_both_sides_compute_what_resident_ones_d
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("depth", [0, 1])
 def test_prefetched_kv_with_delays_on_both_sides_is_the_layers_context(depth):
     kwargs = dict(row=576, block_size=64, requests=3, max_tokens_per_request=1024,
                   dtype=torch.bfloat16, device="cuda")

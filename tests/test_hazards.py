@@ -6,7 +6,7 @@ import pytest
 
 from ringflow import Dag, HazardError, NodeKind, Planner, check_hazards
 from ringflow.orchestrator.budget import PoolLayout
-from ringflow.orchestrator.dag import COMPUTE_STREAM, EventRole
+from ringflow.orchestrator.dag import COMPUTE_STREAM, EventRole, Node
 
 
 def plan(layers=6, depth=1, lanes=("kv",), **kw):
@@ -78,15 +78,37 @@ def test_a_gather_that_does_not_wait_for_the_previous_reader_is_write_after_read
     assert find(dag, NodeKind.COMPUTE, layer=2).id in info.value.nodes
 
 
-def test_a_synchronous_gather_not_ordered_after_a_pending_side_stream_reader_is_caught():
+def test_a_sync_gather_not_ordered_after_a_side_stream_reader_is_write_after_read():
     # The hand-written ring's bug: the fallback gather into a slot another stream still reads.
-    dag = plan(layers=6, ineligible=[4])
-    # move layer 2's compute (slot 0's previous reader) onto a side stream with no ordering
+    dag = plan(layers=6, ineligible=[4])  # slot 0 holds layers 0, 2, then 4 (synchronous)
+    reader = "reader/kv"
+    ready2 = find(dag, NodeKind.WAIT, EventRole.READY, layer=2)
     compute2 = find(dag, NodeKind.COMPUTE, layer=2)
-    bad = rebuild(dag, [dataclasses.replace(n, stream="gather/rogue") if n.id == compute2.id
-                        else n for n in dag.nodes])
-    with pytest.raises(HazardError, match="read-after-write|write-after-read"):
+    # Layer 2 is read on a side stream, after its gather; that stream records when the read is
+    # done, and the compute stream waits for the record: only the wait's position varies.
+    done = Node(0, NodeKind.RECORD, reader, "kv", layer=2, slot=0, event="kv/retire/L2",
+                role=EventRole.RETIRE)
+    join = dataclasses.replace(done, kind=NodeKind.WAIT, stream=COMPUTE_STREAM)
+
+    def wait_before(node):
+        nodes = []
+        for n in dag.nodes:
+            if n.id == node.id:
+                nodes.append(join)
+            moved = n.id in (ready2.id, compute2.id)
+            nodes.append(dataclasses.replace(n, stream=reader) if moved else n)
+            if n.id == compute2.id:
+                nodes.append(done)
+        return rebuild(dag, nodes)
+
+    bad = wait_before(find(dag, NodeKind.WAIT, EventRole.JOIN))  # too late: after the gather
+    with pytest.raises(HazardError) as info:
         check_hazards(bad)
+    assert info.value.kind == "write-after-read"
+    assert info.value.nodes == (find(bad, NodeKind.COMPUTE, layer=2).id,
+                                find(bad, NodeKind.SYNC_GATHER, layer=4).id)
+    good = wait_before(find(dag, NodeKind.SYNC_GATHER, layer=4))
+    assert check_hazards(good) is good  # that ordering was the plan's only hazard
 
 
 def test_a_release_issued_before_the_read_is_a_lease_overlap():
@@ -113,8 +135,12 @@ def test_a_slot_leased_again_before_release_is_a_lease_overlap():
     nodes = [n for n in dag.nodes if n not in moved]
     at = nodes.index(release0)
     nodes[at:at] = moved
-    with pytest.raises(HazardError, match="lease-overlap|wait-without-record"):
-        check_hazards(rebuild(dag, nodes))
+    bad = rebuild(dag, nodes)
+    with pytest.raises(HazardError) as info:
+        check_hazards(bad)
+    assert info.value.kind == "lease-overlap"
+    assert info.value.nodes == (find(bad, NodeKind.RELEASE, layer=0).id,
+                                find(bad, NodeKind.GATHER, layer=2).id)
 
 
 def test_two_lanes_sharing_a_pool_are_a_lease_overlap():

@@ -1,14 +1,15 @@
 """KVPrefetcher on the CPU: slots equal their layer's context KV, outputs equal an engine that
 gathers inline, and the lifecycle bugs of hand-written rings (DESIGN.md) stay fixed."""
 
+import contextvars
 import logging
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 from ringflow import LifecycleError, ProfileError, RingflowError, SlotPoolExhausted
-from ringflow.integrations.vllm.kv_prefetch import (KVLayout, KVPrefetcher, KVSource,
-                                                    check_not_after_kv)
+from ringflow.integrations.vllm.kv_prefetch import KVLayout, KVPrefetcher, KVSource
 from ringflow.kernels import reference as ref
 from ringflow.testing import PagedAttentionStack
 
@@ -38,6 +39,21 @@ def _next_step_matches_inline(stack, pf, seed=1):
 
 def _twin(seed=0, **kw):
     return PagedAttentionStack(5, seed=seed, **kw), PagedAttentionStack(5, seed=seed, **kw)
+
+
+def _config(dbo: bool):
+    return NS(scheduler_config=NS(max_num_seqs=2), model_config=NS(max_model_len=64,
+                                                                   dtype=torch.float32),
+              parallel_config=NS(enable_dbo=dbo, decode_context_parallel_size=1),
+              device_config=NS(device_type="cpu"), cache_config=NS(block_size=16))
+
+
+def _dbo_stack(seed):
+    """A started step that fits the lanes ``_config`` sizes (2 requests of up to 64 tokens)."""
+    stack = PagedAttentionStack(2, row=8, requests=2, max_tokens_per_request=64, seed=seed)
+    stack.start([5 + seed, 17])
+    stack.refill(seed)
+    return stack
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -120,11 +136,36 @@ def test_kv_cache_replacement_mid_step_never_reads_the_old_cache():
     assert not torch.isnan(stack.step(pf)).any()
 
 
-def test_a_ring_requested_after_kv_sizing_is_refused():
-    """DESIGN.md: 'buffers allocated lazily after the KV cache was sized'."""
-    check_not_after_kv(False, "kv")
-    with pytest.raises(LifecycleError, match="after the KV cache was sized"):
-        check_not_after_kv(True, "kv")
+class _MLALayer:
+    """What the attention hook reads of vLLM's MLAAttention."""
+
+    kv_lora_rank, qk_rope_head_dim, kv_cache_dtype = 24, 8, "auto"
+
+    def __init__(self, name):
+        self.layer_name = name
+
+
+def test_a_ring_requested_after_the_worker_sizes_its_kv_cache_is_refused(monkeypatch):
+    """DESIGN.md: 'buffers allocated lazily after the KV cache was sized'. The worker hook that
+    allocates the KV cache ends the time in which a model may allocate its ring."""
+    from ringflow.integrations.vllm import attention, plugin
+    from ringflow.orchestrator.profile import Profile
+    profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 4}})
+    config = _config(False)
+    monkeypatch.setattr(attention, "_state", attention._Process())
+    monkeypatch.setattr(plugin, "lifecycle", [])
+    group = contextvars.ContextVar("model group")
+    monkeypatch.setattr(attention, "_group", group)
+    group.set(1)
+    target = _MLALayer("target.0")  # built before the KV cache: allocates a ring (kept alive)
+    attention._attach(target, profile, config)
+    result = plugin._initialize_from_config(lambda worker: "caches", NS(vllm_config=config))
+    assert result == "caches"
+    group.set(2)                     # a model built after it (a late draft model)
+    with pytest.raises(LifecycleError, match="'model group 2'.*after the KV cache was sized"):
+        attention._attach(_MLALayer("late.0"), profile, config)
+    assert list(attention._state.models) == [1]
+    assert plugin.lifecycle == ["kv-ring-allocated", "kv-cache-initialized"]
 
 
 def test_exhaustion_is_typed_and_hands_every_slot_back():
@@ -152,17 +193,34 @@ def test_a_step_larger_than_a_slot_runs_without_prefetch_and_says_so(caplog):
     pf.end(0)
 
 
-def test_per_instance_state_is_reset_for_every_instance():
-    """DESIGN.md: 'per-instance state reset only once per class'."""
-    stacks = [PagedAttentionStack(3, seed=s) for s in (5, 6)]
-    pfs = [_prefetcher(s, 1) for s in stacks]
-    for s, pf in zip(stacks, pfs):
-        s.start([4, 4, 4])
-        s.refill(0)
-        pf.begin(0, s.source)
-    for pf in pfs:
-        pf.retire("KV cache resized")
-    assert all(pf.pool.free_count == pf.pool.slots and pf.gathered(0) is None for pf in pfs)
+def test_rebinding_the_kv_cache_first_retires_every_lane_of_every_model(monkeypatch):
+    """DESIGN.md: 'per-instance state reset only once per class'. The hook on vLLM's
+    initialize_kv_cache resets each lane of each model, before the old caches go."""
+    from ringflow.integrations.vllm import attention
+    from ringflow.orchestrator.profile import Profile
+    monkeypatch.setattr(attention, "_state", attention._Process())
+    profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 1}})
+    layout = KVLayout("rows", (8,), torch.float32, 16)
+    models = [attention.ModelLanes(key, profile, layout, lambda c: c, _config(True),
+                                   name=f"m{key}") for key in (1, 2)]
+    for model in models:
+        attention._state.models[model.key] = model
+    lanes = [lane for model in models for lane in model.lanes]  # two models x two micro-batches
+    for seed, lane in enumerate(lanes):
+        stack = _dbo_stack(seed)
+        lane.plan(stack.layers)
+        lane.begin(0, stack.source)
+        assert lane.gathered(0) is not None       # a step in flight holds slots
+
+    seen = []
+
+    def initialize_kv_cache(runner, *args):      # vLLM's own: re-binds the caches
+        seen.append([(lane.retired, lane.gathered(0) is None,
+                      lane.pool.free_count == lane.pool.slots) for lane in lanes])
+        return "bound"
+
+    assert attention._initialize_kv_cache(initialize_kv_cache, object(), "config") == "bound"
+    assert seen == [[(1, True, True)] * len(lanes)]
 
 
 def test_bad_arguments_are_typed_errors():
@@ -212,14 +270,6 @@ def test_dcp_prefetch_over_gloo_holds_the_full_kv(tmp_path, world, depth):
     spawn_group(world, _dcp_prefetch_rank, depth, rendezvous=str(tmp_path / "rdzv"))
 
 
-def _config(dbo: bool):
-    from types import SimpleNamespace as NS
-    return NS(scheduler_config=NS(max_num_seqs=2), model_config=NS(max_model_len=64,
-                                                                   dtype=torch.float32),
-              parallel_config=NS(enable_dbo=dbo, decode_context_parallel_size=1),
-              device_config=NS(device_type="cpu"), cache_config=NS(block_size=16))
-
-
 def test_micro_batches_get_lanes_of_their_own(monkeypatch):
     """DBO: two micro-batches run the same layers interleaved; each must own its ring."""
     from ringflow.integrations.vllm import attention
@@ -228,13 +278,29 @@ def test_micro_batches_get_lanes_of_their_own(monkeypatch):
     layout = KVLayout("rows", (8,), torch.float32, 16)
     lanes = attention.ModelLanes(1, profile, layout, lambda c: c, _config(True), name="m")
     assert len(lanes.lanes) == 2
-    spans = [(lane.pool.storage.data_ptr(), lane.pool.reserved_bytes) for lane in lanes.lanes]
-    assert spans[0][0] + spans[0][1] <= spans[1][0] or spans[1][0] + spans[1][1] <= spans[0][0]
-    for ubatch in (0, 1):
-        monkeypatch.setattr(attention, "_ubatch_id", lambda u=ubatch: u)
-        assert lanes.lane() is lanes.lanes[ubatch]
-    monkeypatch.setattr(attention, "_ubatch_id", lambda: 2)
-    assert lanes.lane() is None
+    rings = [(p.storage.data_ptr(), p.storage.data_ptr() + p.reserved_bytes)
+             for p in (lane.pool for lane in lanes.lanes)]
+    assert rings[0][1] <= rings[1][0] or rings[1][1] <= rings[0][0]  # no byte in common
+    running = NS(ubatch=0)
+    # what vLLM's dbo_current_ubatch_id says; ringflow's own lookup runs unchanged
+    monkeypatch.setattr(attention._vllm, "ubatch", lambda: running.ubatch)
+    layer = NS(_ringflow_kv=(lanes, 0))          # an attention layer the hook attached
+    stacks = [_dbo_stack(seed) for seed in (0, 1)]
+    for ubatch, stack in enumerate(stacks):      # micro-batch 1 starts while 0 is in flight
+        running.ubatch = ubatch
+        lane = lanes.lane()
+        lane.plan(stack.layers)
+        lane.begin(0, stack.source)
+    for ubatch, stack in enumerate(stacks):
+        running.ubatch = ubatch
+        got = attention.gathered_kv(layer)
+        want = ref.paged_gather_ref(stack.caches[0], stack.block_table, stack.context_lens,
+                                    len(got))
+        assert torch.equal(got, want), f"micro-batch {ubatch} read another one's KV"
+        start, end = rings[ubatch]
+        assert start <= got.data_ptr() and got.data_ptr() + got.nbytes <= end
+    running.ubatch = 2
+    assert lanes.lane() is None and attention.gathered_kv(layer) is None
     single = attention.ModelLanes(2, profile, layout, lambda c: c, _config(False), name="s")
     assert len(single.lanes) == 1
 
@@ -248,23 +314,15 @@ def test_the_vllm_hooks_refuse_a_ring_once_the_kv_cache_is_sized():
     profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 4}})
     config = _config(False)
 
-    class MLALayer:  # what the hook reads of vLLM's MLAAttention
-        kv_lora_rank, qk_rope_head_dim, kv_cache_dtype = 24, 8, "auto"
-
-    def mla_layer(name):
-        layer = MLALayer()
-        layer.layer_name = name
-        return layer
-
     attention.new_model_load()
     attention.kv_cache_sized()
     token = attention._group.set(9001)
     try:
         with pytest.raises(LifecycleError, match="after the KV cache was sized"):
-            attention._attach(mla_layer("late.0"), profile, config)
+            attention._attach(_MLALayer("late.0"), profile, config)
         assert 9001 not in attention._state.models
         attention.new_model_load()                      # the next engine's load starts afresh
-        first, second = mla_layer("m.0"), mla_layer("m.1")
+        first, second = _MLALayer("m.0"), _MLALayer("m.1")
         attention._attach(first, profile, config)
         attention._attach(second, profile, config)
         model = attention._state.models[9001]

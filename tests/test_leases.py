@@ -29,14 +29,17 @@ def test_a_lease_walks_free_writing_ready_reading_retiring_free():
     assert lease.state is LeaseState.FREE and p.free_count == 2
 
 
-def test_events_given_to_a_lease_are_kept_for_teardown():
-    p = pool()
-    lease = p.acquire()
-    ready, retire = object(), object()
-    lease.mark_ready(ready)
-    lease.begin_read()
-    lease.retire(retire)
-    assert (lease.ready_event, lease.retire_event) == (ready, retire)
+def test_a_released_lease_cannot_read_or_release_its_slot_once_it_is_leased_again():
+    p = pool(depth=0)  # one slot: the next lease gets the same slot
+    old = p.acquire()
+    old.mark_ready(), old.begin_read(), old.retire(), old.release()
+    new = p.acquire()
+    assert new is not old and new.slot == old.slot and new.state is LeaseState.WRITING
+    with pytest.raises(LeaseError, match="read after retire"):
+        old.begin_read()  # would read the next writer's half-written data
+    with pytest.raises(LeaseError, match="double release"):
+        old.release()  # would hand the new lease's slot to a third writer
+    assert p.leases() == [new] and p.free_count == 0 and new.state is LeaseState.WRITING
 
 
 def test_read_before_ready_is_a_lease_error():

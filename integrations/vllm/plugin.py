@@ -31,7 +31,7 @@ import torch
 
 from ringflow.errors import ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.vllm import attention, layers, ops
+from ringflow.integrations.vllm import attention, compat, layers, ops
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.weight_stream import WeightStreamer
 from ringflow.orchestrator import dumps
@@ -41,6 +41,7 @@ from ringflow.orchestrator.profile import Profile
 ENV_PROFILE = "RINGFLOW_PROFILE"
 ENV_DUMP = "RINGFLOW_DUMP"
 ENV_PLAIN_GEMM = "RINGFLOW_CPU_PLAIN_GEMM"
+ENV_LAYER_OPS_ONLY = "RINGFLOW_LAYER_OPS_ONLY"
 
 log = logging.getLogger("ringflow")
 
@@ -62,6 +63,7 @@ def register() -> None:
                     "plugin stays off", exc)
         return
     _ensure_log_handler()
+    compat.check_version()
     try:
         attention.install()
     except (ImportError, AttributeError) as exc:
@@ -129,13 +131,39 @@ def _load_model(original, worker, *args, **kwargs):
             result = original(worker, *args, **kwargs)
     finally:
         _plain_gemm = False
-    if streaming:
-        try:
+    try:
+        if streaming:
             _enable(worker, profile, stacks)
-        except RingflowError as exc:
-            log.error("%s", exc)  # one clear line before vLLM's own start-up failure
-            raise
+        elif os.environ.get(ENV_LAYER_OPS_ONLY) == "1":
+            _layer_ops_only(worker, stacks)
+    except RingflowError as exc:
+        log.error("%s", exc)  # one clear line before vLLM's own start-up failure
+        raise
     return result
+
+
+class _NothingStreamed:
+    """Stands in for a stepper under ``RINGFLOW_LAYER_OPS_ONLY``: the ops run, nothing moves."""
+
+    def before(self, layer: int) -> None:
+        pass
+
+    def after(self, layer: int) -> None:
+        pass
+
+
+def _layer_ops_only(worker, stacks) -> None:
+    """Wrap the decoder layers in ringflow's layer ops (splitting vLLM's pieces there, as
+    streaming does) with nothing streamed: the same compiled partition, for A/B baselines."""
+    decoder = layers.decoder_layers(worker.model_runner.get_model(), stacks)
+    worker._ringflow_boundaries = stub = _NothingStreamed()  # the worker keeps it alive
+    handle = ops.register_stepper(stub)
+    for index, layer in enumerate(decoder):
+        ops.wrap_layer(layer, handle, index)
+    if any(p.is_cuda for p in decoder[0].parameters()):  # as streaming does (see _enable)
+        _split_pieces_at_layer_ops(worker.vllm_config)
+    log.info("%s=1: %d decoder layers run between ringflow's layer ops; nothing is streamed",
+             ENV_LAYER_OPS_ONLY, len(decoder))
 
 
 def _keep_plain_weights(original, method, layer, *args, **kwargs):
@@ -155,7 +183,24 @@ def _initialize_from_config(original, worker, *args, **kwargs):
                  reserved / MIB)
         _log_kv_size(worker, streamer, *args, **kwargs)
     attention.kv_cache_sized()
-    return original(worker, *args, **kwargs)
+    result = original(worker, *args, **kwargs)
+    layer_ops = streamer is not None or getattr(worker, "_ringflow_boundaries", None) is not None
+    if reserved or layer_ops:
+        _log_graph_mode(worker.vllm_config, layer_ops)
+    return result
+
+
+def _log_graph_mode(vllm_config, layer_ops: bool) -> None:
+    """The CUDA graph mode vLLM settled on (it may downgrade the one asked for when the
+    attention backend cannot capture it)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    split = [op for op in ops.OP_NAMES if op in (getattr(compilation, "splitting_ops", None)
+                                                  or [])]
+    where = ("; ringflow's layer ops split its graph into pieces" if split else
+             "; ringflow's layer ops stay inside its compiled graph") if layer_ops else ""
+    log.info("vLLM runs cudagraph_mode=%s, compilation mode %s%s", getattr(mode, "name", mode),
+             getattr(getattr(compilation, "mode", None), "name", "?"), where)
 
 
 def _log_kv_size(worker, streamer, kv_cache_config=None, *args, **kwargs) -> None:
@@ -255,14 +300,18 @@ def _refuse_vllm_offloader() -> None:
 
 
 def _split_pieces_at_layer_ops(vllm_config) -> None:
-    """Under piecewise CUDA graphs, ringflow's layer ops run eagerly between graph pieces."""
+    """Where vLLM splits its compiled graph into pieces (piecewise CUDA graphs), ringflow's
+    layer ops split it too, so they run eagerly between pieces and no piece captures a side
+    stream it does not join. Where vLLM does not split (full graphs only, or no compilation),
+    the ops stay inside its graph: the partition is vLLM's own."""
     compilation = getattr(vllm_config, "compilation_config", None)
     ops_list = getattr(compilation, "splitting_ops", None)
-    if isinstance(ops_list, list):
+    if isinstance(ops_list, list) and ops_list:
         for name in ops.OP_NAMES:
             if name not in ops_list:
                 ops_list.append(name)
-        log.info("ringflow layer ops added to vLLM's splitting_ops (piecewise graphs split there)")
+        log.info("ringflow layer ops added to vLLM's splitting_ops (it splits its graph into "
+                 "pieces at %d ops)", len(ops_list))
 
 
 def _dump_once(streamer: WeightStreamer, base: str, worker):

@@ -207,18 +207,8 @@ class WeightStreamer:
         copy_host_to_device(self.host[layer], out[: self.layer_bytes[layer]])
 
     def _wrap(self, index: int, layer: nn.Module) -> None:
-        original = layer.forward
         # remember an instance-level forward (someone else's wrapper) to put it back on close
-        self._originals[index] = layer.__dict__.get("forward")
-        handle = self.handle
-
-        def forward(*args, **kwargs):
-            ops.begin(_anchor_in(args, kwargs), handle, index)
-            out = original(*args, **kwargs)
-            ops.end(out, handle, index)  # Note [Release boundary under torch.compile]
-            return out
-
-        layer.forward = forward
+        self._originals[index] = ops.wrap_layer(layer, self.handle, index)
 
     # -- reporting and teardown ---------------------------------------------------------------
 
@@ -238,10 +228,7 @@ class WeightStreamer:
     def close(self) -> None:
         """Unhook the layers and free the ring (host-syncs). The offloaded layers stop working."""
         for index, original in self._originals.items():
-            if original is None:
-                del self.layers[index].forward  # back to the class's forward: no cycle left
-            else:
-                self.layers[index].forward = original
+            ops.unwrap_layer(self.layers[index], original)
         self._originals.clear()
         ops.unregister_stepper(self.handle)
         self.pool.close()
@@ -251,15 +238,3 @@ def _view(region: _Region, buffer: torch.Tensor, param: torch.Tensor, offset: in
     """``param``'s shape, strides and offset over ``region``'s bytes in ``buffer``."""
     typed = buffer[region.offset: region.offset + region.nbytes].view(param.dtype)
     return typed.as_strided(param.shape, param.stride(), typed.storage_offset() + offset)
-
-
-def _anchor_in(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The tensor a decoder layer reads first: its hidden states (``forward(positions,
-    hidden_states, residual)`` in vLLM's models), else its first tensor argument."""
-    hidden = kwargs.get("hidden_states")
-    if isinstance(hidden, torch.Tensor):
-        return hidden
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors:
-        raise RingflowError("a streamed decoder layer was called without a tensor argument")
-    return tensors[1] if len(tensors) > 1 else tensors[0]
