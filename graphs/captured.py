@@ -7,7 +7,9 @@ graph launch: no Python per layer, no allocation, no host sync.
 
 Buckets (a token count, a batch size) each get a graph; all of them share one memory pool, so
 they must never replay concurrently: every replay is ordered after the previous one, even when
-the caller switches streams.
+the caller switches streams. A plan that carries leases across forwards (Note [Forward boundary]
+in dag.py) is captured in its steady form; when its slots are not primed (the first run, after a
+reclaim) the prime runs eagerly before the replay.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class CapturedExecutor:
             if graph is None:
                 self._runners[bucket].run()
                 return
+        runner = self._runners.get(bucket, self._runners[None])
+        if not runner.primed():  # the graph starts with carried slots filled: fill them first
+            runner.prime()
         current = torch.cuda.current_stream(self.device)
         if self._last_stream is not None and self._last_stream != current:
             current.wait_event(self._replayed)  # buckets share a pool: never overlap replays

@@ -99,6 +99,10 @@ class EagerExecutor(DagExecutor):
         self._current = torch.cuda.current_stream(self.device)
         super().start_forward()
 
+    def prime(self) -> None:
+        self._current = torch.cuda.current_stream(self.device)
+        super().prime()
+
     def capture_blockers(self) -> list[str]:
         """Why joining the current capture would be unsafe (empty when it is safe)."""
         reasons = []

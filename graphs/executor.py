@@ -74,6 +74,9 @@ class DagExecutor:
         self.poison = poison_default() if poison is None else poison
         self._leases: dict[tuple[str, int], Lease] = {}
         self._steps = [nvtx_ranges.ranged(node.nvtx_name, self._bind(node)) for node in dag.nodes]
+        # Note [Forward boundary]: what fills the carried slots when nothing was carried in
+        self._prime_steps = [nvtx_ranges.ranged(node.nvtx_name, self._bind(node, prime=True))
+                             for node in dag.prime]
 
     # -- what subclasses decide ---------------------------------------------------------------
 
@@ -106,8 +109,36 @@ class DagExecutor:
         return self
 
     def start_forward(self) -> None:
-        """Begin a forward: no lease is held from a previous one."""
+        """Begin a forward: no lease is held from a previous one, except the carried leases
+        the previous forward's tail filled, which this forward adopts (priming them first when
+        they are not all there)."""
         self._leases.clear()
+        if not self.dag.prime:
+            return
+        self.prime()
+        for lane, layer, _ in self.dag.carried:
+            lease = self.pools[lane].carried.pop((lane, layer))
+            lease.mark_ready(None)  # ordered by the previous forward's (or prime's) join
+            self._leases[(lane, layer)] = lease
+
+    def primed(self) -> bool:
+        """Whether every carried lease of the plan is leased and filled (or being filled)."""
+        return all((lane, layer) in self.pools[lane].carried
+                   for lane, layer, _ in self.dag.carried)
+
+    def prime(self) -> None:
+        """Fill the carried slots unless they already are: the first forward, and any forward
+        after a reclaim (an abandoned forward, a closed executor) starts here."""
+        if self.primed():
+            return
+        for pool in self.pools.values():
+            pool.forget_carried()
+        try:
+            for step in self._prime_steps:
+                step()
+        except BaseException:
+            self.abandon()
+            raise
 
     def issue_steps(self, start: int, stop: int) -> None:
         """Issue nodes ``start..stop-1``; on an exception, hand every leased slot back."""
@@ -135,19 +166,20 @@ class DagExecutor:
 
     # -- binding nodes ------------------------------------------------------------------------
 
-    def _bind(self, node: Node) -> Callable[[], None]:
+    def _bind(self, node: Node, prime: bool = False) -> Callable[[], None]:
+        if node.kind in (NodeKind.GATHER, NodeKind.SYNC_GATHER):
+            return self._bind_gather(node, carried=prime or node.forward == 1)
         return {
-            NodeKind.GATHER: self._bind_gather,
-            NodeKind.SYNC_GATHER: self._bind_gather,
             NodeKind.COMPUTE: self._bind_compute,
             NodeKind.RECORD: self._bind_record,
             NodeKind.WAIT: self._bind_wait,
             NodeKind.RELEASE: self._bind_release,
         }[node.kind](node)
 
-    def _bind_gather(self, node: Node) -> Callable[[], None]:
-        pool, key, leases, gather = self.pools[node.lane], (node.lane, node.layer), self._leases, \
-            self.gather
+    def _bind_gather(self, node: Node, *, carried: bool) -> Callable[[], None]:
+        pool, key, gather = self.pools[node.lane], (node.lane, node.layer), self.gather
+        # a carried lease belongs to the pool until the next forward adopts it
+        leases = pool.carried if carried else self._leases
         layer, lane, slot, sync = node.layer, node.lane, node.slot, node.kind is NodeKind.SYNC_GATHER
         context = self._stream_context
 

@@ -36,7 +36,8 @@ class PoolLayout:
     """Shape of one lane's ring: ``slots`` slots of ``slot_bytes`` in one allocation named ``pool``.
 
     ``depth`` is the prefetch lookahead in layers; a ring of ``depth + 1`` slots holds the slot
-    being read plus ``depth`` slots being written ahead. Depth 0 (one slot) is the synchronous path.
+    being read plus ``depth`` slots being written ahead. Depth 0 (one slot) still prefetches
+    behind layers that gather nothing (Note [When a gather is issued] in planner.py).
     """
 
     lane: str
@@ -55,7 +56,7 @@ class PoolLayout:
         """The largest ring of at most ``depth + 1`` slots that fits ``budget_bytes``.
 
         Raises:
-            ProfileError: the budget holds not even one slot (the synchronous path needs one).
+            ProfileError: the budget holds not even one slot.
         """
         if not isinstance(lane, str) or not lane:
             raise ProfileError("lane", f"expected a non-empty name, got {lane!r}")
@@ -114,5 +115,5 @@ class PoolLayout:
         else:
             line += f" -> depth {self.depth}, {self.reserved_bytes / MIB:.2f} MiB reserved"
         if self.depth == 0:
-            line += " (synchronous path)"
+            line += " (one slot: gathers overlap only layers that gather nothing)"
         return line

@@ -1,5 +1,18 @@
 """The plan of one forward pass: typed nodes in host issue order, and the edges they imply.
 
+Note [Forward boundary]
+    A lane whose sources do not change between forwards (streamed weights) may fill the next
+    forward's first slots during this forward's tail, behind its last layers' compute. Such a
+    plan carries leases across the boundary: its tail gathers write the *next* forward's lease
+    (``forward=1``), the next forward's computes of those layers read them without a wait of
+    their own (the forward's final join ordered the whole gather stream before its end), and
+    the slots stay leased in between. ``Dag.prime`` is the step that fills them when nothing
+    was carried in (the first forward; after a forward was abandoned, or the ring reclaimed):
+    a fork, the gathers, a join. Every forward of such a plan has the same entry and exit
+    contract (those slots leased and filled, ordered before the forward starts), so CUDA graphs
+    of different buckets replay in any order and eager and captured forwards can alternate.
+    The hazard check proves the boundary on the plan unrolled: prime, then two forwards.
+
 Note [Issue order and edges]
     ``Dag.nodes`` is the order in which an executor issues work from the host. Two kinds of
     happens-before edge follow from it, exactly as CUDA defines them:
@@ -64,6 +77,7 @@ class Node:
     slot: int | None = None
     event: str | None = None
     role: EventRole | None = None
+    forward: int = 0  # a gather of the next forward's lease: 1 (Note [Forward boundary])
 
     @property
     def nvtx_name(self) -> str:
@@ -78,7 +92,7 @@ class Node:
         if self.role is not None:
             parts.append(str(self.role))
         if self.layer is not None:
-            parts.append(f"L{self.layer}")
+            parts.append(f"L{self.layer}" + (f"@F+{self.forward}" if self.forward else ""))
         if self.slot is not None:
             parts.append(f"s{self.slot}")
         return " ".join(parts)
@@ -100,11 +114,14 @@ class Dag:
     pools: tuple[PoolLayout, ...]
     nodes: tuple[Node, ...]
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    prime: tuple[Node, ...] = ()  # fills the carried slots (Note [Forward boundary])
 
     def __post_init__(self) -> None:
-        for position, node in enumerate(self.nodes):
-            if node.id != position:
-                raise PlanError(f"node ids must be their issue positions: node {node.id} is at {position}")
+        for nodes in (self.nodes, self.prime):
+            for position, node in enumerate(nodes):
+                if node.id != position:
+                    raise PlanError(f"node ids must be their issue positions: node {node.id} is "
+                                    f"at {position}")
         lanes = [p.lane for p in self.pools]
         if len(set(lanes)) != len(lanes):
             raise PlanError(f"each lane owns exactly one pool; lanes {lanes} repeat")
@@ -112,6 +129,12 @@ class Dag:
     @property
     def lanes(self) -> tuple[str, ...]:
         return tuple(p.lane for p in self.pools)
+
+    @property
+    def carried(self) -> tuple[tuple[str, int, int], ...]:
+        """``(lane, layer, slot)`` of every lease a forward starts with (filled by the previous
+        forward's tail, or by :attr:`prime`)."""
+        return tuple((n.lane, n.layer, n.slot) for n in self.prime if n.kind is NodeKind.GATHER)
 
     @cached_property
     def streams(self) -> tuple[str, ...]:

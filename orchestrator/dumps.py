@@ -1,13 +1,18 @@
 """Dumps of a Dag: versioned JSON (round-trips), Graphviz DOT, and a text table.
 
-JSON schema ``ringflow.dag`` version 1::
+JSON schema ``ringflow.dag`` version 2::
 
-    {"schema": "ringflow.dag", "version": 1, "name": str, "layers": int,
+    {"schema": "ringflow.dag", "version": 2, "name": str, "layers": int,
      "pools": [{"lane", "pool", "slot_bytes", "slots", "requested_depth", "budget_bytes",
                 "depth", "reserved_bytes"}],
      "streams": [str], "meta": {...},
-     "nodes": [{"id", "kind", "stream", "lane", "layer", "slot", "event", "role", "nvtx"}],
+     "nodes": [{"id", "kind", "stream", "lane", "layer", "slot", "event", "role", "forward",
+                "nvtx"}],
+     "prime": [nodes, as above],
      "edges": [{"src", "dst", "kind": "stream" | "event"}]}
+
+Version 2 added ``forward`` (1: a gather of the next forward's lease) and ``prime`` (Note
+[Forward boundary] in dag.py); version 1 dumps, which have neither, still load.
 
 ``nvtx``, ``depth``, ``reserved_bytes``, ``streams`` and ``edges`` are derived and written for
 readers; :func:`from_json` rebuilds the Dag from the rest and checks they agree.
@@ -23,7 +28,21 @@ from ringflow.orchestrator.budget import MIB, PoolLayout
 from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
 
 SCHEMA = "ringflow.dag"
-VERSION = 1
+VERSION = 2
+_READS = (1, 2)
+
+
+def _node_dict(n: Node) -> dict[str, Any]:
+    return {"id": n.id, "kind": n.kind.value, "stream": n.stream, "lane": n.lane,
+            "layer": n.layer, "slot": n.slot, "event": n.event,
+            "role": None if n.role is None else n.role.value, "forward": n.forward,
+            "nvtx": n.nvtx_name}
+
+
+def _node(n: dict[str, Any]) -> Node:
+    return Node(n["id"], NodeKind(n["kind"]), n["stream"], n["lane"], n["layer"], n["slot"],
+                n["event"], None if n["role"] is None else EventRole(n["role"]),
+                n.get("forward", 0))
 
 
 def to_dict(dag: Dag) -> dict[str, Any]:
@@ -40,12 +59,8 @@ def to_dict(dag: Dag) -> dict[str, Any]:
         ],
         "streams": list(dag.streams),
         "meta": dict(dag.meta),
-        "nodes": [
-            {"id": n.id, "kind": n.kind.value, "stream": n.stream, "lane": n.lane,
-             "layer": n.layer, "slot": n.slot, "event": n.event,
-             "role": None if n.role is None else n.role.value, "nvtx": n.nvtx_name}
-            for n in dag.nodes
-        ],
+        "nodes": [_node_dict(n) for n in dag.nodes],
+        "prime": [_node_dict(n) for n in dag.prime],
         "edges": [{"src": e.src, "dst": e.dst, "kind": e.kind} for e in dag.edges],
     }
 
@@ -62,21 +77,20 @@ def from_dict(doc: dict[str, Any]) -> Dag:
     """
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise PlanError(f"not a ringflow Dag dump (expected schema '{SCHEMA}')")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in _READS:
         raise PlanError(f"Dag dump version {doc.get('version')!r} is not supported; this ringflow "
-                        f"reads version {VERSION}: re-run `ringflow plan` to regenerate it")
+                        f"reads versions {', '.join(map(str, _READS))}: re-run `ringflow plan` "
+                        f"to regenerate it")
     try:
         pools = tuple(
             PoolLayout(p["lane"], p["slot_bytes"], p["slots"], p["requested_depth"],
                        p["budget_bytes"], p["pool"])
             for p in doc["pools"]
         )
-        nodes = tuple(
-            Node(n["id"], NodeKind(n["kind"]), n["stream"], n["lane"], n["layer"], n["slot"],
-                 n["event"], None if n["role"] is None else EventRole(n["role"]))
-            for n in doc["nodes"]
-        )
-        dag = Dag(doc["name"], doc["layers"], pools, nodes, meta=dict(doc.get("meta", {})))
+        nodes = tuple(_node(n) for n in doc["nodes"])
+        prime = tuple(_node(n) for n in doc.get("prime", ()))
+        dag = Dag(doc["name"], doc["layers"], pools, nodes, meta=dict(doc.get("meta", {})),
+                  prime=prime)
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"malformed Dag dump: {exc!r}") from None
     edges = [{"src": e.src, "dst": e.dst, "kind": e.kind} for e in dag.edges]
@@ -139,12 +153,17 @@ def to_text(dag: Dag, kv_token_bytes: int | None = None) -> str:
     out = [f"plan '{dag.name}': {dag.layers} layers, lanes {', '.join(dag.lanes)}, "
            f"{len(dag.nodes)} nodes on {len(dag.streams)} streams"]
     out += ["  " + line for line in budget_lines(dag, kv_token_bytes)]
+    if dag.carried:
+        carried = ", ".join(f"{lane} L{layer} (slot {slot})" for lane, layer, slot in dag.carried)
+        out.append(f"  carried into every forward, filled by the previous one's tail: {carried}; "
+                   f"the first forward primes them ({len(dag.prime)} nodes); '@F+1' marks a "
+                   f"gather of the next forward's lease")
     header = f"{'id':>5}  {'stream':<14} {'kind':<14} {'lane':<8} {'layer':>5} {'slot':>4}  " \
              f"{'event':<18} after"
     out += ["", header, "-" * len(header)]
     for node, preds in zip(dag.nodes, dag.predecessors):
         after = ", ".join(f"n{src}" + ("~" if kind == "event" else "") for src, kind in preds)
-        layer = "" if node.layer is None else node.layer
+        layer = "" if node.layer is None else f"{node.layer}" + ("@F+1" if node.forward else "")
         slot = "" if node.slot is None else node.slot
         kind = node.kind.value if node.role is None else f"{node.kind.value}.{node.role.value}"
         out.append(f"{node.id:>5}  {node.stream:<14} {kind:<14} {node.lane:<8} {layer!s:>5} "

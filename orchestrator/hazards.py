@@ -10,24 +10,32 @@ It reads only the Dag (see Note [Issue order and edges] in dag.py) and checks:
   every lease is released once, after its reads; no two slots alias one byte range, and no two
   lanes share a pool;
 * ``unjoined``: every side-stream node happens-before the compute stream's last node;
-* ``isolated``: every side-stream node happens-after the start of the forward on the compute
-  stream, so it never waits on work issued before the forward (or before a capture began);
+* ``isolated``: every gather stream starts with its fork wait, and every side-stream node
+  happens-after the start of the forward on the compute stream, so it never waits on work
+  issued before the forward (or before a capture began);
 * ``cross-lane``: a wait never binds to another lane's record (lanes are independent: two
   micro-batches or a target and a draft model must not serialise on each other's gathers);
 * ``serialized``: the overlap the plan promises is there. A compute never waits for a later
   layer's gather of its lane, and a prefetching gather depends on no compute of its lane later
   than the reader of its slot's previous lease (none for the first ring-full): no edge forces
   gather l+1 after compute l except the planned slot reuse.
+
+A plan that carries leases across the forward boundary (Note [Forward boundary] in dag.py) is
+proven unrolled: its prime, one forward whose tail gathers the next forward's leases, and a
+second forward that reads them; every check above then covers the boundary too. Leases are
+keyed by (lane, forward, layer).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ringflow.errors import HazardError
-from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node, NodeKind
+from ringflow.orchestrator.dag import (COMPUTE_STREAM, Dag, EventRole, Node, NodeKind,
+                                       gather_stream)
 
 _WRITERS = (NodeKind.GATHER, NodeKind.SYNC_GATHER)
 
@@ -36,6 +44,7 @@ _WRITERS = (NodeKind.GATHER, NodeKind.SYNC_GATHER)
 class _LeaseNodes:
     lane: str
     layer: int
+    forward: int = 0
     writer: Node | None = None
     readers: list[Node] = field(default_factory=list)
     releases: list[Node] = field(default_factory=list)
@@ -49,16 +58,41 @@ def check_hazards(dag: Dag) -> Dag:
     """
     if dag.__dict__.get("_proven"):
         return dag
-    _check_waits(dag)
-    _check_pools(dag)
-    leases = _collect_leases(dag)
-    _check_leases(dag, leases)
-    _check_slot_reuse(dag, leases)
-    _check_fork_join(dag)
-    _check_lanes(dag)
-    _check_overlap(dag, leases)
+    if dag.prime:  # each part is captured or issued on its own: each must fork and join
+        for part in (dag.nodes, dag.prime):
+            alone = Dag(dag.name, dag.layers, dag.pools, part)
+            _check_waits(alone)
+            _check_fork_join(alone)
+    target = unrolled(dag) if dag.prime else dag
+    _check_waits(target)
+    _check_pools(target)
+    leases = _collect_leases(target)
+    _check_leases(target, leases)
+    _check_slot_reuse(target, leases)
+    _check_fork_join(target)
+    _check_lanes(target)
+    _check_overlap(target, leases, carried={(lane, layer) for lane, layer, _ in dag.carried})
     dag.__dict__["_proven"] = True  # a frozen Dag cannot change after its proof
     return dag
+
+
+def unrolled(dag: Dag) -> Dag:
+    """``dag``'s prime, a forward, and a second forward without its tail gathers, as one Dag
+    whose nodes carry absolute forward numbers (what the hazard check and the simulator run
+    to cover the boundary)."""
+    nodes: list[Node] = []
+
+    def add(node: Node, forward: int) -> None:
+        nodes.append(dataclasses.replace(node, id=len(nodes), forward=forward))
+
+    for node in dag.prime:
+        add(node, 0)
+    for node in dag.nodes:
+        add(node, node.forward)
+    for node in dag.nodes:
+        if not node.forward:  # the last forward's tail would be reclaimed at teardown
+            add(node, 1)
+    return Dag(dag.name, dag.layers, dag.pools, tuple(nodes), meta=dict(dag.meta))
 
 
 def _check_waits(dag: Dag) -> None:
@@ -105,12 +139,13 @@ def _check_pools(dag: Dag) -> None:
             )
 
 
-def _collect_leases(dag: Dag) -> dict[tuple[str, int], _LeaseNodes]:
-    leases: dict[tuple[str, int], _LeaseNodes] = {}
+def _collect_leases(dag: Dag) -> dict[tuple[str, int, int], _LeaseNodes]:
+    leases: dict[tuple[str, int, int], _LeaseNodes] = {}
     for node in dag.nodes:
         if node.slot is None or node.kind not in (*_WRITERS, NodeKind.COMPUTE, NodeKind.RELEASE):
             continue
-        lease = leases.setdefault((node.lane, node.layer), _LeaseNodes(node.lane, node.layer))
+        key = (node.lane, node.forward, node.layer)
+        lease = leases.setdefault(key, _LeaseNodes(node.lane, node.layer, node.forward))
         if node.kind in _WRITERS:
             if lease.writer is not None:
                 raise HazardError(
@@ -126,10 +161,11 @@ def _collect_leases(dag: Dag) -> dict[tuple[str, int], _LeaseNodes]:
     return leases
 
 
-def _check_leases(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
+def _check_leases(dag: Dag, leases: dict[tuple[str, int, int], _LeaseNodes]) -> None:
     hb = dag.happens_before
     for lease in leases.values():
-        what = f"layer {lease.layer} of lane '{lease.lane}'"
+        what = f"layer {lease.layer} of lane '{lease.lane}'" + \
+            (f" (forward {lease.forward})" if lease.forward else "")
         if lease.writer is None:
             ids = [n.id for n in lease.readers + lease.releases]
             raise HazardError("read-after-write", f"{what} is read but never gathered", ids)
@@ -163,7 +199,7 @@ def _check_leases(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
                 )
 
 
-def _check_slot_reuse(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
+def _check_slot_reuse(dag: Dag, leases: dict[tuple[str, int, int], _LeaseNodes]) -> None:
     hb = dag.happens_before
     by_slot: dict[tuple[str, int], list[_LeaseNodes]] = defaultdict(list)
     for lease in leases.values():
@@ -197,6 +233,14 @@ def _check_fork_join(dag: Dag) -> None:
     if not main:
         raise HazardError("isolated", "side-stream work with no compute-stream node", [side[0].id])
     first, last = main[0], main[-1]
+    for lane in {n.lane for n in side}:
+        head = next((n for n in side if n.stream == gather_stream(lane)), None)
+        if head is not None and (head.kind is not NodeKind.WAIT or head.role is not EventRole.FORK):
+            raise HazardError(
+                "isolated",
+                f"{head.stream} starts with {head.label}, not with its fork wait: a gather stream "
+                f"joins the forward (and a capture) by waiting on the compute stream first",
+                [head.id])
     for node in side:
         if not dag.happens_before(first.id, node.id):
             raise HazardError(
@@ -225,14 +269,19 @@ def _check_lanes(dag: Dag) -> None:
                     [src, node.id])
 
 
-def _prefix_max(dag: Dag, kind: NodeKind) -> dict[tuple[str, str], tuple[list[int], list[int]]]:
-    """Per (stream, lane): the stream positions of ``kind`` nodes, and for each the id of the
-    largest-layer node of that kind up to it (so a vector clock finds it with one bisect)."""
+def _order(node: Node) -> tuple[int, int]:
+    return (node.forward, node.layer)
+
+
+def _prefix_max(dag: Dag, kind: NodeKind, skip=frozenset()) -> dict:
+    """Per (stream, lane): the stream positions of ``kind`` nodes (but those of ``skip``
+    (lane, layer) pairs), and for each the id of the latest-layer node of that kind up to it
+    (so a vector clock finds it with one bisect)."""
     table: dict[tuple[str, str], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     for node in dag.nodes:
-        if node.kind is kind:
+        if node.kind is kind and (node.lane, node.layer) not in skip:
             positions, best = table[(node.stream, node.lane)]
-            keep = best and dag.nodes[best[-1]].layer >= node.layer
+            keep = best and _order(dag.nodes[best[-1]]) >= _order(node)
             positions.append(dag.positions[node.id])
             best.append(best[-1] if keep else node.id)
     return table
@@ -246,15 +295,21 @@ def _latest(dag: Dag, table, stream: str, lane: str, upto: int) -> Node | None:
     return dag.nodes[entry[1][i]] if i >= 0 else None
 
 
-def _check_overlap(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None:
-    gathers = _prefix_max(dag, NodeKind.GATHER)
+def _check_overlap(dag: Dag, leases: dict[tuple[str, int, int], _LeaseNodes],
+                   carried=frozenset()) -> None:
+    # a carried lease is gathered in the previous forward's tail (or the prime) and ordered by
+    # its join, before this forward starts: no compute of this forward loses overlap to it
+    gathers = _prefix_max(dag, NodeKind.GATHER, skip=carried)
     computes = _prefix_max(dag, NodeKind.COMPUTE)
-    slots = {p.lane: p.slots for p in dag.pools}
-    previous: dict[tuple[str, int], int | None] = {}
-    for lane, ring in slots.items():
-        order = sorted(layer for (ln, layer) in leases if ln == lane)
-        for i, layer in enumerate(order):
-            previous[(lane, layer)] = order[i - ring] if i >= ring else None
+    # a gather may follow the reader of its slot's previous lease, and nothing later
+    previous: dict[int, tuple[int, int] | None] = {}
+    chains: dict[tuple[str, int], list[_LeaseNodes]] = defaultdict(list)
+    for lease in leases.values():
+        chains[(lease.lane, lease.writer.slot)].append(lease)
+    for chain in chains.values():
+        chain.sort(key=lambda x: x.writer.id)
+        for prev, nxt in zip([None, *chain], chain):
+            previous[nxt.writer.id] = None if prev is None else (prev.forward, prev.layer)
     for node in dag.nodes:
         if node.kind not in (NodeKind.COMPUTE, NodeKind.GATHER):
             continue
@@ -262,18 +317,23 @@ def _check_overlap(dag: Dag, leases: dict[tuple[str, int], _LeaseNodes]) -> None
             upto = dag.clocks[node.id][s]
             if node.kind is NodeKind.COMPUTE:
                 late = _latest(dag, gathers, stream, node.lane, upto)
-                if late is not None and late.layer > node.layer:
+                if late is not None and _order(late) > _order(node):
                     raise HazardError(
                         "serialized",
                         f"{node.label} waits for {late.label} of a later layer: the prefetch of "
                         f"layer {late.layer} no longer overlaps layer {node.layer}",
                         [late.id, node.id])
             else:
-                allowed = previous.get((node.lane, node.layer))
+                allowed = previous.get(node.id)
+                if allowed is not None and allowed[0] < node.forward and \
+                        (node.lane, node.layer) not in carried:
+                    # the slot's first lease of a forward: issued at its start, after the fork
+                    allowed = (node.forward - 1, float("inf"))
                 reader = _latest(dag, computes, stream, node.lane, upto)
-                if reader is not None and (allowed is None or reader.layer > allowed):
-                    what = (f"the reader of its slot's previous lease (layer {allowed})"
-                            if allowed is not None else "the start of the forward")
+                if reader is not None and (allowed is None or _order(reader) > allowed):
+                    what = ("the start of the forward" if allowed is None or
+                            allowed[1] == float("inf") else
+                            f"the reader of its slot's previous lease (layer {allowed[1]})")
                     raise HazardError(
                         "serialized",
                         f"{node.label} waits for {reader.label}, later than {what}: it could "

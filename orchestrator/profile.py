@@ -30,8 +30,14 @@ _LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 FIELDS: dict[str, tuple[str, str, Any]] = {
     "name": ("label carried into dumps and tables", "a non-empty string", "<file stem>"),
     "layers": ("layers in one forward pass", "an integer in 1..8192", None),
-    "depth": ("prefetch lookahead in layers; the ring holds depth + 1 slots; 0 = synchronous",
-              "an integer >= 0", None),
+    "depth": ("prefetch lookahead in layers: the ring holds depth + 1 slots (memory); even one "
+              "slot (depth 0) prefetches behind layers that gather nothing", "an integer >= 0",
+              None),
+    "synchronous": ("gather every layer on the compute stream, just before it computes (no "
+                    "prefetch); before, depth 0 meant this", "true | false", False),
+    "cross_forward": ("lanes whose sources never change between forwards (weights): the next "
+                      "forward's first slots are filled in this forward's tail",
+                      "true (every lane), false, or a list of lane names", False),
     "workspace_mib": ("device budget of each lane's slot ring, in MiB; depth is reduced to fit",
                       "a number > 0 that holds at least one slot", None),
     "slot": ("shape and dtype of one slot (one layer's gathered data)",
@@ -71,8 +77,13 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
     "offload.layers": ("decoder layers to offload",
                        "'all', a list of layer indices, or {every: N, last: K} (the last K of every "
                        "N layers)", None),
-    "offload.depth": ("layers of lookahead; the ring holds depth + 1 layer-slots",
-                      "an integer >= 0", 1),
+    "offload.depth": ("layers of lookahead; the ring holds depth + 1 layer-slots (one slot "
+                      "still prefetches behind resident layers)", "an integer >= 0", 1),
+    "offload.synchronous": ("copy each offloaded layer's weights just before it runs, on the "
+                            "compute stream (no prefetch)", "true | false", False),
+    "offload.cross_forward": ("fill the next forward's first layer-slots during this forward's "
+                              "last layers (weights do not change between forwards)",
+                              "true | false", True),
     "offload.workspace_mib": ("device budget of the weight ring, in MiB; depth is reduced to fit",
                               "a number > 0 that holds one layer's weights", None),
     "kv_prefetch": ("vLLM attention: gather each attention layer's full context KV (paged "
@@ -93,7 +104,7 @@ FIELDS: dict[str, tuple[str, str, Any]] = {
                            False),
 }
 _REQUIRED = ("layers", "depth", "workspace_mib", "slot")
-_OFFLOAD_KEYS = ["layers", "depth", "workspace_mib"]
+_OFFLOAD_KEYS = ["layers", "depth", "workspace_mib", "synchronous", "cross_forward"]
 _KV_KEYS = ["depth", "workspace_mib", "capacity_tokens", "verify"]
 _TOP = [k for k in FIELDS if "." not in k]
 
@@ -189,6 +200,8 @@ class OffloadSpec:
     layers: str | frozenset[int] | tuple[int, int]  # "all", explicit indices, or (every, last)
     depth: int
     workspace_mib: float
+    synchronous: bool = False
+    cross_forward: bool = True
 
     def resolve(self, count: int, source: str | None = None) -> list[int]:
         """The offloaded layer indices of a model with ``count`` decoder layers.
@@ -213,7 +226,8 @@ class OffloadSpec:
             layers = {"every": layers[0], "last": layers[1]}
         elif isinstance(layers, frozenset):
             layers = sorted(layers)
-        return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib}
+        return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib,
+                "synchronous": self.synchronous, "cross_forward": self.cross_forward}
 
 
 def _offload(doc: Any, source: str | None) -> OffloadSpec:
@@ -239,7 +253,15 @@ def _offload(doc: Any, source: str | None) -> OffloadSpec:
                                "'all', a non-empty list, or {every: N, last: K}", source)
     depth = _int("offload.depth", doc.get("depth", 1), source, 0)
     mib = _budget("offload.workspace_mib", doc["workspace_mib"], source)
-    return OffloadSpec(layers, depth, mib)
+    return OffloadSpec(layers, depth, mib, _bool("offload.synchronous", doc, False, source),
+                       _bool("offload.cross_forward", doc, True, source))
+
+
+def _bool(name: str, doc: dict, default: bool, source: str | None) -> bool:
+    value = doc.get(name.rsplit(".", 1)[-1], default)
+    if not isinstance(value, bool):
+        raise _fail(name, value, source)
+    return value
 
 
 @dataclass(frozen=True)
@@ -297,6 +319,8 @@ class Profile:
     lanes: tuple[str, ...] = ("kv",)
     gathered_layers: frozenset[int] | None = None  # None: every layer
     ineligible: frozenset[int] = frozenset()
+    synchronous: bool = False
+    cross_forward: tuple[str, ...] = ()
     capture: str = "join"
     gather_priority: str = "normal"
     kv_token_bytes: int | None = None
@@ -380,7 +404,8 @@ class Profile:
                                     GATHER_PRIORITIES, source),
         )
         if not run_keys:
-            for key in ("gathered_layers", "ineligible", "kv_token_bytes", "workload"):
+            for key in ("gathered_layers", "ineligible", "kv_token_bytes", "workload",
+                        "synchronous", "cross_forward"):
                 if key in doc:
                     raise ProfileError(key, "needs the run fields layers, depth, workspace_mib "
                                        "and slot; a vLLM-only profile takes its layers from "
@@ -418,6 +443,12 @@ class Profile:
             raise ProfileError("ineligible", f"layers {sorted(ineligible - gathered)} are not "
                                f"gathered; accepted: a subset of gathered_layers", source)
 
+        cross = doc.get("cross_forward", False)
+        if isinstance(cross, bool):
+            cross = list(lanes) if cross else []
+        if not isinstance(cross, list) or any(c not in lanes for c in cross):
+            raise _fail("cross_forward", cross, source, f"lanes are {list(lanes)}")
+
         token_bytes = doc.get("kv_token_bytes")
         if token_bytes is not None:
             _int("kv_token_bytes", token_bytes, source, 1)
@@ -452,7 +483,8 @@ class Profile:
                                    f"elements", source)
         return cls(layers=layers, depth=depth, workspace_mib=mib, slot=slot,
                    gathered_layers=gathered, ineligible=ineligible, kv_token_bytes=token_bytes,
-                   workload=workload, **common)
+                   synchronous=_bool("synchronous", doc, False, source),
+                   cross_forward=tuple(dict.fromkeys(cross)), workload=workload, **common)
 
     def to_mapping(self) -> dict:
         """The YAML-shaped mapping that :meth:`from_mapping` turns back into this profile."""
@@ -471,6 +503,7 @@ class Profile:
             "lanes": list(self.lanes),
             "gathered_layers": "all" if self.gathered_layers is None else sorted(self.gathered_layers),
             "ineligible": sorted(self.ineligible), "capture": self.capture,
+            "synchronous": self.synchronous, "cross_forward": list(self.cross_forward),
             "gather_priority": self.gather_priority,
             "workload": {f.name: getattr(self.workload, f.name) for f in fields(Workload)},
         }

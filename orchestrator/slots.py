@@ -167,6 +167,8 @@ class SlotPool:
         self._leases: list[Lease | None] = [None] * self.layout.slots
         self._free: deque[int] = deque(range(self.layout.slots))
         self._closed = False
+        #: leases filled for the next forward, by (lane, layer) (Note [Forward boundary])
+        self.carried: dict[tuple[str, int], Lease] = {}
 
     @classmethod
     def for_profile(cls, profile, lane: str, device: torch.device | str = "cpu") -> SlotPool:
@@ -264,7 +266,21 @@ class SlotPool:
             lease.state = LeaseState.FREE
             self._leases[lease.slot] = None
             self._free.append(lease.slot)
+        self.carried.clear()  # the next forward fills its slots again (it primes)
         return len(out)
+
+    def forget_carried(self) -> None:
+        """Hand back the slots of carried leases without waiting (host bookkeeping only).
+
+        For a forward that re-fills them itself: its gathers are ordered after everything the
+        previous forward issued (it joined its gather stream), so the slots are free on the
+        device by the time they are rewritten.
+        """
+        for lease in self.carried.values():
+            lease.state = LeaseState.FREE
+            self._leases[lease.slot] = None
+            self._free.append(lease.slot)
+        self.carried.clear()
 
     def close(self) -> None:
         """Wait for every writer and reader, then drop the storage. Idempotent."""

@@ -5,8 +5,14 @@ Each stream is an independent FIFO queue; a ``wait`` binds, when it is issued, t
 Nothing else orders two streams. A seeded adversarial scheduler picks, at every step, which
 runnable stream head runs next (biased towards running gathers early and computes late, where
 races bite). Slots are modelled as memory cells: a gather writes ``(forward, lane, layer)`` into
-its slot, a compute records what it found there. Several forwards run back to back, so reuse
-across a forward boundary is exercised too.
+its slot (a tail gather the next forward's), a compute records what it found there. Several
+forwards run back to back, so reuse across a forward boundary is exercised too, and so is the
+boundary of a plan that carries leases from one forward into the next (Note [Forward boundary]
+in dag.py): the plan's prime runs before the first forward and after every reset.
+
+A reset is what a host does between forwards when it reclaims the ring (a forward abandoned
+midway, a workspace resize, a KV-cache rebind, an executor closed and a new one built): it waits
+for every issued node, hands the leases back, and the next forward primes again.
 
 Use it to check a plan, mutated or hand-built, without a GPU::
 
@@ -17,9 +23,10 @@ Use it to check a plan, mutated or hand-built, without a GPU::
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ringflow.orchestrator.dag import Dag, NodeKind
+from ringflow.orchestrator.dag import Dag, Node, NodeKind
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class Read:
 class Simulation:
     order: list[tuple[int, int]] = field(default_factory=list)  # (forward, node id) as run
     reads: list[Read] = field(default_factory=list)
+    primes: list[int] = field(default_factory=list)  # forwards the prime ran before
 
     @property
     def wrong_reads(self) -> list[Read]:
@@ -45,7 +53,8 @@ class Simulation:
 
 
 def simulate(dag: Dag, *, forwards: int = 2, seed: int = 0, linearize: bool = False,
-             bias: float = 0.7) -> Simulation:
+             bias: float = 0.7, resets: Iterable[int] = (),
+             abandon: Mapping[int, int] | None = None) -> Simulation:
     """Run ``forwards`` forwards of ``dag`` in one adversarial interleaving.
 
     Args:
@@ -53,27 +62,47 @@ def simulate(dag: Dag, *, forwards: int = 2, seed: int = 0, linearize: bool = Fa
         linearize: run every node on one stream (the SyncExecutor's path).
         bias: probability of preferring a gather-stream head over the compute stream, which
             makes gathers run as early and computes as late as the edges allow.
+        resets: forwards before which the host reclaims the ring (and the plan primes again).
+        abandon: forward -> how many of its nodes were issued before it failed (the reads it
+            did issue are checked); the host then reclaims the ring.
     """
     rng = random.Random(seed)
-    n = len(dag.nodes)
-    total = forwards * n
-    stream_of = ["sync" if linearize else node.stream for node in dag.nodes]
+    abandon = dict(abandon or {})
+    resets = set(resets)
+    sim = Simulation()
+    memory: dict[tuple[str, int], tuple[int, str, int]] = {}
+    segment: list[tuple[int, Node, bool]] = []  # (forward, node, is a prime node)
+    primed = False
+    for f in range(forwards):
+        if f in resets or not primed:
+            _run(segment, rng, linearize, bias, memory, sim)  # the host waits for everything
+            segment = []
+            if dag.prime:
+                sim.primes.append(f)
+                segment += [(f, node, True) for node in dag.prime]
+            primed = True
+        nodes = dag.nodes[: abandon[f]] if f in abandon else dag.nodes
+        segment += [(f, node, False) for node in nodes]
+        if f in abandon:  # the executor reclaims every lease after a host sync
+            primed = False
+    _run(segment, rng, linearize, bias, memory, sim)
+    return sim
+
+
+def _run(segment, rng, linearize, bias, memory, sim) -> None:
+    total = len(segment)
     deps: list[list[int]] = [[] for _ in range(total)]
     last_record: dict[str, int] = {}
-    for f in range(forwards):  # issue every node in host order and bind its waits
-        for node in dag.nodes:
-            g = f * n + node.id
-            if node.kind is NodeKind.WAIT and node.event in last_record:
-                deps[g].append(last_record[node.event])
-            if node.kind is NodeKind.RECORD:
-                last_record[node.event] = g
+    for g, (_, node, _) in enumerate(segment):  # issue every node in host order, bind waits
+        if node.kind is NodeKind.WAIT and node.event in last_record:
+            deps[g].append(last_record[node.event])
+        if node.kind is NodeKind.RECORD:
+            last_record[node.event] = g
     queues: dict[str, list[int]] = {}
-    for g in range(total):
-        queues.setdefault(stream_of[g % n], []).append(g)
+    for g, (_, node, _) in enumerate(segment):
+        queues.setdefault("sync" if linearize else node.stream, []).append(g)
     heads = dict.fromkeys(queues, 0)
     done = [False] * total
-    memory: dict[tuple[str, int], tuple[int, str, int]] = {}
-    sim = Simulation()
     while True:
         runnable = [s for s, q in queues.items() if heads[s] < len(q)
                     and all(done[d] for d in deps[q[heads[s]]])]
@@ -85,11 +114,10 @@ def simulate(dag: Dag, *, forwards: int = 2, seed: int = 0, linearize: bool = Fa
         g = queues[stream][heads[stream]]
         heads[stream] += 1
         done[g] = True
-        f, node = divmod(g, n)[0], dag.nodes[g % n]
+        f, node, _ = segment[g]
         sim.order.append((f, node.id))
         if node.kind in (NodeKind.GATHER, NodeKind.SYNC_GATHER):
-            memory[(node.lane, node.slot)] = (f, node.lane, node.layer)
+            memory[(node.lane, node.slot)] = (f + node.forward, node.lane, node.layer)
         elif node.kind is NodeKind.COMPUTE and node.slot is not None:
             sim.reads.append(Read(f, node.lane, node.layer, memory.get((node.lane, node.slot))))
     assert all(done), "the simulator stalled: issue order is not a topological order"
-    return sim

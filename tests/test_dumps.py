@@ -14,25 +14,47 @@ def plan():
     return Planner(7, pools, ineligible=[3], gathered=[0, 1, 2, 3, 5, 6]).plan()
 
 
-def test_json_round_trips_exactly():
-    dag = plan()
+def cross_plan():
+    pools = [PoolLayout.fit("w", 4096, 1, 20_000)]
+    return Planner(8, pools, gathered=[0, 1, 2, 5, 6], cross_forward=["w"]).plan()
+
+
+@pytest.mark.parametrize("make", [plan, cross_plan], ids=["plain", "cross-forward"])
+def test_json_round_trips_exactly(make):
+    dag = make()
     again = from_json(to_json(dag))
     assert again == dag and again.edges == dag.edges and again.meta == dag.meta
+    assert again.prime == dag.prime and again.carried == dag.carried
 
 
 def test_json_has_a_versioned_stable_schema():
     doc = json.loads(to_json(plan()))
-    assert (doc["schema"], doc["version"]) == ("ringflow.dag", 1)
+    assert (doc["schema"], doc["version"]) == ("ringflow.dag", 2)
     assert set(doc["nodes"][0]) == {"id", "kind", "stream", "lane", "layer", "slot", "event",
-                                    "role", "nvtx"}
+                                    "role", "forward", "nvtx"}
     assert doc["pools"][0]["reserved_bytes"] == 3 * 4096
     assert to_json(plan()) == to_json(plan())  # stable bytes
 
 
+def test_a_version_1_dump_still_loads():
+    doc = json.loads(to_json(plan()))
+    doc["version"] = 1
+    del doc["prime"]
+    for node in doc["nodes"]:
+        del node["forward"]
+    assert dumps.from_dict(doc) == plan()
+
+
+def test_text_names_the_carried_leases_and_marks_the_tail_gathers():
+    text = to_text(cross_plan())
+    assert "carried into every forward, filled by the previous one's tail: w L0 (slot 0)" in text
+    assert "0@F+1" in text
+
+
 def test_json_from_another_version_or_edited_edges_is_refused():
     doc = json.loads(to_json(plan()))
-    with pytest.raises(PlanError, match="version 2 is not supported"):
-        dumps.from_dict({**doc, "version": 2})
+    with pytest.raises(PlanError, match="version 3 is not supported"):
+        dumps.from_dict({**doc, "version": 3})
     doc["edges"] = doc["edges"][1:]
     with pytest.raises(PlanError, match="edges disagree"):
         dumps.from_dict(doc)

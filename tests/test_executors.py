@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ringflow import (EagerExecutor, ExecutorError, LeaseError, Planner, Profile, SlotPool,
-                      SyncExecutor)
+from ringflow import (EagerExecutor, ExecutorError, LeaseError, NodeKind, Planner, Profile,
+                      SlotPool, SyncExecutor)
 from ringflow.testing import TracingWorkload
 from ringflow.workload import SyntheticWorkload
 
@@ -145,8 +145,9 @@ def test_a_lease_misused_by_a_hand_built_order_is_a_lease_error():
     trace = TracingWorkload(["kv"], 2)
     ex = SyncExecutor(dag, [pool], trace.gather, trace.compute)
     ex._leases[("kv", 0)] = pool.acquire(0)  # WRITING, as if its gather were still running
+    compute = next(n for n in dag.nodes if n.kind is NodeKind.COMPUTE and n.layer == 0)
     with pytest.raises(LeaseError, match="read before ready"):
-        ex._bind_compute(dag.nodes[1])()
+        ex._bind_compute(compute)()
 
 
 def test_decoder_compute_streams_a_layers_weights_through_its_slot():

@@ -90,10 +90,10 @@ def test_depth_is_reduced_to_fit_the_budget_and_logged_once_with_the_arithmetic(
     assert len(lines) == 1 and "depth reduced to 2" in lines[0] and "depth 5 wants 6" in lines[0]
 
 
-def test_depth_zero_is_one_synchronous_slot():
+def test_depth_zero_is_one_slot_and_the_arithmetic_says_what_it_overlaps():
     p = pool(depth=0)
     assert (p.depth, p.slots) == (0, 1)
-    assert "synchronous" in p.layout.arithmetic()
+    assert "one slot: gathers overlap only layers that gather nothing" in p.layout.arithmetic()
 
 
 def test_a_budget_smaller_than_one_slot_names_the_field():

@@ -17,10 +17,12 @@ def kinds(dag, kind, lane=None):
     return [n for n in dag.nodes if n.kind is kind and (lane is None or n.lane == lane)]
 
 
+@pytest.mark.parametrize("synchronous", [False, True], ids=["prefetch", "synchronous"])
 @pytest.mark.parametrize("layers", [1, 2, 7, 61])
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
-def test_every_layer_is_gathered_once_and_computed_once_at_every_depth(layers, depth):
-    dag = Planner(layers, layouts(depth)).plan()
+def test_every_layer_is_gathered_once_and_computed_once_at_every_depth(layers, depth,
+                                                                       synchronous):
+    dag = Planner(layers, layouts(depth), synchronous=synchronous).plan()
     # plan() proved the Dag and check_hazards trusts a proven Dag: prove a fresh copy here
     fresh = dataclasses.replace(dag)
     assert check_hazards(fresh) is fresh
@@ -28,9 +30,9 @@ def test_every_layer_is_gathered_once_and_computed_once_at_every_depth(layers, d
     assert sorted(n.layer for n in writers) == list(range(layers))
     assert [n.layer for n in kinds(dag, NodeKind.COMPUTE)] == list(range(layers))
     assert len(kinds(dag, NodeKind.RELEASE)) == layers
-    if depth == 0:
+    if synchronous:  # every gather on the compute stream, whatever the ring size
         assert not kinds(dag, NodeKind.GATHER) and dag.streams == (COMPUTE_STREAM,)
-    else:
+    else:  # a ring of one slot prefetches too
         assert not kinds(dag, NodeKind.SYNC_GATHER)
         slots = depth + 1
         assert [n.slot for n in kinds(dag, NodeKind.GATHER)] == [i % slots for i in range(layers)]
@@ -113,10 +115,26 @@ def test_lanes_may_have_different_depths():
     pools = [PoolLayout.fit("a", 100, 3, 400), PoolLayout.fit("b", 100, 3, 150)]
     dag = Planner(6, pools).plan()
     assert max(n.slot for n in kinds(dag, NodeKind.GATHER, "a")) == 3
-    # lane b's budget holds one slot: depth 0, every gather synchronous, no side stream
-    assert [n.layer for n in kinds(dag, NodeKind.SYNC_GATHER)] == list(range(6))
-    assert {n.lane for n in kinds(dag, NodeKind.SYNC_GATHER)} == {"b"}
-    assert "gather/b" not in dag.streams
+    # lane b's budget holds one slot: depth 0, still prefetched on its own stream, each gather
+    # waiting for the previous layer's compute (the slot's previous reader)
+    assert not kinds(dag, NodeKind.SYNC_GATHER)
+    assert {n.slot for n in kinds(dag, NodeKind.GATHER, "b")} == {0}
+    retires = [n.event for n in dag.nodes if n.lane == "b" and n.kind is NodeKind.WAIT
+               and n.role is EventRole.RETIRE]
+    assert retires == [f"b/retire/L{l}" for l in range(5)]
+
+
+def test_a_one_slot_ring_gathers_behind_the_resident_layers_before_it():
+    """Ring size is memory, not lookahead: with one slot, the gather of an offloaded layer
+    starts when the previous offloaded layer's compute is done, before the resident layers
+    between them."""
+    gathered = [l for l in range(16) if l % 8 >= 6]  # 6, 7, 14, 15
+    dag = Planner(16, layouts(0), gathered=gathered).plan()
+    computes = {c.layer: c.id for c in kinds(dag, NodeKind.COMPUTE)}
+    gathers = {g.layer: g.id for g in kinds(dag, NodeKind.GATHER)}
+    assert gathers[6] < computes[0]                        # at the forward's start
+    assert computes[7] < gathers[14] < computes[8]         # right after its slot's last reader
+    assert not kinds(dag, NodeKind.SYNC_GATHER)
 
 
 @pytest.mark.parametrize("bad", [dict(layers=0), dict(layers=True), dict(gathered=[9]),

@@ -25,41 +25,75 @@ def plans(draw):
     gathered = draw(st.one_of(st.none(), st.sets(st.integers(0, layers - 1))))
     candidates = sorted(set(range(layers)) if gathered is None else gathered)
     ineligible = draw(st.sets(st.sampled_from(candidates))) if candidates else set()
-    return Planner(layers, pools, gathered=gathered, ineligible=ineligible).plan()
+    cross = draw(st.lists(st.sampled_from(lanes), unique=True))
+    synchronous = draw(st.booleans()) if not cross else False
+    return Planner(layers, pools, gathered=gathered, ineligible=ineligible, cross_forward=cross,
+                   synchronous=synchronous).plan()
+
+
+FORWARDS = 4
+
+
+@st.composite
+def boundaries(draw, dag):
+    """What a host does between forwards: reclaim the ring (resize, KV-cache rebind, executor
+    closed), or abandon a forward midway."""
+    resets = draw(st.sets(st.integers(1, FORWARDS - 1)))
+    abandon = draw(st.dictionaries(st.integers(0, FORWARDS - 2),
+                                   st.integers(0, len(dag.nodes) - 1), max_size=2))
+    return resets, abandon
 
 
 @settings(max_examples=PLANS, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(plans(), st.booleans(), st.integers(0, 2**32 - 1))
-def test_every_read_sees_the_write_the_plan_intends_in_any_legal_interleaving(dag, linearize,
-                                                                               seed):
+@given(st.data(), plans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_every_read_sees_the_write_the_plan_intends_in_any_legal_interleaving(data, dag,
+                                                                               linearize, seed):
+    """Several forwards back to back; between them the ring may be reclaimed or a forward
+    abandoned midway, and a plan that carries leases across the boundary primes again."""
+    resets, abandon = data.draw(boundaries(dag))
     # linearize: every node on one stream in issue order (the SyncExecutor's path; the seed
     # has no choice to make); otherwise the plan's streams in the interleaving the seed picks
-    result = simulate(dag, forwards=2, seed=seed, linearize=linearize)
+    result = simulate(dag, forwards=FORWARDS, seed=seed, linearize=linearize, resets=resets,
+                      abandon=abandon)
+    issued = {f: dag.nodes[: abandon[f]] if f in abandon else dag.nodes for f in range(FORWARDS)}
     if linearize:
-        assert result.order == [(f, n.id) for f in range(2) for n in dag.nodes]
+        primed = set(result.primes)
+        assert result.order == [(f, n.id) for f in range(FORWARDS)
+                                for n in ((dag.prime if f in primed else ()) + issued[f])]
     assert not result.wrong_reads, result.wrong_reads[:3]
-    assert len(result.reads) == 2 * sum(1 for n in dag.nodes
-                                        if n.kind is NodeKind.COMPUTE and n.slot is not None)
+    assert len(result.reads) == sum(1 for f in range(FORWARDS) for n in issued[f]
+                                    if n.kind is NodeKind.COMPUTE and n.slot is not None)
+    if dag.prime:  # the first forward, and every one after a reclaim, primes; no other does
+        after = {f + 1 for f in abandon} | set(resets) | {0}
+        assert result.primes == sorted(f for f in after if f < FORWARDS)
 
 
-def _rebuild(dag, nodes):
-    nodes = [dataclasses.replace(n, id=i) for i, n in enumerate(nodes)]
-    return Dag(dag.name, dag.layers, dag.pools, tuple(nodes))
+def _rebuild(dag, nodes=None, prime=None):
+    renumber = lambda seq: tuple(dataclasses.replace(n, id=i) for i, n in enumerate(seq))
+    return Dag(dag.name, dag.layers, dag.pools,
+               renumber(dag.nodes if nodes is None else nodes),
+               prime=renumber(dag.prime if prime is None else prime))
 
 
 def mutants(dag):
-    """Every single-edge mutation: drop a wait or a record, or point it at another event."""
-    records = [n for n in dag.nodes if n.kind is NodeKind.RECORD]
+    """Every single-edge mutation: drop a wait or a record, or point it at another event, in
+    the forward or in its prime (the boundary's edges)."""
+    records = [n for n in (*dag.nodes, *dag.prime) if n.kind is NodeKind.RECORD]
     events = sorted({(n.event, n.role) for n in records})
-    for node in dag.nodes:
-        if node.kind not in (NodeKind.WAIT, NodeKind.RECORD):
-            continue
-        yield f"drop {node.label}", _rebuild(dag, [n for n in dag.nodes if n.id != node.id])
-        for event, role in events:
-            if event != node.event:
-                changed = dataclasses.replace(node, event=event, role=role)
-                yield (f"re-point {node.label} to {event}",
-                       _rebuild(dag, [changed if n.id == node.id else n for n in dag.nodes]))
+    for part in ("nodes", "prime"):
+        seq = getattr(dag, part)
+        for node in seq:
+            if node.kind not in (NodeKind.WAIT, NodeKind.RECORD):
+                continue
+            where = "prime " if part == "prime" else ""
+            yield (f"drop {where}{node.label}",
+                   _rebuild(dag, **{part: [n for n in seq if n.id != node.id]}))
+            for event, role in events:
+                if event != node.event:
+                    changed = dataclasses.replace(node, event=event, role=role)
+                    yield (f"re-point {where}{node.label} to {event}",
+                           _rebuild(dag, **{part: [changed if n.id == node.id else n
+                                                   for n in seq]}))
 
 
 def killed(mutant):
@@ -67,7 +101,7 @@ def killed(mutant):
         check_hazards(mutant)
     except HazardError:
         return True
-    return any(simulate(mutant, forwards=2, seed=s).wrong_reads for s in range(12))
+    return any(simulate(mutant, forwards=3, seed=s).wrong_reads for s in range(12))
 
 
 MUTATION_PLANS = [
@@ -78,6 +112,11 @@ MUTATION_PLANS = [
     dict(layers=6, depths=[1, 2]),
     dict(layers=4, depths=[0, 1]),
     dict(layers=8, depths=[3], ineligible=[4], gathered=[0, 1, 3, 4, 5, 7]),
+    # the forward boundary: carried leases, tail gathers and the prime
+    dict(layers=6, depths=[1], cross=True),
+    dict(layers=7, depths=[2], cross=True),
+    dict(layers=9, depths=[0], gathered=[2, 3, 6, 7], cross=True),
+    dict(layers=8, depths=[1, 1], gathered=[1, 2, 5, 6], cross=True),
 ]
 
 
@@ -87,7 +126,9 @@ def test_every_single_edge_mutation_is_caught():
     for spec in MUTATION_PLANS:
         pools = [PoolLayout.fit(f"l{i}", 64, d, 64 * 8) for i, d in enumerate(spec["depths"])]
         dag = Planner(spec["layers"], pools, gathered=spec.get("gathered"),
-                      ineligible=spec.get("ineligible", ())).plan()
+                      ineligible=spec.get("ineligible", ()),
+                      cross_forward=[p.lane for p in pools] if spec.get("cross") else ()).plan()
+        assert bool(dag.prime) == bool(spec.get("cross"))
         for name, mutant in mutants(dag):
             total += 1
             if killed(mutant):

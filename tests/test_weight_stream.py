@@ -27,7 +27,8 @@ def test_streamed_layers_compute_exactly_what_resident_ones_did(offload, depth):
     ws = WeightStreamer(layers, offload, depth=depth, workspace_bytes=1 << 22, poison=True)
     for _ in range(3):
         assert torch.equal(run_stack(layers, x), want)
-    assert ws.stepper.forwards == 3 and ws.pool.free_count == ws.pool.slots
+    assert ws.stepper.forwards == 3
+    assert ws.pool.free_count + len(ws.pool.carried) == ws.pool.slots
     assert ws.pool.depth == min(depth, 10)
 
 
@@ -84,7 +85,7 @@ def test_a_forward_abandoned_midway_hands_its_slots_back_and_the_next_is_right()
     assert ws.stepper.in_forward
     layers[2].forward = original
     assert torch.equal(run_stack(layers, x), want)  # layer 0 again: a new forward
-    assert ws.pool.free_count == ws.pool.slots and not ws.stepper.in_forward
+    assert ws.pool.free_count + len(ws.pool.carried) == ws.pool.slots and not ws.stepper.in_forward
 
 
 def test_bad_requests_say_what_to_change():
@@ -192,3 +193,52 @@ def test_close_unhooks_the_layers_and_frees_the_ring():
     ws.close()
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert ws.pool.storage.numel() == 0
+
+
+def test_the_next_forwards_first_layers_are_copied_during_this_forwards_last_layers(
+        monkeypatch):
+    from ringflow.integrations.vllm import weight_stream
+
+    layers = stack(8)
+    x = torch.randn(5, 64)
+    want = run_stack(layers, x)
+    events = []
+    ws = WeightStreamer(layers, [0, 1, 2, 5, 6], depth=1, workspace_bytes=1 << 22, poison=True)
+    owner = {ws.host[i].data_ptr(): i for i in ws.offloaded}
+    real = weight_stream.copy_host_to_device
+
+    def copy(src, out):
+        events.append(("copy", owner[src.data_ptr()]))
+        return real(src, out)
+
+    monkeypatch.setattr(weight_stream, "copy_host_to_device", copy)
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: events.append(("layer", i)))
+    assert [layer for _, layer, _ in ws.dag.carried] == [0, 1]  # slots 0, 1 are read again later
+    for _ in range(3):
+        assert torch.equal(run_stack(layers, x), want)
+    first = events[: events.index(("layer", 7)) + 1]
+    # primes layers 0 and 1, copies 2, 5 and 6 in the forward, then the next forward's 1 and 0
+    assert [e[1] for e in first if e[0] == "copy"] == [0, 1, 2, 5, 6, 1, 0]
+    # the next forward's layer 0 is copied after layer 6 (its slot's last reader), before layer 7
+    assert first.index(("layer", 6)) < first.index(("copy", 0), 2) < first.index(("layer", 7))
+    assert sum(e[0] == "copy" for e in events) == 2 + 3 * 5  # one prime, five copies a forward
+    assert ws.pool.free_count == 0 and len(ws.pool.carried) == 2
+
+
+def test_an_abandoned_forward_makes_the_next_one_prime_again(monkeypatch):
+    layers = stack(6)
+    x = torch.randn(5, 64)
+    want = run_stack(layers, x)
+    ws = WeightStreamer(layers, [0, 2, 3, 5], depth=1, workspace_bytes=1 << 22, poison=True)
+    assert ws.dag.carried
+    assert torch.equal(run_stack(layers, x), want)
+    boom = layers[3].register_forward_pre_hook(lambda m, a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run_stack(layers, x)
+    boom.remove()
+    # the next layer 0 finds the forward abandoned: every slot comes back, then it primes
+    for _ in range(2):
+        assert torch.equal(run_stack(layers, x), want)
+    assert len(ws.pool.carried) == len(ws.dag.carried)
+    assert ws.pool.free_count + len(ws.pool.carried) == ws.pool.slots

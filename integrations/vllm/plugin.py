@@ -246,7 +246,8 @@ def _enable(worker, profile: Profile, stacks) -> WeightStreamer:
     streamer = WeightStreamer(
         decoder, offload, depth=profile.offload.depth,
         workspace_bytes=int(profile.offload.workspace_mib * MIB), capture=profile.capture,
-        gather_priority=profile.gather_priority, poison=poison_default(), name=profile.name)
+        gather_priority=profile.gather_priority, poison=poison_default(), name=profile.name,
+        cross_forward=profile.offload.cross_forward, synchronous=profile.offload.synchronous)
     global _latest
     worker._ringflow_streamer = streamer  # the worker owns it: it lives and dies with the model
     streamers.add(streamer)

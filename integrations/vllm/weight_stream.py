@@ -80,7 +80,11 @@ class WeightStreamer:
     Args:
         layers: the model's decoder layers, in execution order.
         offload: indices (into ``layers``) whose weights move to host memory.
-        depth: layers of lookahead; the ring holds ``depth + 1`` layer-slots (reduced to fit).
+        depth: layers of lookahead; the ring holds ``depth + 1`` layer-slots (reduced to fit);
+            one slot still prefetches behind resident layers.
+        cross_forward: fill the next forward's first layer-slots during this forward's last
+            layers (Note [Forward boundary] in orchestrator/dag.py).
+        synchronous: copy each layer's weights on the compute stream right before it runs.
         workspace_bytes: device budget of the ring.
         capture: policy inside a CUDA graph capture (``join``, ``sync``, ``error``).
         gather_priority: stream priority of the copy lane.
@@ -94,7 +98,8 @@ class WeightStreamer:
 
     def __init__(self, layers: Sequence[nn.Module], offload: Iterable[int], *, depth: int,
                  workspace_bytes: int, capture: str = "join", gather_priority: str = "normal",
-                 poison: bool = False, wrap: bool = True, name: str = "weights") -> None:
+                 poison: bool = False, wrap: bool = True, name: str = "weights",
+                 cross_forward: bool = True, synchronous: bool = False) -> None:
         self.layers = list(layers)
         count = len(self.layers)
         self.offloaded = sorted(set(offload))
@@ -133,8 +138,10 @@ class WeightStreamer:
                 f"a ring of {workspace_bytes / MIB:.2f} MiB is smaller than one offloaded layer's "
                 f"weights ({slot_bytes / MIB:.2f} MiB); accepted: at least "
                 f"{slot_bytes / MIB:.2f} MiB (depth d needs d + 1 layers' worth)") from None
-        self.dag = Planner(count, [self.pool.layout], gathered=self.offloaded, name=name).plan()
-        self.slot_of = {n.layer: n.slot for n in self.dag.nodes
+        self.dag = Planner(count, [self.pool.layout], gathered=self.offloaded, name=name,
+                           cross_forward=[LANE] if cross_forward else (),
+                           synchronous=synchronous).plan()
+        self.slot_of = {n.layer: n.slot for n in (*self.dag.nodes, *self.dag.prime)
                         if n.kind in (NodeKind.GATHER, NodeKind.SYNC_GATHER)}
 
         self._regions = {i: regions for i, (regions, _) in layouts.items()}
@@ -222,8 +229,17 @@ class WeightStreamer:
         return (f"streaming the weights of {len(layers)} of {len(self.layers)} decoder layers "
                 f"({shown}) through {self.pool.slots} slot(s) x {self.pool.slot_bytes / MIB:.2f} MiB"
                 f" = {self.reserved_bytes / MIB:.2f} MiB on {self.device} (depth "
-                f"{self.pool.depth}; {self.pool.layout.arithmetic()}); executor: "
-                f"{self.executor.kind}")
+                f"{self.pool.depth}; {self.pool.layout.arithmetic()}); "
+                f"{self._boundary()}; executor: {self.executor.kind}")
+
+    def _boundary(self) -> str:
+        if self.dag.meta.get("synchronous"):
+            return "synchronous: each layer's copy runs on the compute stream before it"
+        carried = [layer for _, layer, _ in self.dag.carried]
+        if carried:
+            return (f"layers {carried} are filled during the previous forward's last layers "
+                    f"(cross-forward)")
+        return "every forward fills its first slots at its start"
 
     def close(self) -> None:
         """Unhook the layers and free the ring (host-syncs). The offloaded layers stop working."""
