@@ -8,7 +8,13 @@ replay, with CUDA events and fresh inputs before every replay:
 * ``eager``     ringflow's EagerExecutor (Python issues every node each forward);
 * ``captured``  ringflow's CapturedExecutor (one graph launch per forward);
 * ``hand``      :class:`HandRing`, the two-slot ring a user would write, captured the same way;
-* ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal.
+* ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal;
+* ``cross``     ringflow captured with every lane cross-forward (Note [Forward boundary]): the
+  next forward's first slots filled during this forward's last layers.
+
+Single forwards are timed one by one (events around each); steady state times a run of
+back-to-back forwards (the way an engine runs step after step) and divides: the ``steady``
+table holds sync, captured, cross and hand that way.
 
 Outputs of eager, captured and hand are checked bit-identical to sync. Reported: median ms,
 ratios, percent of the gather hidden = (sync - captured) / min(gather, compute), pool bytes,
@@ -46,7 +52,9 @@ SCENARIOS = {
     "device-gather": "bench/device_gather",
     "small-layers": "bench/small_layers",
     "depth-sweep": "bench/depth_sweep",
+    "one-slot": "bench/one_slot",
 }
+STEADY_RUN = 6  # forwards back to back per steady-state sample
 
 
 def _say(message: str) -> None:
@@ -166,6 +174,26 @@ def _time(variants: dict[str, Any], work: SyntheticWorkload, replays: int) -> di
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def _time_steady(variants: dict[str, Any], work: SyntheticWorkload,
+                 replays: int) -> dict[str, float]:
+    """Median ms per forward of each variant run ``STEADY_RUN`` times back to back, interleaved
+    variant by variant: what an engine stepping forward after forward sees."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(replays + 1):
+        work.refresh(20_000 + r, sources=False)
+        for name, variant in variants.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(STEADY_RUN):
+                variant.run()
+            end.record()
+            end.synchronize()
+            if r >= 1:
+                samples[name].append(start.elapsed_time(end) / STEADY_RUN)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def _outputs(variant, work: SyntheticWorkload) -> dict[str, torch.Tensor]:
     work.refresh(424_242, sources=False)
     variant.run()
@@ -249,12 +277,15 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         "gather": _Graphed(gather_only, graph_pool),
         "compute": _Graphed(compute_only, graph_pool),
     }
+    cross_dag = Planner.from_profile(profile.replace(cross_forward=list(profile.lanes))).plan()
+    variants["cross"] = CapturedExecutor(cross_dag, pools, work.gather, work.compute,
+                                         gather_priority=priority)
     for variant in variants.values():
         if isinstance(variant, CapturedExecutor):
             variant.run()
     want = _outputs(variants["sync"], work)
     equal, diff = {}, {}
-    for key in ("eager", "captured", "hand"):
+    for key in ("eager", "captured", "hand", "cross"):
         got = _outputs(variants[key], work)
         equal[key] = all(torch.equal(got[k], want[k]) for k in want)
         diff[key] = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
@@ -262,13 +293,19 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         _say(f"{name}: OUTPUTS DIFFER from sync: max |diff| {diff}")
     _say(f"{name}: timing {replays} interleaved replays of each")
     ms = _time(variants, work, replays)
+    steady = _time_steady({k: variants[k] for k in ("sync", "captured", "cross", "hand")}, work,
+                          replays)
     before = _allocations()
     for _ in range(50):
         variants["captured"].run()
     torch.cuda.synchronize()
     calls = _allocations() - before
     noop = EagerExecutor(dag, pools, lambda *a: None, lambda *a: None, gather_priority=priority)
-    extra = {"eager_dispatch_us_per_node": _eager_dispatch_us(noop, len(dag.nodes)),
+    extra = {"steady_ms": steady, "carried": [list(c) for c in cross_dag.carried],
+             "steady_cross_vs_ideal": steady["cross"] / max(ms["gather"], ms["compute"]),
+             "steady_cross_hidden_pct": 100.0 * (steady["sync"] - steady["cross"]) /
+             max(min(ms["gather"], ms["compute"]), 1e-9),
+             "eager_dispatch_us_per_node": _eager_dispatch_us(noop, len(dag.nodes)),
              "eager_issue_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
              "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
     if timeline_dir is not None:
@@ -340,6 +377,19 @@ def table(rows: list[dict]) -> str:
     lines.append("ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
                  "min(gather, compute); us/node: eager dispatch with no-op callables; equal: "
                  "outputs bit-identical to sync (else the variants that differ)")
+    steady = [r for r in rows if "steady_ms" in r]
+    if steady:
+        head = (f"{'steady state':<26} {'sync':>8} {'captured':>9} {'cross':>8} {'hand':>8} "
+                f"{'ideal':>8} {'cross/ideal':>11} {'hidden':>7} {'carried':>8}")
+        lines += ["", head, "-" * len(head)]
+        for r in steady:
+            s = r["steady_ms"]
+            lines.append(f"{r['scenario']:<26} {s['sync']:>8.3f} {s['captured']:>9.3f} "
+                         f"{s['cross']:>8.3f} {s['hand']:>8.3f} {r['ideal_ms']:>8.3f} "
+                         f"{r['steady_cross_vs_ideal']:>11.3f} "
+                         f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}")
+        lines.append(f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
+                     f"cross: every lane cross-forward; carried: slots a forward starts with")
     return "\n".join(lines)
 
 

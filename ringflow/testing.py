@@ -42,11 +42,14 @@ class TracingWorkload:
         gathered: layers that gather (None: all); others read resident data tagged negative.
         bucket: 0..7, added to every tag, so graphs of different buckets write different values.
         history: forwards whose reads :meth:`check` covers.
+        static: lanes whose sources never change (streamed weights; cross-forward lanes): their
+            tags name the layer but not the forward, as a weight's bytes do.
     """
 
     def __init__(self, lanes: Sequence[str], layers: int, slot_shape: Sequence[int] = (4,),
                  device: torch.device | str = "cpu", gathered: Iterable[int] | None = None,
-                 dtype: torch.dtype = torch.float32, bucket: int = 0, history: int = 8) -> None:
+                 dtype: torch.dtype = torch.float32, bucket: int = 0, history: int = 8,
+                 static: Iterable[str] = ()) -> None:
         if not 0 <= bucket < 8:
             raise ValueError(f"bucket must be in 0..7 (tags stay exact in float32), got {bucket}")
         self.lanes = list(lanes)
@@ -63,6 +66,9 @@ class TracingWorkload:
         base = [[1 + layer * 16 + i + bucket * _BUCKET_STRIDE for layer in range(layers)]
                 for i in range(len(self.lanes))]
         self._base = torch.tensor(base, dtype=torch.float64, device=self.device) * self._sign
+        self.static = set(static)
+        moving = [[0.0 if lane in self.static else 1.0] for lane in self.lanes]
+        self._sign = self._sign * torch.tensor(moving, dtype=torch.float64, device=self.device)
         self._tags = torch.empty(n, dtype=dtype, device=self.device)   # this forward's tags
         self.seen_min = torch.full(n, float("nan"), dtype=torch.float64, device=self.device)
         self.seen_max = torch.full(n, float("nan"), dtype=torch.float64, device=self.device)
@@ -74,7 +80,7 @@ class TracingWorkload:
     def tag(self, layer: int, lane: str, epoch: int | None = None) -> float:
         """The value the plan intends layer ``layer`` of ``lane`` to read (exact in fp32)."""
         sign = 1 if layer in self.gathered else -1
-        epoch = self.epoch if epoch is None else epoch
+        epoch = 0 if lane in self.static else self.epoch if epoch is None else epoch
         return float(sign * (1 + epoch * _FORWARD_STRIDE + layer * 16 + self.lanes.index(lane)
                              + self.bucket * _BUCKET_STRIDE))
 

@@ -31,9 +31,15 @@ def random_plan(rng):
     ineligible = {l for l in pool_layers if rng.random() < 0.15}
     pools = [SlotPool(lane, (512,), torch.float32, depth=depth, workspace_bytes=1 << 20,
                       device="cuda") for lane in lanes]
+    cross = [lane for lane in lanes if rng.random() < 0.5]  # static sources: carried leases
     dag = Planner(layers, [p.layout for p in pools], gathered=gathered,
-                  ineligible=ineligible).plan()
-    return dag, pools, lanes, gathered
+                  ineligible=ineligible, cross_forward=cross).plan()
+    return dag, pools, lanes, gathered, cross
+
+
+def tracing(dag, lanes, gathered, cross, **kwargs):
+    return TracingWorkload(lanes, dag.layers, (512,), "cuda", gathered=gathered, static=cross,
+                           **kwargs)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -41,8 +47,8 @@ def test_eager_forwards_back_to_back_see_exactly_their_own_writes(seed):
     rng = random.Random(seed)
     delays = 0
     for _ in range(4):
-        dag, pools, lanes, gathered = random_plan(rng)
-        trace = TracingWorkload(lanes, dag.layers, (512,), "cuda", gathered=gathered)
+        dag, pools, lanes, gathered, cross = random_plan(rng)
+        trace = tracing(dag, lanes, gathered, cross)
         plain = EagerExecutor(dag, pools, trace.gather, trace.compute)
         windows = RaceWindows.measured(dag, plain.run, seed=rng.randrange(1 << 30))
         ex = EagerExecutor(dag, pools, windows.producer(trace.gather),
@@ -61,14 +67,14 @@ def test_eager_forwards_back_to_back_see_exactly_their_own_writes(seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_captured_replays_see_the_current_forwards_writes(seed):
     rng = random.Random(100 + seed)
-    dag, pools, lanes, gathered = random_plan(rng)
-    trace = TracingWorkload(lanes, dag.layers, (512,), "cuda", gathered=gathered)
+    dag, pools, lanes, gathered, cross = random_plan(rng)
+    trace = tracing(dag, lanes, gathered, cross)
     windows = RaceWindows.measured(dag, EagerExecutor(dag, pools, trace.gather,
                                                       trace.compute).run, seed=seed,
                                    probability=0.5)
     ex = CapturedExecutor(dag, pools, windows.producer(trace.gather),
                           windows.consumer(trace.compute), poison=True)
-    ex.capture()
+    assert ex.capture() is not None, "the plan could not be captured (see the log)"
     torch.cuda.synchronize()
     for _ in range(FORWARDS):  # new tags between replays, on the replaying stream
         trace.new_forward()
@@ -105,8 +111,8 @@ def test_a_plan_joined_into_an_outer_capture_sees_its_own_writes():
     """The way vLLM's graph wrapper captures a model: the plan forks from and joins the
     capturing stream inside the capture, after model work that it must come after."""
     rng = random.Random(7)
-    dag, pools, lanes, gathered = random_plan(rng)
-    trace = TracingWorkload(lanes, dag.layers, (512,), "cuda", gathered=gathered)
+    dag, pools, lanes, gathered, cross = random_plan(rng)
+    trace = tracing(dag, lanes, gathered, cross)
     windows = RaceWindows.measured(dag, EagerExecutor(dag, pools, trace.gather,
                                                       trace.compute).run, seed=7)
     ex = EagerExecutor(dag, pools, windows.producer(trace.gather),
@@ -122,6 +128,39 @@ def test_a_plan_joined_into_an_outer_capture_sees_its_own_writes():
         graph.replay()
     torch.cuda.synchronize()
     trace.check(all_forwards=True)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_carried_slots_survive_buckets_replayed_in_any_order_and_eager_forwards_between(seed):
+    """Every graph of a cross-forward plan starts with the carried slots filled and ends having
+    filled them again: graphs of any bucket, and eager forwards, may follow each other."""
+    rng = random.Random(200 + seed)
+    pools = [SlotPool("w", (512,), torch.float32, depth=rng.randint(0, 2),
+                      workspace_bytes=1 << 20, device="cuda")]
+    gathered = sorted({l for l in range(10) if rng.random() < 0.6} | {0, 2})
+    dag = Planner(10, [pools[0].layout], gathered=gathered, cross_forward=["w"]).plan()
+    assert dag.carried
+    traces = {b: tracing(dag, ["w"], gathered, ["w"]) for b in (1, 2)}
+    probe = traces[1]
+    windows = RaceWindows.measured(dag, EagerExecutor(dag, pools, probe.gather,
+                                                      probe.compute).run, seed=seed)
+    ex = CapturedExecutor(dag, pools, windows.producer(probe.gather), probe.compute,
+                          poison=True)
+    for bucket, trace in traces.items():
+        graph = ex.capture(bucket, gather=windows.producer(trace.gather),
+                           compute=windows.consumer(trace.compute))
+        assert graph is not None, "the plan could not be captured (see the log)"
+    eager = EagerExecutor(dag, pools, windows.producer(probe.gather),
+                          windows.consumer(probe.compute), poison=True)
+    torch.cuda.synchronize()
+    for step in range(12):  # graphs of both buckets and eager forwards, in a seeded order
+        choice = rng.choice(["eager", 1, 2])
+        trace = probe if choice == "eager" else traces[choice]
+        trace.new_forward()
+        eager.run() if choice == "eager" else ex.run(choice)
+    torch.cuda.synchronize()
+    for trace in traces.values():
+        trace.check(all_forwards=True)
 
 
 @torch.no_grad()

@@ -58,6 +58,54 @@ def test_every_read_sees_the_write_the_plan_intends_across_forwards():
         assert all(p.free_count == p.slots for p in pools)
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_cross_forward_lane_starts_each_forward_with_its_first_slots_filled(depth):
+    """Lane 'w' carries leases across forwards (static sources), lane 'kv' does not; the first
+    forward primes, later ones adopt what the previous tail filled; a failed forward makes the
+    next one prime again; every read of every forward sees its layer."""
+    pools = [SlotPool(l, (4,), torch.float32, depth=depth, workspace_bytes=1 << 10)
+             for l in ("w", "kv")]
+    gathered = [0, 1, 3, 4, 6]
+    dag = Planner(8, [p.layout for p in pools], gathered=gathered, cross_forward=["w"]).plan()
+    assert dag.carried and {lane for lane, _, _ in dag.carried} == {"w"}
+    trace = TracingWorkload(["w", "kv"], 8, gathered=gathered, static=["w"])
+    copies = []
+
+    def gather(layer, lane, out):
+        copies.append((lane, layer))
+        trace.gather(layer, lane, out)
+
+    ex = SyncExecutor(dag, pools, gather, trace.compute, poison=True)
+    for forward in range(4):
+        trace.new_forward()
+        copies.clear()
+        ex.run()
+        trace.check()
+        w = [layer for lane, layer in copies if lane == "w"]
+        # forward 0 primes the carried layers; each forward gathers the rest and, in its tail,
+        # the next forward's carried ones: every layer once per forward, plus the prime
+        carried = [layer for _, layer, _ in dag.carried]
+        assert sorted(w) == sorted(gathered + (carried if forward == 0 else []))
+        assert len(pools[0].carried) == len(carried)
+    failing = {"armed": True}
+
+    def compute(layer, lane, slot):
+        if layer == 3 and failing.pop("armed", False):
+            raise RuntimeError("layer failed")
+        trace.compute(layer, lane, slot)
+
+    broken = SyncExecutor(dag, pools, gather, compute, poison=True)
+    trace.new_forward()
+    with pytest.raises(RuntimeError):
+        broken.run()
+    assert not pools[0].carried and pools[0].free_count == pools[0].slots
+    trace.new_forward()
+    copies.clear()
+    ex.run()  # primes again, then runs
+    trace.check()
+    assert sum(lane == "w" for lane, _ in copies) == len(gathered) + len(dag.carried)
+
+
 def test_poison_mode_fills_each_slot_with_nan_after_its_last_read():
     pools = [SlotPool("kv", (4,), torch.float32, depth=1, workspace_bytes=1 << 10)]
     dag = Planner(3, [pools[0].layout]).plan()
