@@ -277,8 +277,10 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         "gather": _Graphed(gather_only, graph_pool),
         "compute": _Graphed(compute_only, graph_pool),
     }
+    # rings of its own: its carried slots stay leased between forwards
+    cross_pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
     cross_dag = Planner.from_profile(profile.replace(cross_forward=list(profile.lanes))).plan()
-    variants["cross"] = CapturedExecutor(cross_dag, pools, work.gather, work.compute,
+    variants["cross"] = CapturedExecutor(cross_dag, cross_pools, work.gather, work.compute,
                                          gather_priority=priority)
     for variant in variants.values():
         if isinstance(variant, CapturedExecutor):
@@ -320,7 +322,7 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     result = Result(name, profile.source or profile.name, profile.layers, dag.pools[0].depth, ms,
                     equal, sum(p.reserved_bytes for p in pools), torch.cuda.max_memory_allocated(),
                     calls, extra)
-    for pool in pools:
+    for pool in pools + cross_pools:
         pool.close()
     del variants, work
     return result
