@@ -21,9 +21,10 @@ import torch
 
 from ringflow.errors import CaptureError, ExecutorError
 from ringflow.graphs import nvtx_ranges
-from ringflow.graphs.eager import CAPTURE_POLICIES, EagerExecutor
+from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.executor import ComputeFn, GatherFn
 from ringflow.orchestrator.dag import Dag
+from ringflow.orchestrator.profile import CAPTURE_POLICIES
 from ringflow.orchestrator.slots import SlotPool
 
 log = logging.getLogger("ringflow")
@@ -56,6 +57,10 @@ class CapturedExecutor:
                                 f"{capture!r}")
         self.dag = dag
         self.pools = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
+        devices = {p.device for p in self.pools.values()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ExecutorError(f"CapturedExecutor needs every pool on one CUDA device, got "
+                                f"{sorted(map(str, devices))}; use SyncExecutor on the CPU")
         self.capture_policy = capture
         self.keep_graph = keep_graph
         self.warmup = warmup

@@ -36,12 +36,10 @@ from ringflow.errors import CaptureError, ExecutorError
 from ringflow.graphs.executor import ComputeFn, DagExecutor, GatherFn
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node
+from ringflow.orchestrator.profile import CAPTURE_POLICIES, GATHER_PRIORITIES
 from ringflow.orchestrator.slots import SlotPool
 
 log = logging.getLogger("ringflow")
-
-PRIORITIES = {"normal": 0, "high": -1}
-CAPTURE_POLICIES = ("join", "sync", "error")
 
 
 class EagerExecutor(DagExecutor):
@@ -68,8 +66,8 @@ class EagerExecutor(DagExecutor):
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ExecutorError(f"EagerExecutor needs every pool on one CUDA device, got "
                                 f"{sorted(map(str, devices))}; use SyncExecutor on the CPU")
-        if gather_priority not in PRIORITIES:
-            raise ExecutorError(f"gather_priority must be one of {', '.join(PRIORITIES)}, "
+        if gather_priority not in GATHER_PRIORITIES:
+            raise ExecutorError(f"gather_priority must be one of {', '.join(GATHER_PRIORITIES)}, "
                                 f"got {gather_priority!r}")
         if capture not in CAPTURE_POLICIES:
             raise ExecutorError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got "
@@ -78,7 +76,7 @@ class EagerExecutor(DagExecutor):
         self.gather_priority = gather_priority
         self.capture_policy = capture
         self._logged: set[str] = set()
-        self._side = {s: torch.cuda.Stream(self.device, priority=PRIORITIES[gather_priority])
+        self._side = {s: torch.cuda.Stream(self.device, priority=GATHER_PRIORITIES[gather_priority])
                       for s in dag.streams if s != COMPUTE_STREAM}
         self._events = {n.event: torch.cuda.Event() for n in dag.nodes if n.event}
         self._current: torch.cuda.Stream | None = None

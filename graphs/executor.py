@@ -35,8 +35,21 @@ ComputeFn = Callable[[int, str, "torch.Tensor | None"], Any]
 
 
 def poison_default() -> bool:
-    """``RINGFLOW_POISON=1`` makes executors fill each slot with NaN after its last read."""
-    return os.environ.get("RINGFLOW_POISON", "0") == "1"
+    """``RINGFLOW_POISON=1`` makes executors fill each slot with NaN after its last read.
+
+    Raises:
+        ExecutorError: the variable holds anything but 0/1, true/false, yes/no or on/off (any
+            case); a typo must not silently turn the debug check off.
+    """
+    value = os.environ.get("RINGFLOW_POISON", "0")
+    switch = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False, "": False}
+    try:
+        return switch[value.strip().lower()]
+    except KeyError:
+        raise ExecutorError(f"RINGFLOW_POISON={value!r} is not a switch; accepted: 1, true, yes, "
+                            f"on (poison every slot after its last read) or 0, false, no, off, "
+                            f"unset (do not)") from None
 
 
 def _pools_by_lane(dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool]) -> dict[str, SlotPool]:

@@ -1,4 +1,9 @@
-"""CPU references of the gather kernels: plain loops that tests compare the kernels against."""
+"""CPU references of the gather kernels: plain loops that tests compare the kernels against.
+
+For tests (and ``SyntheticWorkload.reference_float64``, which tests call): the runtime never
+imports it; verification mode computes what a slot must hold in its own form
+(``integrations/vllm/verification.py``).
+"""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ringflow.errors import PlanError
 from ringflow.orchestrator.budget import MIB, PoolLayout
-from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
+from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, EventRole, Node, NodeKind
 
 SCHEMA = "ringflow.dag"
 VERSION = 2
@@ -111,28 +111,87 @@ def _dot_id(stream: str) -> str:
     return "cluster_" + "".join(c if c.isalnum() else "_" for c in stream)
 
 
-def to_dot(dag: Dag) -> str:
-    """Graphviz: one cluster per stream (lane), stream edges solid, event edges dashed."""
+DOT_FULL_MAX_LAYERS = 16  # to_dot draws every node up to this many layers, and condenses above
+DOT_KEEP_LAYERS = 2  # layers a condensed graph still draws node by node, at each end
+
+_FILL = {NodeKind.GATHER: "lightblue", NodeKind.SYNC_GATHER: "orange",
+         NodeKind.COMPUTE: "palegreen", NodeKind.RELEASE: "lightgrey"}
+
+
+def _kind(n: Node) -> str:
+    return str(n.kind) if n.role is None else f"{n.kind}.{n.role}"
+
+
+def to_dot(dag: Dag, *, full: bool | None = None) -> str:
+    """Graphviz: one cluster per stream (lane), stream edges solid, event edges dashed.
+
+    Args:
+        full: ``True`` draws every node. ``False`` condenses: the first and last
+            ``DOT_KEEP_LAYERS`` layers node by node, and on each stream the run of nodes of the
+            layers between as one summary node (its layers and node counts by kind; the event
+            edges it stands for become one dashed edge labelled with their count). ``None``
+            (default): every node up to ``DOT_FULL_MAX_LAYERS`` layers, condensed above, since
+            Graphviz takes minutes past a few hundred nodes (a 61-layer, two-lane plan has 854).
+
+    In a plan with several lanes, nodes on the shared compute stream name their lane.
+    """
+    if full is None:
+        full = dag.layers <= DOT_FULL_MAX_LAYERS
+    first, last = DOT_KEEP_LAYERS, dag.layers - DOT_KEEP_LAYERS - 1  # the layers condensed
+    condensed = not full and first <= last
+    name_lanes = len(dag.lanes) > 1
     lines = [f'digraph "{dag.name}" {{', "  rankdir=TB;", '  node [shape=box, fontsize=10];']
-    colors = {NodeKind.GATHER: "lightblue", NodeKind.SYNC_GATHER: "orange",
-              NodeKind.COMPUTE: "palegreen", NodeKind.RELEASE: "lightgrey"}
+    if condensed:
+        lines.append(f'  label="{dag.name}: {len(dag.nodes)} nodes, layers L{first}..L{last} '
+                     f'condensed into one node per stream (ringflow plan --format dot --full '
+                     f'draws every node)"; labelloc=t;')
+    where: dict[int, str] = {}  # node id -> the DOT node that draws it
     for stream in dag.streams:
         lines.append(f'  subgraph {_dot_id(stream)} {{')
         lines.append(f'    label="{stream}"; style=rounded;')
-        for n in dag.on_stream(stream):
-            fill = colors.get(n.kind, "white")
+        run: list[Node] = []
+        for n in dag.on_stream(stream) + [None]:
+            if n is not None and condensed and n.layer is not None and first <= n.layer <= last:
+                run.append(n)
+                continue
+            if run:  # the run of condensed nodes that just ended on this stream
+                summary = f"s{run[0].id}"
+                lines.append(f'    {summary} [label="{_summary_label(run)}", '
+                             f'style="rounded,filled,dashed", fillcolor=lightyellow];')
+                where.update((m.id, summary) for m in run)
+                run = []
+            if n is None:
+                break
+            label = n.label + (f" ({n.lane})" if name_lanes and n.stream == COMPUTE_STREAM else "")
             shape = "ellipse" if n.kind in (NodeKind.RECORD, NodeKind.WAIT) else "box"
-            lines.append(f'    n{n.id} [label="{n.label}", shape={shape}, style=filled, '
-                         f'fillcolor={fill}];')
+            lines.append(f'    n{n.id} [label="{label}", shape={shape}, style=filled, '
+                         f'fillcolor={_FILL.get(n.kind, "white")}];')
+            where[n.id] = f"n{n.id}"
         lines.append("  }")
+    drawn: dict[tuple[str, str, str], list[str]] = {}  # (src, dst, kind) -> events it stands for
     for e in dag.edges:
-        if e.kind == "event":
-            event = dag.nodes[e.dst].event
-            lines.append(f'  n{e.src} -> n{e.dst} [style=dashed, color=blue, label="{event}"];')
+        src, dst = where[e.src], where[e.dst]
+        if src != dst:  # inside one summary node: not drawn
+            drawn.setdefault((src, dst, e.kind), []).append(dag.nodes[e.dst].event)
+    for (src, dst, kind), events in drawn.items():
+        if kind == "event":
+            label = events[0] if len(events) == 1 else f"{len(events)} events"
+            lines.append(f'  {src} -> {dst} [style=dashed, color=blue, label="{label}"];')
         else:
-            lines.append(f"  n{e.src} -> n{e.dst};")
+            lines.append(f"  {src} -> {dst};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _summary_label(run: list[Node]) -> str:
+    """``L2..L58 (lanes)`` over the node counts by kind, as a DOT label (``\\n`` breaks)."""
+    layers = [n.layer for n in run]
+    lanes = ", ".join(dict.fromkeys(n.lane for n in run))
+    counts: dict[str, int] = {}
+    for n in run:
+        counts[_kind(n)] = counts.get(_kind(n), 0) + 1
+    body = ", ".join(f"{count} {kind}" for kind, count in counts.items())
+    return f"L{min(layers)}..L{max(layers)} ({lanes}): {len(run)} nodes\\n{body}"
 
 
 def budget_lines(dag: Dag, kv_token_bytes: int | None = None) -> list[str]:

@@ -30,6 +30,7 @@ import torch
 
 from ringflow.errors import LeaseError, ProfileError, SlotPoolExhausted
 from ringflow.orchestrator.budget import MAX_SLOT_BYTES, PoolLayout
+from ringflow.orchestrator.profile import DTYPE_BYTES
 
 log = logging.getLogger("ringflow")
 
@@ -103,8 +104,7 @@ class Lease:
         self.pool._give_back(self)
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64, "uint8": torch.uint8}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # the slot dtypes profiles name
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -172,7 +172,13 @@ class SlotPool:
 
     @classmethod
     def for_profile(cls, profile, lane: str, device: torch.device | str = "cpu") -> SlotPool:
-        """The pool of ``lane`` as ``profile`` describes it (same arithmetic as ``ringflow plan``)."""
+        """The pool of ``lane`` as ``profile`` describes it (same arithmetic as ``ringflow plan``).
+
+        Raises:
+            ProfileError: the profile has only vLLM sections (``offload``, ``kv_prefetch``): the
+                plugin sizes those rings from the model it loads, so there is no slot to build.
+        """
+        profile.require_run_fields()
         return cls(lane, profile.slot.shape, profile.slot.dtype, depth=profile.depth,
                    workspace_bytes=profile.workspace_bytes, device=device)
 

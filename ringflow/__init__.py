@@ -2,37 +2,52 @@
 computes) over a bounded ring of preallocated workspace slots.
 
 The public API is what this module exports; everything else is an implementation detail.
+
+Note [Lazy public API]
+    Every subpackage imports ``ringflow.errors``, which runs this file first. So this file
+    imports nothing: a name in ``__all__`` is loaded from its module the first time it is
+    asked for (``from ringflow import Planner``), and importing the orchestrator (pure Python)
+    never drags in torch or the executors. Imports run one way (README, "Layout"):
+    integrations -> graphs -> orchestrator; kernels are leaves; ``ringflow.errors`` is below
+    them all. ``tests/test_import_layers.py`` checks it in fresh interpreters.
 """
 
-from ringflow.errors import (
-    CaptureError,
-    ExecutorError,
-    HazardError,
-    KernelError,
-    LeaseError,
-    LifecycleError,
-    PlanError,
-    ProfileError,
-    RingflowError,
-    SlotPoolExhausted,
-)
-from ringflow.graphs.captured import CapturedExecutor
-from ringflow.graphs.eager import EagerExecutor
-from ringflow.graphs.sync import SyncExecutor
-from ringflow.orchestrator.budget import PoolLayout
-from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
-from ringflow.orchestrator.dumps import from_json, to_dot, to_json, to_text
-from ringflow.orchestrator.hazards import check_hazards
-from ringflow.orchestrator.planner import Planner
-from ringflow.orchestrator.profile import Profile, load_profile
-from ringflow.orchestrator.slots import Lease, LeaseState, SlotPool
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CaptureError", "CapturedExecutor", "Dag", "EagerExecutor", "EventRole", "ExecutorError", "HazardError",
-    "KernelError", "Lease", "LeaseError", "LifecycleError", "LeaseState", "Node", "NodeKind", "PlanError",
-    "Planner", "PoolLayout", "Profile", "ProfileError", "RingflowError", "SlotPool",
-    "SlotPoolExhausted", "SyncExecutor", "check_hazards", "from_json", "load_profile", "to_dot",
-    "to_json", "to_text",
-]
+#: public name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(["CaptureError", "ExecutorError", "HazardError", "KernelError", "LeaseError",
+                     "LifecycleError", "PlanError", "ProfileError", "RingflowError",
+                     "SlotPoolExhausted"], "ringflow.errors"),
+    "CapturedExecutor": "ringflow.graphs.captured",
+    "EagerExecutor": "ringflow.graphs.eager",
+    "SyncExecutor": "ringflow.graphs.sync",
+    "PoolLayout": "ringflow.orchestrator.budget",
+    **dict.fromkeys(["Dag", "EventRole", "Node", "NodeKind"], "ringflow.orchestrator.dag"),
+    **dict.fromkeys(["from_json", "to_dot", "to_json", "to_text"], "ringflow.orchestrator.dumps"),
+    "check_hazards": "ringflow.orchestrator.hazards",
+    "Planner": "ringflow.orchestrator.planner",
+    **dict.fromkeys(["Profile", "load_profile"], "ringflow.orchestrator.profile"),
+    **dict.fromkeys(["Lease", "LeaseState", "SlotPool"], "ringflow.orchestrator.slots"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+

@@ -42,6 +42,7 @@ from ringflow.graphs.eager import EagerExecutor
 from ringflow.orchestrator.planner import Planner
 from ringflow.orchestrator.profile import Profile
 from ringflow.orchestrator.slots import SlotPool
+from ringflow.timing import elapsed_ms
 from ringflow.workload import SyntheticWorkload
 
 SCENARIOS = {
@@ -163,14 +164,9 @@ def _time(variants: dict[str, Any], work: SyntheticWorkload, replays: int) -> di
     for r in range(replays + 2):
         work.refresh(10_000 + r, sources=False)  # fresh queries each round; waits for the GPU
         for name, variant in variants.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            variant.run()
-            end.record()
-            end.synchronize()
+            ms = elapsed_ms(variant.run)
             if r >= 2:  # the first two rounds are warm-up
-                samples[name].append(start.elapsed_time(end))
+                samples[name].append(ms)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -182,15 +178,9 @@ def _time_steady(variants: dict[str, Any], work: SyntheticWorkload,
     for r in range(replays + 1):
         work.refresh(20_000 + r, sources=False)
         for name, variant in variants.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(STEADY_RUN):
-                variant.run()
-            end.record()
-            end.synchronize()
+            ms = elapsed_ms(variant.run, repeat=STEADY_RUN)
             if r >= 1:
-                samples[name].append(start.elapsed_time(end) / STEADY_RUN)
+                samples[name].append(ms / STEADY_RUN)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -409,13 +399,17 @@ def merge(parts: list[Path], out: Path) -> str:
 
 def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
           replays: int) -> int:
-    if not torch.cuda.is_available():
-        raise RingflowError("ringflow bench measures on a GPU and no CUDA device was found; run it "
-                            "on a GPU machine")
     names = names or list(SCENARIOS)
     for name in names:
         if name not in SCENARIOS:
             raise RingflowError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
+    if plot_dir is not None:
+        from ringflow.timeline import require_matplotlib
+
+        require_matplotlib("--plot")
+    if not torch.cuda.is_available():
+        raise RingflowError("ringflow bench measures on a GPU and no CUDA device was found; run it "
+                            "on a GPU machine")
     if plot_dir is not None:
         plot_dir.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []

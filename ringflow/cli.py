@@ -1,5 +1,8 @@
-"""The ``ringflow`` command: ``plan`` prints or writes a profile's Dag and budget arithmetic;
-``run`` drives the built-in synthetic workload through the executors and prints a table.
+"""The ``ringflow`` command.
+
+``plan`` prints or writes a profile's Dag and budget arithmetic (no GPU needed); ``run`` drives
+the built-in synthetic workload through the executors and prints a table; ``bench`` and
+``tune`` measure on a GPU (see ringflow/bench.py).
 
 Bad input gets one line on stderr and exit status 2, never a traceback.
 """
@@ -13,6 +16,7 @@ import time
 from pathlib import Path
 
 from ringflow.errors import RingflowError
+from ringflow.orchestrator.dumps import DOT_FULL_MAX_LAYERS
 
 log = logging.getLogger("ringflow")
 
@@ -40,40 +44,76 @@ _positive = _at_least(1)
 _non_negative = _at_least(0)
 
 
+_DESCRIPTION = ("Plan, prove and run per-layer prefetch: while layer l computes, the data layer "
+                "l + depth needs is gathered on a side stream into a bounded ring of "
+                "preallocated slots.")
+_EPILOG = ("PROFILE is a profile YAML path or a built-in name: {names} (profiles/README.md "
+           "documents every field). 'ringflow COMMAND --help' lists a command's options. A "
+           "mistake prints one line on stderr and exits with status 2.")
+
+
+def _builtin_names() -> str:
+    from ringflow.orchestrator.profile import builtin_profiles
+
+    return ", ".join(builtin_profiles())
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ringflow", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from ringflow import __version__
+    from ringflow.bench import SCENARIOS
+
+    names = _builtin_names()
+    parser = _Parser(prog="ringflow", description=_DESCRIPTION,
+                     epilog=_EPILOG.format(names=names))
+    parser.add_argument("--version", action="version", version=f"ringflow {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                title="commands", metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("profile", help="a profile YAML path, or a built-in name (demo, mla_ckv_dcp)")
+        p.add_argument("profile", help=f"a profile YAML path, or a built-in name ({names})")
         p.add_argument("--layers", type=_positive, help="override the profile's layer count")
         p.add_argument("--depth", type=_non_negative, help="override the profile's depth")
 
-    plan = sub.add_parser("plan", help="print or write the Dag and the budget arithmetic")
+    plan = sub.add_parser("plan", help="print or write a profile's plan (the Dag of gather, "
+                                       "compute and event nodes) and its budget arithmetic; no "
+                                       "GPU needed")
     common(plan)
-    plan.add_argument("--format", choices=("text", "json", "dot"), default="text")
+    plan.add_argument("--format", choices=("text", "json", "dot"), default="text",
+                      help="text: the budget arithmetic and a table of every node (default); "
+                           "json: the versioned dump (schema ringflow.dag), which from_json "
+                           "reads back; dot: Graphviz, one cluster per stream, plans of more "
+                           f"than {DOT_FULL_MAX_LAYERS} layers condensed (see --full)")
+    plan.add_argument("--full", action="store_true",
+                      help=f"with --format dot: draw every node even past "
+                           f"{DOT_FULL_MAX_LAYERS} layers (Graphviz may take minutes)")
     plan.add_argument("--out", type=Path, help="write here instead of stdout")
     plan.add_argument("--cuda-graph-dot", type=Path, metavar="FILE",
                       help="also capture the synthetic workload on the GPU and write the real "
                            "CUDA graph's DOT to FILE (needs a CUDA GPU)")
 
-    run = sub.add_parser("run", help="run the synthetic workload through the executors")
+    run = sub.add_parser("run", help="run the synthetic workload through the executors and "
+                                     "check them against a reference (on a CPU: the "
+                                     "synchronous path)")
     common(run)
     run.add_argument("--forwards", type=_positive, default=5, help="timed forwards (default 5)")
 
-    bench = sub.add_parser("bench", help="measure scenarios on a GPU (profiles/bench/)")
+    bench = sub.add_parser("bench", help="measure ringflow against the synchronous path and a "
+                                         "hand-written ring on the scenarios of profiles/bench/ "
+                                         "(needs a GPU)")
     bench.add_argument("scenarios", nargs="*", metavar="SCENARIO",
-                       help="h2d-balanced, weights-stream, weights-stream-mixed, compute-bound, "
-                            "device-gather, small-layers, depth-sweep (default: all)")
+                       help=f"{', '.join(SCENARIOS)} (default: all)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
-    bench.add_argument("--plot", type=Path, metavar="DIR", help="write a timeline PNG per scenario")
+    bench.add_argument("--plot", type=Path, metavar="DIR",
+                       help="write a timeline PNG per scenario (needs matplotlib)")
     bench.add_argument("--replays", type=_positive, default=15, help="timed replays (default 15)")
 
-    tune = sub.add_parser("tune", help="measure depths that fit the budget; write the fastest")
-    tune.add_argument("profile", help="a profile YAML path, or a built-in name")
+    tune = sub.add_parser("tune", help="measure every depth that fits a profile's budget and "
+                                       "write a copy with the fastest (needs a GPU)")
+    tune.add_argument("profile", help=f"a profile YAML path, or a built-in name ({names})")
     tune.add_argument("--out", type=Path, help="where to write the tuned copy "
                                                "(default: <name>.tuned.yaml here)")
-    tune.add_argument("--replays", type=_positive, default=10)
+    tune.add_argument("--replays", type=_positive, default=10,
+                      help="timed replays of each depth (default 10)")
     tune.add_argument("--max-depth", type=_non_negative, default=3,
                       help="deepest ring to try (default 3)")
     return parser
@@ -83,20 +123,41 @@ def _profile(args: argparse.Namespace):
     from ringflow.orchestrator.profile import Profile
 
     profile = Profile.load(args.profile)
+    if profile.layers is None and args.command == "run":
+        raise RingflowError(_vllm_only(args.profile, profile))
+    profile.require_run_fields()  # `plan` explains a vLLM-only profile
     changes = {k: v for k, v in (("layers", args.layers), ("depth", args.depth)) if v is not None}
     return profile.replace(**changes) if changes else profile
+
+
+def _vllm_only(ref: str, profile) -> str:
+    """Why ``ringflow run`` cannot run a profile with only vLLM sections, and what can."""
+    from ringflow.orchestrator.profile import Profile, builtin_profiles
+
+    sections = " and ".join(f"'{name}'" for name in ("offload", "kv_prefetch")
+                            if getattr(profile, name) is not None)
+    runnable = ", ".join(name for name in builtin_profiles()
+                         if Profile.load(name).layers is not None)
+    return (f"profile '{profile.name}' has only vLLM sections ({sections}), which the vLLM plugin "
+            f"plans from the model it loads: use it with `RINGFLOW_PROFILE={ref} vllm serve "
+            f"MODEL` (`ringflow plan {ref}` explains); `ringflow run` needs a profile with "
+            f"layers, depth, workspace_mib and slot, such as {runnable}")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ringflow.orchestrator import dumps
     from ringflow.orchestrator.planner import Planner
 
+    if args.full and args.format != "dot":
+        raise RingflowError("--full applies to --format dot only; add --format dot or drop --full")
+    if args.cuda_graph_dot is not None:
+        _require_gpu()  # before the plan is printed, not after
     profile = _profile(args)
     dag = Planner.from_profile(profile).plan()
     if args.format == "json":
         text = dumps.to_json(dag)
     elif args.format == "dot":
-        text = dumps.to_dot(dag)
+        text = dumps.to_dot(dag, full=True if args.full else None)
     else:
         text = dumps.to_text(dag, profile.kv_token_bytes)
     if args.out is None:
@@ -108,10 +169,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise RingflowError(f"cannot write {args.out}: {exc.strerror}") from None
         for line in dumps.budget_lines(dag, profile.kv_token_bytes):
             print(line)
-        print(f"wrote {args.format} plan ({len(dag.nodes)} nodes) to {args.out}")
+        condensed = args.format == "dot" and not args.full and dag.layers > DOT_FULL_MAX_LAYERS
+        note = ", condensed: --full draws every node" if condensed else ""
+        print(f"wrote {args.format} plan ({len(dag.nodes)} nodes{note}) to {args.out}")
     if args.cuda_graph_dot is not None:
         _write_cuda_graph_dot(profile, dag, args.cuda_graph_dot)
     return 0
+
+
+def _require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RingflowError("--cuda-graph-dot captures the plan on a GPU, and no CUDA device was "
+                            "found; run it on a GPU machine, or drop the option")
 
 
 def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
@@ -122,9 +193,6 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
     from ringflow.orchestrator.slots import SlotPool
     from ringflow.workload import SyntheticWorkload
 
-    if not torch.cuda.is_available():
-        raise RingflowError("--cuda-graph-dot captures the plan on a GPU, and no CUDA device was "
-                            "found; run it on a GPU machine, or drop the option")
     pools = [SlotPool.for_profile(profile, lane, "cuda") for lane in profile.lanes]
     work = SyntheticWorkload(profile, "cuda")
     ex = CapturedExecutor(dag, pools, work.gather, work.compute, keep_graph=True,
@@ -150,17 +218,12 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
 
 def _time_forwards(executor, forwards: int, cuda: bool) -> float:
     """Median milliseconds per forward."""
-    import torch
+    from ringflow.timing import elapsed_ms
 
     times = []
     for _ in range(forwards):
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            executor.run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(elapsed_ms(executor.run))
         else:
             t0 = time.perf_counter()
             executor.run()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ringflow.errors import RingflowError
+from ringflow.timing import elapsed_ms, forward_spans, stamped
 
 ROW, BLOCK = 576, 64
 
@@ -78,15 +79,6 @@ class Model:
                   out=self.out[layer % 2])
         if self.w is not None:
             torch.mm(self.x, self.w, out=self.y)
-
-
-def _elapsed_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 class _Graph:
@@ -177,7 +169,7 @@ def _rank(rank: int, world: int, args) -> None:
         ms = {name: [] for name in variants}
         for round_ in range(args.replays + 2):  # interleaved; the first two rounds warm up
             for name, graph in variants.items():
-                elapsed = _elapsed_ms(graph.replay)
+                elapsed = elapsed_ms(graph.replay)
                 if round_ >= 2:
                     ms[name].append(elapsed)
         result = {name: statistics.median(v) for name, v in ms.items()}
@@ -193,39 +185,18 @@ def _rank(rank: int, world: int, args) -> None:
 
 def _timeline(pf, model, source, layers: int) -> list[dict]:
     """Gather and compute spans of one eager forward (after a warm-up), on one clock."""
-    marks = []
-    gather = pf._gather
-
-    def timed_gather(layer, lane, slot):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        gather(layer, lane, slot)
-        end.record()
-        marks.append(("gather", layer, start, end))
-
-    pf._gather = timed_gather  # the executor binds it when the plan is made, next line
+    marks: list = []
+    pf._gather = stamped("gather", pf._gather, marks)  # bound by the executor pf.plan makes
     pf.plan(layers)
+    compute = stamped("compute", lambda layer, lane, kv: model.compute(layer, kv), marks)
 
     def forward():
         for layer in range(layers):
             pf.begin(layer, source)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model.compute(layer, pf.gathered(layer))
-            end.record()
-            marks.append(("compute", layer, start, end))
+            compute(layer, "kv", pf.gathered(layer))
             pf.end(layer)
 
-    forward()
-    torch.cuda.synchronize()
-    marks.clear()
-    origin = torch.cuda.Event(enable_timing=True)
-    origin.record()
-    forward()
-    torch.cuda.synchronize()
-    return [{"lane": "kv", "kind": kind, "layer": layer,
-             "start_ms": round(origin.elapsed_time(s), 4), "end_ms": round(origin.elapsed_time(e), 4)}
-            for kind, layer, s, e in marks]
+    return forward_spans(forward, marks)
 
 
 def _check(pf, source, fulls, layers: int, rows: int) -> None:
@@ -289,27 +260,50 @@ def _table(results) -> str:
     return "\n".join(lines)
 
 
+def _parser() -> argparse.ArgumentParser:
+    from ringflow.cli import _Parser, _non_negative, _positive
+
+    parser = _Parser(prog="python -m ringflow.dcp_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=_positive, default=torch.cuda.device_count() or 1,
+                        help="GPUs of this host, one process each, in one DCP group (>= 1; "
+                             "default: every visible GPU)")
+    parser.add_argument("--contexts", type=_positive, nargs="+", default=[65536, 409600],
+                        metavar="TOKENS", help="context lengths to measure, one table row group "
+                                               "each (default 65536 409600)")
+    parser.add_argument("--layers", type=_positive, default=61,
+                        help="decoder layers per forward (default 61)")
+    parser.add_argument("--batch", type=_positive, default=1,
+                        help="decode requests per step, each of the full context (default 1)")
+    parser.add_argument("--heads", type=_positive, default=16,
+                        help="attention heads of the absorbed-MLA compute (default 16)")
+    parser.add_argument("--extra-gemm", type=_non_negative, default=16384, metavar="N",
+                        help="side of the square GEMM standing for the rest of each layer; 0 "
+                             "for none (default 16384)")
+    parser.add_argument("--depths", type=_positive, nargs="+", default=[1, 2],
+                        help="ringflow lookaheads to time, each >= 1; depth 0 (the sync "
+                             "variant) is always measured (default 1 2)")
+    parser.add_argument("--replays", type=_positive, default=10,
+                        help="timed replays of each variant, interleaved (default 10)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--plot", metavar="DIR", help="write one timeline PNG per context to DIR "
+                                                      "(needs matplotlib)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ringflow.dcp_bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=torch.cuda.device_count() or 1)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[65536, 409600])
-    parser.add_argument("--layers", type=int, default=61)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--extra-gemm", type=int, default=16384)
-    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--replays", type=int, default=10)
-    parser.add_argument("--json")
-    parser.add_argument("--plot", help="folder for one timeline PNG per context")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.world:
-        raise RingflowError(f"dcp_bench needs {args.world} CUDA GPU(s) of one host and found "
-                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
-                            f"run it on a multi-GPU machine or lower --world")
-    if any(d < 1 for d in args.depths):
-        raise RingflowError("--depths are ringflow's lookaheads (>= 1); depth 0 is the sync "
-                            "variant, always measured")
+    args = _parser().parse_args(argv)
+    if args.plot:
+        from ringflow.timeline import require_matplotlib
+
+        require_matplotlib("--plot")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        raise RingflowError("it measures on CUDA GPUs and no CUDA device was found; run it on a "
+                            "GPU machine (--world N GPUs of one host)")
+    if found < args.world:
+        raise RingflowError(f"--world {args.world} needs {args.world} CUDA GPUs of one host and "
+                            f"this one has {found}; lower --world to {found} or run it on a "
+                            f"larger machine")
     from ringflow.testing import spawn_group
     with tempfile.TemporaryDirectory() as tmp:
         spawn_group(args.world, _rank, args, backend="nccl", rendezvous=f"{tmp}/rdzv")

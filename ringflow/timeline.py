@@ -9,37 +9,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
+from ringflow.errors import RingflowError
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.orchestrator.dag import Dag
+from ringflow.timing import forward_spans, stamped
 
 
 def record_timeline(dag: Dag, pools, work) -> list[dict]:
     """``[{"lane", "kind", "layer", "start_ms", "end_ms"}]`` of one eager forward."""
-    spans: list[tuple[str, str, int, torch.cuda.Event, torch.cuda.Event]] = []
+    marks: list = []
+    ex = EagerExecutor(dag, pools, stamped("gather", work.gather, marks),
+                       stamped("compute", work.compute, marks))
+    return forward_spans(ex.run, marks)
 
-    def timed(kind, fn):
-        def run(layer, lane, tensor):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(layer, lane, tensor)
-            end.record()
-            spans.append((lane, kind, layer, start, end))
-        return run
 
-    ex = EagerExecutor(dag, pools, timed("gather", work.gather), timed("compute", work.compute))
-    ex.run()  # warm-up
-    torch.cuda.synchronize()
-    spans.clear()
-    origin = torch.cuda.Event(enable_timing=True)
-    origin.record()
-    ex.run()
-    torch.cuda.synchronize()
-    return [{"lane": lane, "kind": kind, "layer": layer,
-             "start_ms": round(origin.elapsed_time(s), 4), "end_ms": round(origin.elapsed_time(e), 4)}
-            for lane, kind, layer, s, e in spans]
+def require_matplotlib(option: str) -> None:
+    """Raise unless matplotlib imports (no ringflow install pulls it in). Call it before any
+    measurement, so that a missing plotter never costs a whole benchmark run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RingflowError(f"{option} draws timelines with matplotlib, which is not installed; "
+                            f"`pip install matplotlib`, or drop {option}") from None
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str) -> Path:

@@ -1,6 +1,10 @@
 """JSON, DOT and text dumps of a Dag."""
 
 import json
+import re
+import shutil
+import subprocess
+import time
 
 import pytest
 
@@ -79,3 +83,56 @@ def test_text_lists_every_node_and_the_budget_arithmetic():
     assert "KV cost: 24,576 B / (64 B/token/layer x 7 layers) = 54 KV tokens" in text
     rows = [l for l in text.splitlines() if l[:5].strip().isdigit()]
     assert len(rows) == len(dag.nodes)
+
+
+def _drawn(dot: str) -> list[str]:
+    """The DOT node statements (plan nodes ``nN`` and summary nodes ``sN``)."""
+    return re.findall(r"^\s+([ns]\d+) \[label=\"([^\"]*)\"", dot, flags=re.M)
+
+
+def mla_plan():
+    from ringflow import load_profile
+
+    return Planner.from_profile(load_profile("mla_ckv_dcp")).plan()
+
+
+def test_dot_of_a_61_layer_plan_is_condensed_and_accounts_for_every_node():
+    dag = mla_plan()
+    dot = to_dot(dag)
+    drawn = _drawn(dot)
+    assert len(dag.nodes) == 854 and len(drawn) < 150
+    summaries = [label for name, label in drawn if name.startswith("s")]
+    inside = sum(int(re.search(r": (\d+) nodes", label).group(1)) for label in summaries)
+    assert len(summaries) == len(dag.streams) and inside + len(drawn) - len(summaries) == 854
+    assert summaries[0].startswith("L2..L58 (ubatch0, ubatch1): 456 nodes")
+    assert dot.count("subgraph cluster_") == len(dag.streams)
+    assert "--full draws every node" in dot
+
+
+def test_full_dot_draws_every_node_and_edge():
+    dag = mla_plan()
+    dot = to_dot(dag, full=True)
+    assert len(_drawn(dot)) == len(dag.nodes) and dot.count(" -> ") == len(dag.edges)
+
+
+def test_small_plans_are_drawn_in_full_by_default():
+    dag = plan()
+    assert dag.layers <= dumps.DOT_FULL_MAX_LAYERS and to_dot(dag) == to_dot(dag, full=True)
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz (`dot`) is not installed")
+def test_graphviz_renders_the_default_dot_of_a_61_layer_plan_in_seconds(tmp_path):
+    path = tmp_path / "plan.dot"
+    path.write_text(to_dot(mla_plan()))
+    start = time.perf_counter()
+    subprocess.run(["dot", "-Tsvg", str(path), "-o", str(tmp_path / "plan.svg")], check=True,
+                   timeout=60)
+    assert time.perf_counter() - start < 20
+
+
+def test_compute_nodes_name_their_lane_when_a_plan_has_two_lanes():
+    two = to_dot(plan())  # lanes a and b share the compute stream
+    computes = [label for _, label in _drawn(two) if " compute " in label]
+    assert computes and all(label.endswith((" (a)", " (b)")) for label in computes)
+    one = to_dot(cross_plan())  # one lane: nothing to tell apart
+    assert not any(label.endswith(" (w)") for _, label in _drawn(one))

@@ -26,6 +26,27 @@ def test_the_public_api_is_small_and_importable():
     assert len(ringflow.__all__) < 40
 
 
+def test_the_public_api_loads_lazily_and_each_name_is_its_modules_own():
+    """``import ringflow`` loads none of it (Note [Lazy public API]); ``from ringflow import X``
+    gives the object its module defines, for every X."""
+    code = (
+        "import importlib, sys, ringflow\n"
+        "assert not [m for m in sys.modules if m.startswith('ringflow.')], sorted(sys.modules)\n"
+        "for name in ringflow.__all__:\n"
+        "    exec(f'from ringflow import {name} as got')\n"
+        "    module = importlib.import_module(ringflow._EXPORTS[name])\n"
+        "    assert got is getattr(module, name) and got.__module__ == module.__name__, name\n"
+        "try:\n"
+        "    ringflow.NoSuchName\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "module 'ringflow' has no attribute 'NoSuchName'"
+
+
 def test_the_distribution_declares_its_dependencies():
     requires = " ".join(metadata.requires("ringflow") or [])
     for dep in ("torch", "cuda-python", "nvtx", "pyyaml", "pytest", "hypothesis"):

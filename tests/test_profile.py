@@ -1,12 +1,13 @@
 """Profile loading and validation: every mistake names the field and what is accepted."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ringflow import Profile, ProfileError
-from ringflow.orchestrator.profile import FIELDS, builtin_profiles
+from ringflow.orchestrator.profile import FIELDS, REQUIRED, builtin_profiles
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 GOOD = {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": {"shape": [256, 64], "dtype": "float32"}}
@@ -177,10 +178,77 @@ def test_to_mapping_round_trips():
     assert Profile.from_mapping(p.to_mapping(), default_name="x") == p
 
 
+def _readme_fields() -> dict[str, tuple[str, str]]:
+    """profiles/README.md's field table: field -> (accepted, default) as written there."""
+    text = (PROFILES / "README.md").read_text().split("## Fields", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[2], cells[3])
+    return rows
+
+
+def _as_documented(value) -> str:
+    """A default as the README's table writes it."""
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return f"`[{', '.join(map(str, value))}]`"
+    return f"`{value}`" if isinstance(value, str) else f"`{value!r}`"
+
+
 def test_every_field_is_documented_in_the_profiles_readme():
-    text = (PROFILES / "README.md").read_text()
-    missing = [f for f in FIELDS if f"`{f}`" not in text]
-    assert not missing, f"profiles/README.md does not document {missing}"
+    documented = _readme_fields()
+    assert list(documented) == list(FIELDS), "profiles/README.md's field table is not FIELDS"
+    for name, spec in FIELDS.items():
+        accepted, default = documented[name]
+        for choice in spec.choices or (("true", "false") if spec.kind == "bool" else ()):
+            assert f"`{choice}`" in accepted, (name, choice, accepted)
+        if spec.default is REQUIRED:
+            assert default.startswith("required"), (name, default)
+        elif spec.default is not None:  # None: unset, or derived (the README says from what)
+            assert default == _as_documented(spec.default), (name, default)
+
+
+# one document with every section, so any field can be set in place
+EVERY_SECTION = {**GOOD, "offload": {"layers": "all", "workspace_mib": 8},
+                 "kv_prefetch": {"workspace_mib": 8}}
+
+
+def _with_field(name, value):
+    doc = yaml.safe_load(yaml.safe_dump(EVERY_SECTION))
+    *sections, key = name.split(".")
+    inner = doc
+    for section in sections:
+        inner = inner.setdefault(section, {})
+    inner[key] = value
+    return doc
+
+
+CHECKED_BY_THE_TABLE = [n for n, f in FIELDS.items() if f.kind in ("int", "mib", "bool", "choice")]
+
+
+@pytest.mark.parametrize("name", CHECKED_BY_THE_TABLE)
+def test_each_field_is_validated_as_its_row_says(name):
+    spec = FIELDS[name]
+    wrong = ["nope", [1]] + ([spec.lo - 1] if spec.kind == "int" else []) + \
+        ([spec.hi + 1] if spec.hi is not None else []) + ([0, True] if spec.kind == "mib" else [])
+    for value in wrong:
+        with pytest.raises(ProfileError) as info:
+            load(_with_field(name, value))
+        assert info.value.field == name and f"accepted: {spec.accepted}" in str(info.value)
+
+
+@pytest.mark.parametrize("name", [n for n in CHECKED_BY_THE_TABLE
+                                  if FIELDS[n].default not in (REQUIRED, None)])
+def test_an_absent_field_takes_the_default_of_its_row(name):
+    value = load(EVERY_SECTION).to_mapping()
+    for part in name.split("."):
+        value = value[part]
+    assert value == FIELDS[name].default
 
 
 def test_kv_tokens_displaced_is_pool_bytes_over_token_bytes_times_layers():

@@ -21,29 +21,16 @@ import torch
 from ringflow.bench import SCENARIOS, HandRing, _Graphed, scenario_parts
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.orchestrator.profile import Profile
+from ringflow.timing import stamped, timed_run
 
 
 class Stamped:
     """work.gather / work.compute with external timing events around each call."""
 
     def __init__(self, work) -> None:
-        self.work, self.marks = work, []
-
-    def _wrap(self, kind, fn):
-        def run(layer, lane, tensor):
-            start = torch.cuda.Event(enable_timing=True, external=True)
-            end = torch.cuda.Event(enable_timing=True, external=True)
-            start.record()
-            fn(layer, lane, tensor)
-            end.record()
-            self.marks.append((kind, layer, start, end))
-        return run
-
-    def gather(self, *a):
-        return self._wrap("gather", self.work.gather)(*a)
-
-    def compute(self, *a):
-        return self._wrap("compute", self.work.compute)(*a)
+        self.marks: list = []
+        self.gather = stamped("gather", work.gather, self.marks, external=True)
+        self.compute = stamped("compute", work.compute, self.marks, external=True)
 
 
 def main() -> None:
@@ -58,45 +45,36 @@ def main() -> None:
     pool = torch.cuda.graph_pool_handle()
     timed, variants = {}, {}
     for name in ("ringflow", "hand"):
-        stamped = Stamped(work)
+        wrapped = Stamped(work)
         if name == "ringflow":
-            graph = CapturedExecutor(dag, pools, stamped.gather, stamped.compute)
+            graph = CapturedExecutor(dag, pools, wrapped.gather, wrapped.compute)
             graph.run()                       # captures on first run
             plain = CapturedExecutor(dag, pools, work.gather, work.compute)
             plain.run()
         else:
             hand_work = type("W", (), {})()
-            hand_work.gather, hand_work.compute = stamped.gather, stamped.compute
+            hand_work.gather, hand_work.compute = wrapped.gather, wrapped.compute
             hand_work.shape, hand_work.dtype, hand_work.device = work.shape, work.dtype, \
                 work.device
             graph = _Graphed(HandRing(hand_work, profile.layers, gathered, lane).run, pool)
             plain = _Graphed(HandRing(work, profile.layers, gathered, lane).run, pool)
         # the marks of the last recording are the ones the graph replays
         count = sum(1 for n in dag.nodes if n.kind.name in ("GATHER", "SYNC_GATHER", "COMPUTE"))
-        timed[name] = (graph, stamped.marks[-count:])
+        timed[name] = (graph, wrapped.marks[-count:])
         variants[name] = plain
     spans = {name: {} for name in timed}
     totals = {name: [] for name in list(timed) + [f"{n}-untimed" for n in variants]}
-    def replay(graph) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        origin = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        origin.record()
-        graph.run()
-        done.record()
-        done.synchronize()
-        return origin, done
-
     for r in range(args.replays + 2):  # the first two rounds warm up
         work.refresh(7000 + r, sources=False)
         for name, (graph, marks) in timed.items():
-            origin, done = replay(graph)
+            origin, done = timed_run(graph.run)
             if r >= 2:
                 totals[name].append(origin.elapsed_time(done))
-                for kind, layer, start, end in marks:
+                for kind, layer, _, start, end in marks:
                     spans[name].setdefault((kind, layer), []).append(
                         (origin.elapsed_time(start), origin.elapsed_time(end)))
         for name, plain in variants.items():
-            origin, done = replay(plain)
+            origin, done = timed_run(plain.run)
             if r >= 2:
                 totals[f"{name}-untimed"].append(origin.elapsed_time(done))
     med = {name: {f"{k}/L{l}": [statistics.median(s for s, _ in v), statistics.median(e for _, e in v)]

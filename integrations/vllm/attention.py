@@ -41,7 +41,8 @@ import torch
 
 from ringflow.errors import RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.vllm import compat
+from ringflow.integrations.vllm import compat, verification
+from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
@@ -51,6 +52,15 @@ from ringflow.orchestrator.profile import Profile
 log = logging.getLogger("ringflow")
 _group = contextvars.ContextVar("ringflow_model_group", default=0)
 _groups = itertools.count(1)
+
+
+def _no_record(event: str) -> None:
+    """Lifecycle events go nowhere until the plugin is imported."""
+
+
+#: where lifecycle events ("kv-ring-allocated") go: ``plugin.lifecycle``, once plugin.py is
+#: imported (it points this at its recorder; the hooks never import the plugin)
+record_lifecycle: Callable[[str], None] = _no_record
 
 
 class _Process:
@@ -240,7 +250,6 @@ def _after_init(original, layer, *args, **kwargs):
     config = get_current_vllm_config_or_none()
     if config is None:
         return
-    from ringflow.integrations.vllm.plugin import profile_from
     profile = profile_from(config)
     if profile is None or profile.kv_prefetch is None:
         return
@@ -263,8 +272,7 @@ def _attach(layer, profile: Profile, config) -> None:
         model = ModelLanes(key, profile, layout, view, config,
                            name=f"{profile.name}/model{key}")
         _state.models[key] = model
-        from ringflow.integrations.vllm.plugin import lifecycle
-        lifecycle.append("kv-ring-allocated")
+        record_lifecycle("kv-ring-allocated")
         log.info("%s; allocated when the attention implementation was built, before the KV "
                  "cache is sized (%.2f MiB)", "; ".join(lane.describe() for lane in model.lanes),
                  model.reserved_bytes / MIB)
@@ -348,7 +356,7 @@ def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
         try:
             result = original(*args, **kwargs)
             if lane.verify and lane.dcp is None and hasattr(model.layers[index](), "kv_lora_rank"):
-                _check_mla_output(model, lane, index, args, kwargs)
+                _check_output(model, lane, index, args, kwargs)
         finally:
             lane.end(index)
         return result
@@ -470,57 +478,21 @@ def _context_lens(common, max_model_len: int) -> tuple[torch.Tensor, int | None]
 
 # -- verification of the backend's output (MLA) ------------------------------------------------
 
-def _check_mla_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, kwargs) -> None:
-    """A float64 attention over the slot (context) plus the step's new rows, against the output.
-
-    ``forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=...)``: q is
-    ``[tokens, heads, nope + rope]``, the output ``[tokens, heads * v_head_dim]``.
-    """
-    layer = model.layers[index]()
+def _check_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, kwargs) -> None:
+    """Verification mode, MLA: the backend's output (``forward_impl(q, kv_c_normed, k_pe,
+    kv_cache, attn_metadata, output=...)``) against a reference attention over the slot
+    (:func:`verification.check_mla_output`); eager steps only."""
     slot = lane.gathered(index)
     if slot is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
-    q, kv_cache = args[0], args[3]
     output = kwargs.get("output")
     common = _common(_metadata(_vllm.context(), model.names[index]), model.names[index])
     if output is None or common is None:
         return
-    n, latent = common.num_reqs, layer.kv_lora_rank
-    starts = common.query_start_loc[: n + 1].cpu().tolist()
-    seq = common.seq_lens[:n].cpu().tolist()
-    table = common.block_table_tensor.cpu()
-    cache = kv_cache.cpu().double()
-    slot = slot.cpu().double()
-    w_uk_t, w_uv = layer.W_UK_T.cpu().double(), layer.W_UV.cpu().double()   # [N,P,L], [N,L,V]
-    nope = w_uk_t.shape[1]
-    scale = layer.impl.scale
-    block = cache.shape[1]
-    worst, offset = 0.0, 0
-    for r in range(n):
-        q_len = starts[r + 1] - starts[r]
-        ctx = seq[r] - q_len
-        new = torch.stack([cache[table[r, p // block], p % block] for p in range(ctx, seq[r])]) \
-            if q_len else cache.new_zeros(0, cache.shape[-1])
-        rows = torch.cat([slot[offset: offset + ctx], new])
-        offset += ctx
-        for i in range(q_len):
-            token = starts[r] + i
-            keys = rows[: ctx + i + 1]
-            qt = q[token].cpu().double()                                       # [N, P + R]
-            q_latent = torch.einsum("np,npl->nl", qt[:, :nope], w_uk_t)
-            scores = (q_latent @ keys[:, :latent].T + qt[:, nope:] @ keys[:, latent:].T) * scale
-            o_latent = torch.softmax(scores, dim=-1) @ keys[:, :latent]       # [N, L]
-            want = torch.einsum("nl,nlv->nv", o_latent, w_uv).reshape(-1)
-            got = output[token].cpu().double().reshape(-1)
-            worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp(min=1e-6)))
+    worst = verification.check_mla_output(lane, index, model.layers[index](), slot, common,
+                                          q=args[0], kv_cache=args[3], output=output)
     model.attention_checked += 1
     model.attention_max_error = max(model.attention_max_error, worst)
-    # the backend computes in the model dtype; the reference in float64
-    if worst > (1e-3 if output.dtype == torch.float32 else 3e-2):
-        lane.verification.mismatches.append((index, f"attention output off by {worst:.2e}"))
-        log.error("'%s': the backend's attention output for layer %d differs from a reference "
-                  "attention over the prefetched slot (relative error %.2e)", lane.name, index,
-                  worst)
 
 
 # -- environment --------------------------------------------------------------------------------

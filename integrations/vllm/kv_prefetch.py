@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +35,8 @@ from ringflow.errors import LifecycleError, ProfileError, RingflowError
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.stepped import LayerStepper
 from ringflow.graphs.sync import SyncExecutor
+from ringflow.integrations.vllm.verification import Verification, check_slot
 from ringflow.kernels import dcp_all_gather, dcp_local_capacity, page_gather, paged_gather
-from ringflow.kernels import reference as ref
 from ringflow.orchestrator.budget import MIB, PoolLayout
 from ringflow.orchestrator.planner import Planner
 from ringflow.orchestrator.slots import SlotPool
@@ -98,19 +98,6 @@ class DcpGroup:
     interleave: int = 1
 
 
-@dataclass
-class Verification:
-    """What verification mode saw: slots checked, and the mismatches (layer, detail)."""
-
-    checked: int = 0
-    mismatches: list[tuple[int, str]] = field(default_factory=list)
-    skipped_capture: int = 0
-    #: checks issued inside CUDA graphs (counted on the device at every replay; read back by
-    #: :meth:`KVPrefetcher.read_captured_verification`)
-    captured_checked: int = 0
-    captured_mismatches: int = 0
-
-
 def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
     """The engine's attention is the compute."""
 
@@ -152,7 +139,9 @@ class KVPrefetcher:
         self.layers = 0
         self.stepper: LayerStepper | None = None
         self.dag = None
-        self.verification = Verification()
+        # [checks, mismatches] of captured verification live on the device (no host sync)
+        self.verification = Verification(device_counts=torch.zeros(
+            2, dtype=torch.int64, device=self.device) if verify else None)
         self.steps = 0
         self.skipped: dict[str, int] = {}  # steps run without prefetch, by reason
         self.retired = 0
@@ -164,8 +153,6 @@ class KVPrefetcher:
         self._open: int | None = None  # the layer begun and not yet ended
         #: called before each gather on the gather stream (tests inject a sleep kernel here)
         self.gather_hook: Callable[[], None] | None = None
-        # [checks, mismatches] counted on the device by captured verification (no host sync)
-        self._captured = torch.zeros(2, dtype=torch.int64, device=self.device) if verify else None
 
     def _sizes(self, capacity_tokens: int, workspace_bytes: int) -> tuple[int, int, int]:
         """(slot rows, output rows, staging rows per rank), checked against the budget."""
@@ -270,7 +257,7 @@ class KVPrefetcher:
         self.stepper.before(layer)
         self._current = self._open = layer
         if self.verify and self._step_ok and layer in self._valid:
-            self._verify(layer)
+            check_slot(self, layer, self._sources(layer))
 
     def end(self, layer: int) -> None:
         """After ``layer``'s attention: its slot retires and the gathers it frees are issued."""
@@ -362,86 +349,10 @@ class KVPrefetcher:
             page_gather(source.cache, source.block_table, source.context_lens,
                         self.layout.block_size, out)
 
-    def _verify(self, layer: int) -> None:
-        got = self.gathered(layer)
-        source = self._sources(layer)
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self._verify_captured(got, source)
-            return
-        if self.dcp is not None:
-            detail = _check_own_shard(got, source, self.dcp)
-        else:
-            if self.layout.kind == "rows":
-                want = ref.paged_gather_ref(source.cache, source.block_table,
-                                            source.context_lens, self.capacity)
-            else:
-                want = ref.page_gather_ref(source.cache, source.block_table, source.context_lens,
-                                           self.layout.block_size, self.capacity)
-            got = got.cpu().view(want.shape)  # a flat page slot, shaped like the cache's pages
-            same = torch.equal(got, want)
-            detail = None if same else _first_difference(got, want)
-        self.verification.checked += 1
-        if detail is not None:
-            self.verification.mismatches.append((layer, detail))
-            log.error("'%s': verification: the slot of layer %d differs from its cache: %s",
-                      self.name, layer, detail)
-
-
-    def _verify_captured(self, got: torch.Tensor, source: KVSource) -> None:
-        """Inside a CUDA graph nothing may read back to the host: gather the layer again on
-        the compute stream, after the wait, and count on the device whether the slot the
-        attention reads differs (every replay adds one check). This checks the ordering and
-        lifecycle of the slot; the kernels themselves are checked against CPU references
-        eagerly."""
-        if self.dcp is not None:  # the reference needs the other ranks' shards
-            self.verification.skipped_capture += 1
-            if self.verification.skipped_capture == 1:
-                log.info("'%s': verification of DCP slots is skipped inside a CUDA graph "
-                         "capture", self.name)
-            return
-        want = torch.empty_like(got)  # from the graph's pool, at capture
-        if self.layout.kind == "rows":
-            paged_gather(source.cache, source.block_table, source.context_lens, want)
-        else:
-            page_gather(source.cache, source.block_table, source.context_lens,
-                        self.layout.block_size, want)
-        self._captured[0].add_(1)
-        self._captured[1].add_((got != want).any().to(torch.int64))  # NaN counts as a miss
-
     def read_captured_verification(self) -> Verification:
         """Fold the device-side counts of captured checks into :attr:`verification` (host
         sync) and return it."""
-        if self._captured is not None:
-            checked, bad = self._captured.tolist()
-            self.verification.captured_checked = checked
-            self.verification.captured_mismatches = bad
-            if bad:
-                log.error("'%s': verification inside CUDA graphs: %d of %d slot(s) differed "
-                          "from their layer's cache", self.name, bad, checked)
-        return self.verification
-
-
-def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    bad = (got != want) & ~(torch.isnan(got) & torch.isnan(want)) if got.is_floating_point() \
-        else got != want
-    rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten()
-    return f"{len(rows)} row(s) differ, first at row {int(rows[0])}"
-
-
-def _check_own_shard(got: torch.Tensor, source: KVSource, dcp: DcpGroup) -> str | None:
-    """Under DCP a rank holds only its own tokens: check those rows of the gathered KV."""
-    cache, table = source.cache.cpu(), source.block_table.cpu()
-    got = got.cpu()
-    row, wrong = 0, 0
-    for r, n in enumerate(source.context_lens.tolist()):
-        for t in range(n):
-            owner, p = ref.dcp_owner(t, dcp.size, dcp.interleave)
-            if owner == dcp.rank:
-                block_size = cache.shape[1]
-                if not torch.equal(got[row + t], cache[table[r, p // block_size], p % block_size]):
-                    wrong += 1
-        row += n
-    return f"{wrong} own-shard row(s) differ" if wrong else None
+        return self.verification.read_device_counts(self.name)
 
 
 def check_not_after_kv(kv_sized: bool, name: str) -> None:

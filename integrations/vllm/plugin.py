@@ -29,28 +29,36 @@ from pathlib import Path
 
 import torch
 
-from ringflow.errors import ProfileError, RingflowError
+from ringflow.errors import RingflowError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.vllm import attention, compat, layers, ops
+from ringflow.integrations.vllm.config import ENV_PROFILE, profile_from  # noqa: F401 (re-export)
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.weight_stream import WeightStreamer
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.budget import MIB
 from ringflow.orchestrator.profile import Profile
 
-ENV_PROFILE = "RINGFLOW_PROFILE"
 ENV_DUMP = "RINGFLOW_DUMP"
 ENV_PLAIN_GEMM = "RINGFLOW_CPU_PLAIN_GEMM"
 ENV_LAYER_OPS_ONLY = "RINGFLOW_LAYER_OPS_ONLY"
 
 log = logging.getLogger("ringflow")
 
-#: what happened in this process, in order ("ring-allocated", "kv-cache-initialized")
+#: what happened in this process, in order ("kv-ring-allocated", "ring-allocated",
+#: "kv-cache-initialized"): the order is what keeps the KV budget honest; tests assert it
 lifecycle: list[str] = []
 #: the live streamers of this process; each is owned by its vLLM worker and dies with it
 streamers: weakref.WeakSet[WeightStreamer] = weakref.WeakSet()
 _latest: weakref.ref | None = None
 _plain_gemm = False
+
+
+def _record(event: str) -> None:
+    lifecycle.append(event)  # the module's list at call time: tests swap in their own
+
+
+attention.record_lifecycle = _record  # the attention hooks report here without importing us
 
 
 def register() -> None:
@@ -82,38 +90,6 @@ def _ensure_log_handler() -> None:
         log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
-
-
-def profile_from(vllm_config) -> Profile | None:
-    """The profile vLLM was started with, or None when ringflow is not enabled.
-
-    ``additional_config["ringflow"]`` wins over ``RINGFLOW_PROFILE``.
-
-    Raises:
-        ProfileError: the profile is malformed or has no ``offload`` section.
-    """
-    extra = getattr(vllm_config, "additional_config", None)
-    section = extra.get("ringflow") if isinstance(extra, dict) else None
-    env = os.environ.get(ENV_PROFILE)
-    if section is not None:
-        if isinstance(section, str):
-            profile = Profile.load(section)
-        elif isinstance(section, dict) and set(section) == {"profile"}:
-            profile = Profile.load(section["profile"])
-        else:
-            profile = Profile.from_mapping(section, source="additional_config.ringflow",
-                                           default_name="vllm")
-    elif env:
-        profile = Profile.load(env)
-    else:
-        return None
-    if profile.offload is None and profile.kv_prefetch is None:
-        raise ProfileError("offload", "is missing, and so is kv_prefetch: the vLLM plugin streams "
-                           "the decoder layers an offload section names and prefetches full KV "
-                           "as a kv_prefetch section says; accepted: offload: {layers: ..., "
-                           "depth: ..., workspace_mib: ...} and/or kv_prefetch: {depth: ..., "
-                           "workspace_mib: ...}", profile.source)
-    return profile
 
 
 def _load_model(original, worker, *args, **kwargs):
@@ -178,7 +154,7 @@ def _initialize_from_config(original, worker, *args, **kwargs):
     reserved = (streamer.reserved_bytes if streamer is not None else 0) + \
         sum(model.reserved_bytes for model in attention.models())
     if reserved:
-        lifecycle.append("kv-cache-initialized")
+        _record("kv-cache-initialized")
         log.info("KV cache allocated after ringflow's rings (%.2f MiB reserved before sizing)",
                  reserved / MIB)
         _log_kv_size(worker, streamer, *args, **kwargs)
@@ -252,7 +228,7 @@ def _enable(worker, profile: Profile, stacks) -> WeightStreamer:
     worker._ringflow_streamer = streamer  # the worker owns it: it lives and dies with the model
     streamers.add(streamer)
     _latest = weakref.ref(streamer)
-    lifecycle.append("ring-allocated")
+    _record("ring-allocated")
     per_token = kv_bytes_per_token(worker)
     tokens = (lambda nbytes: f"{int(nbytes // per_token):,} KV tokens ({per_token:,.0f} B/token)"
               ) if per_token else (lambda nbytes: "an unknown number of KV tokens")

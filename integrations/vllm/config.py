@@ -1,0 +1,44 @@
+"""Which profile vLLM was started with: read by the plugin (weight streaming) and by the
+attention hooks (full-KV prefetch), so neither imports the other."""
+
+from __future__ import annotations
+
+import os
+
+from ringflow.errors import ProfileError
+from ringflow.orchestrator.profile import Profile
+
+ENV_PROFILE = "RINGFLOW_PROFILE"
+
+
+def profile_from(vllm_config) -> Profile | None:
+    """The profile vLLM was started with, or None when ringflow is not enabled.
+
+    ``additional_config["ringflow"]`` wins over ``RINGFLOW_PROFILE``.
+
+    Raises:
+        ProfileError: the profile is malformed or has neither an ``offload`` nor a
+            ``kv_prefetch`` section.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get("ringflow") if isinstance(extra, dict) else None
+    env = os.environ.get(ENV_PROFILE)
+    if section is not None:
+        if isinstance(section, str):
+            profile = Profile.load(section)
+        elif isinstance(section, dict) and set(section) == {"profile"}:
+            profile = Profile.load(section["profile"])
+        else:
+            profile = Profile.from_mapping(section, source="additional_config.ringflow",
+                                           default_name="vllm")
+    elif env:
+        profile = Profile.load(env)
+    else:
+        return None
+    if profile.offload is None and profile.kv_prefetch is None:
+        raise ProfileError("offload", "is missing, and so is kv_prefetch: the vLLM plugin streams "
+                           "the decoder layers an offload section names and prefetches full KV "
+                           "as a kv_prefetch section says; accepted: offload: {layers: ..., "
+                           "depth: ..., workspace_mib: ...} and/or kv_prefetch: {depth: ..., "
+                           "workspace_mib: ...}", profile.source)
+    return profile

@@ -1,0 +1,82 @@
+"""GPU time measured with CUDA timing events: the one place ringflow's measurements make them.
+
+Two uses: how long a piece of work takes on the device (:func:`elapsed_ms`, :func:`timed_run`),
+and when each call of a gather or compute starts and ends (:func:`stamped`, read back with
+:func:`spans`), relative to an origin event so that every stream shares one clock.
+
+.. note::
+    Events are recorded on the *current* stream. :func:`timed_run` waits for its end event (a
+    host sync): call it between measurements, never inside a capture. :func:`stamped` never
+    waits; with ``external=True`` a capture records its events as graph nodes, so each replay
+    stamps them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def event_pair(*, external: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Two fresh timing events (start, end); ``external``: recorded as nodes of a capture."""
+    options = {"external": True} if external else {}  # the flag is newer than torch 2.8
+    return (torch.cuda.Event(enable_timing=True, **options),
+            torch.cuda.Event(enable_timing=True, **options))
+
+
+def timed_run(fn: Callable[[], Any], repeat: int = 1) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Issue ``fn()`` ``repeat`` times between two timing events and wait for the second.
+
+    Returns the events, so that events recorded inside ``fn`` can be read relative to the start.
+    """
+    start, end = event_pair()
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    end.synchronize()
+    return start, end
+
+
+def elapsed_ms(fn: Callable[[], Any], repeat: int = 1) -> float:
+    """Device milliseconds of ``repeat`` back-to-back calls of ``fn()`` (waits for them)."""
+    start, end = timed_run(fn, repeat)
+    return start.elapsed_time(end)
+
+
+def stamped(kind: str, fn: Callable[[int, str, Any], Any], marks: list, *,
+            external: bool = False) -> Callable[[int, str, Any], None]:
+    """``fn(layer, lane, tensor)`` between two timing events recorded on the current stream.
+
+    Every call appends ``(kind, layer, lane, start, end)`` to ``marks``; nothing waits.
+    """
+    def run(layer: int, lane: str, tensor: Any) -> None:
+        start, end = event_pair(external=external)
+        start.record()
+        fn(layer, lane, tensor)
+        end.record()
+        marks.append((kind, layer, lane, start, end))
+    return run
+
+
+def forward_spans(forward: Callable[[], Any], marks: list) -> list[dict]:
+    """The spans of one ``forward()`` whose gathers and computes are :func:`stamped` into
+    ``marks``, after one warm-up call: ``[{"lane", "kind", "layer", "start_ms", "end_ms"}]``,
+    in milliseconds since an event recorded just before the forward (one clock for all lanes)."""
+    forward()  # warm-up: lazy library state, first-touch allocations
+    torch.cuda.synchronize()
+    marks.clear()
+    origin, _ = timed_run(forward)
+    torch.cuda.synchronize()  # side streams too: a span's events must be done to be read
+    return spans(origin, marks)
+
+
+def spans(origin: torch.cuda.Event, marks: list) -> list[dict]:
+    """:func:`stamped` marks as ``{"lane", "kind", "layer", "start_ms", "end_ms"}``, in
+    milliseconds since ``origin`` (read after the device finished them)."""
+    return [{"lane": lane, "kind": kind, "layer": layer,
+             "start_ms": round(origin.elapsed_time(start), 4),
+             "end_ms": round(origin.elapsed_time(end), 4)}
+            for kind, layer, lane, start, end in marks]
