@@ -248,6 +248,9 @@ class SlotPool:
     def _give_back(self, lease: Lease) -> None:
         if self._leases[lease.slot] is not lease:
             raise LeaseError(f"{lease!r} does not hold slot {lease.slot} any more (double release)")
+        self._free_slot(lease)
+
+    def _free_slot(self, lease: Lease) -> None:
         lease.state = LeaseState.FREE
         self._leases[lease.slot] = None
         self._free.append(lease.slot)
@@ -269,9 +272,7 @@ class SlotPool:
         if out and sync:
             self._wait_idle()
         for lease in out:
-            lease.state = LeaseState.FREE
-            self._leases[lease.slot] = None
-            self._free.append(lease.slot)
+            self._free_slot(lease)
         self.carried.clear()  # the next forward fills its slots again (it primes)
         return len(out)
 
@@ -283,9 +284,7 @@ class SlotPool:
         device by the time they are rewritten.
         """
         for lease in self.carried.values():
-            lease.state = LeaseState.FREE
-            self._leases[lease.slot] = None
-            self._free.append(lease.slot)
+            self._free_slot(lease)
         self.carried.clear()
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ from ringflow.errors import RingflowError
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.orchestrator.planner import Planner
-from ringflow.orchestrator.profile import Profile
+from ringflow.orchestrator.profile import GATHER_PRIORITIES, Profile
 from ringflow.orchestrator.slots import SlotPool
 from ringflow.timing import elapsed_ms
 from ringflow.workload import SyntheticWorkload
@@ -344,7 +344,7 @@ def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = No
     if name == "device-gather":
         return [run_profile(f"{name}/{p}", profile, replays=replays, priority=p,
                             timeline_dir=timeline_dir if p == "normal" else None)
-                for p in ("normal", "high")]
+                for p in GATHER_PRIORITIES]
     return [run_profile(name, profile, replays=replays, timeline_dir=timeline_dir)]
 
 
