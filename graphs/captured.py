@@ -23,6 +23,7 @@ from ringflow.errors import CaptureError, ExecutorError
 from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.executor import ComputeFn, GatherFn
+from ringflow.graphs.streams import dedicated_streams
 from ringflow.orchestrator.dag import Dag
 from ringflow.orchestrator.profile import CAPTURE_POLICIES
 from ringflow.orchestrator.slots import SlotPool
@@ -74,7 +75,7 @@ class CapturedExecutor:
         self._eager_only: set[Hashable] = set()
         self._replay_ranges: dict[Hashable, object] = {}
         self.pool_handle = torch.cuda.graph_pool_handle()  # shared by every bucket's graph
-        self._capture_stream = torch.cuda.Stream(self.device)
+        self._capture_stream = dedicated_streams(self, self.device, ["capture"], 0)["capture"]
         self._replayed = torch.cuda.Event()
         self._last_stream: torch.cuda.Stream | None = None
 

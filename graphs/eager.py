@@ -2,9 +2,10 @@
 
 Compute nodes run on the stream that is current when :meth:`run` is called (so the executor
 follows the caller, vLLM's stream included); each lane's gathers run on a side stream of their
-own, created once with the requested priority. One ``torch.cuda.Event`` per planned event is
-created once and re-recorded every forward; a wait binds to the latest record issued before it,
-which is exactly what the plan's issue order encodes (Note [Issue order and edges]).
+own, created once with the requested priority (Note [Dedicated streams]). One
+``torch.cuda.Event`` per planned event is created once and re-recorded every forward; a wait binds
+to the latest record issued before it, which is exactly what the plan's issue order encodes
+(Note [Issue order and edges]).
 
 Note [Running inside a capture]
     When :meth:`EagerExecutor.run` finds the current stream capturing a CUDA graph that ringflow
@@ -34,6 +35,7 @@ import torch
 
 from ringflow.errors import CaptureError, ExecutorError
 from ringflow.graphs.executor import ComputeFn, DagExecutor, GatherFn
+from ringflow.graphs.streams import dedicated_streams
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node
 from ringflow.orchestrator.profile import CAPTURE_POLICIES, GATHER_PRIORITIES
@@ -76,8 +78,10 @@ class EagerExecutor(DagExecutor):
         self.gather_priority = gather_priority
         self.capture_policy = capture
         self._logged: set[str] = set()
-        self._side = {s: torch.cuda.Stream(self.device, priority=GATHER_PRIORITIES[gather_priority])
-                      for s in dag.streams if s != COMPUTE_STREAM}
+        # streams of our own, never PyTorch's shared pool (Note [Dedicated streams])
+        self._side = dedicated_streams(self, self.device,
+                                       [s for s in dag.streams if s != COMPUTE_STREAM],
+                                       GATHER_PRIORITIES[gather_priority])
         self._events = {n.event: torch.cuda.Event() for n in dag.nodes if n.event}
         self._current: torch.cuda.Stream | None = None
         super().__init__(dag, pools, gather, compute, poison=poison)

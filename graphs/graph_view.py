@@ -14,22 +14,12 @@ from functools import cached_property
 import torch
 
 from ringflow.errors import CaptureError
-
-
-def _runtime():
-    try:
-        from cuda.bindings import runtime
-    except ImportError:  # cuda-python < 12.6 spells it cuda.cudart
-        from cuda import cudart as runtime
-    return runtime
+from ringflow.graphs.cudart import checked, runtime as _runtime
 
 
 def _check(rt, name: str, result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != rt.cudaError_t.cudaSuccess:
-        raise CaptureError(f"cuda-python {name} failed with {err}; is the graph captured with "
-                           f"keep_graph=True and still alive?")
-    return rest[0] if len(rest) == 1 else rest
+    return checked(name, result, CaptureError,
+                   "is the graph captured with keep_graph=True and still alive?")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ Note [DCP layout]
     keeps its tokens in its own paged cache (addressed by the block table) and its local length
     is ``base + clip(len - base * N - rank * I, 0, I)`` with ``base = len // I // N * I``. This
     is vLLM's layout (``get_dcp_local_seq_lens``). The all-gather packs each rank's local rows
-    into its part of a staging buffer, all-gathers the parts over a process group of its own,
-    and restores sequence order with one index gather.
+    into its part of a staging buffer, exchanges the parts (NCCL over a process group of its
+    own, or copy engines pulling from the peers' memory), and restores sequence order with one
+    index gather.
 """
 
 from __future__ import annotations
@@ -67,6 +68,39 @@ def dcp_local_capacity(capacity: int, requests: int, size: int, interleave: int 
     return -(-capacity // size) + interleave * requests
 
 
+def _check_dcp(out: torch.Tensor, staging: torch.Tensor, size: int, requests: int,
+               interleave: int) -> None:
+    if staging.dim() < 2 or staging.shape[0] != size or staging.shape[2:] != out.shape[1:]:
+        raise KernelError(f"staging must be [{size}, local_capacity, *row] for a group of "
+                          f"{size} and a slot of {tuple(out.shape)}, got {tuple(staging.shape)}")
+    if not staging.is_contiguous() or staging.dtype != out.dtype:
+        raise KernelError("staging must be contiguous and of the slot's dtype")
+    if interleave < 1:
+        raise KernelError(f"interleave must be positive, got {interleave}")
+    needed = dcp_local_capacity(out.shape[0], requests, size, interleave)
+    if staging.shape[1] < needed:
+        raise KernelError(f"staging holds {staging.shape[1]} rows per rank; {requests} requests "
+                          f"of up to {out.shape[0]} tokens over {size} ranks need {needed} "
+                          f"(dcp_local_capacity)")
+
+
+def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.Tensor,
+                   out: torch.Tensor, interleave: int) -> torch.Tensor:
+    """Every rank's part of ``staging`` (its local rows, request after request) into ``out`` in
+    sequence order: one index gather (Note [DCP layout])."""
+    size = staging.shape[0]
+    lens = seq_lens.to(torch.int64)
+    request, t, valid = packed_positions(lens, out.shape[0])
+    owner = (t // interleave) % size
+    position = (t // (interleave * size)) * interleave + t % interleave
+    starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
+    source = owner * staging.shape[1] + starts[request, owner] + position
+    source = torch.where(valid, source, torch.zeros_like(source))
+    torch.index_select(staging.view(-1, *staging.shape[2:]), 0, source, out=out)
+    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
+    return out
+
+
 def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    out: torch.Tensor, staging: torch.Tensor, group, *,
                    interleave: int = 1) -> torch.Tensor:
@@ -83,32 +117,58 @@ def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
         interleave: vLLM's ``cp_kv_cache_interleave_size``.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if staging.dim() < 2 or staging.shape[0] != size or staging.shape[2:] != out.shape[1:]:
-        raise KernelError(f"staging must be [{size}, local_capacity, *row] for a group of "
-                          f"{size} and a slot of {tuple(out.shape)}, got {tuple(staging.shape)}")
-    if not staging.is_contiguous() or staging.dtype != out.dtype:
-        raise KernelError("staging must be contiguous and of the slot's dtype")
-    if interleave < 1:
-        raise KernelError(f"interleave must be positive, got {interleave}")
     requests = block_table.shape[0]
-    needed = dcp_local_capacity(out.shape[0], requests, size, interleave)
-    if staging.shape[1] < needed:
-        raise KernelError(f"staging holds {staging.shape[1]} rows per rank; {requests} requests "
-                          f"of up to {out.shape[0]} tokens over {size} ranks need {needed} "
-                          f"(dcp_local_capacity)")
+    _check_dcp(out, staging, size, requests, interleave)
     if requests == 0:  # every rank sees the same batch: all skip the collective together
         return out.zero_()
     local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
     paged_gather(cache, block_table, local[:, rank], staging[rank])
     _all_gather(staging.view(-1, *staging.shape[2:]), staging[rank], group=group)
+    return _restore_order(staging, local, seq_lens, out, interleave)
 
-    lens = seq_lens.to(torch.int64)
-    request, t, valid = packed_positions(lens, out.shape[0])
-    owner = (t // interleave) % size
-    position = (t // (interleave * size)) * interleave + t % interleave
-    starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
-    source = owner * staging.shape[1] + starts[request, owner] + position
-    source = torch.where(valid, source, torch.zeros_like(source))
-    torch.index_select(staging.view(-1, *staging.shape[2:]), 0, source, out=out)
-    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
-    return out
+
+def dcp_peer_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    out: torch.Tensor, staging: torch.Tensor, exchange, *,
+                    interleave: int = 1) -> torch.Tensor:
+    """:func:`dcp_all_gather`'s result, with the exchange done by copy engines, not NCCL.
+
+    ``staging`` lies in memory every rank of the group maps (``exchange``, a
+    :class:`ringflow.kernels.peer_exchange.PeerExchange`): this rank packs its local rows into
+    its own part, a barrier, then each peer's part is pulled with one device-to-device copy
+    from the peer's memory (a copy engine over NVLink: no SMs), a second barrier (no rank packs
+    into a part a peer still reads: Note [Peer exchange]), and one index gather restores order.
+    """
+    size, rank = exchange.size, exchange.rank
+    requests = block_table.shape[0]
+    _check_dcp(out, staging, size, requests, interleave)
+    if requests == 0:  # every rank sees the same batch: all skip the exchange together
+        return out.zero_()
+    local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
+    paged_gather(cache, block_table, local[:, rank], staging[rank])
+    exchange.pull_peers(staging)
+    return _restore_order(staging, local, seq_lens, out, interleave)
+
+
+def time_exchanges(staging: torch.Tensor, exchange, group, *, rounds: int = 5
+                   ) -> dict[str, float]:
+    """Median ms of exchanging ``staging``'s parts by NCCL and by copy engines (``exchange``),
+    the slowest rank's (collective: every rank of ``group`` calls it; host-syncs)."""
+    rank = exchange.rank
+    flat = staging.view(-1, *staging.shape[2:])
+    ways = {"nccl": lambda: _all_gather(flat, staging[rank], group=group),
+            "peer": lambda: exchange.pull_peers(staging)}
+    ms = []
+    for way in ways.values():
+        times = []
+        for i in range(rounds + 2):  # two warm-up rounds
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            way()
+            end.record()
+            end.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        ms.append(sorted(times)[len(times) // 2])
+    slowest = torch.tensor(ms, device=staging.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(ways, slowest.tolist()))

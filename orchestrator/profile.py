@@ -32,6 +32,7 @@ CAPTURE_POLICIES = ("join", "sync", "error")
 #: gather_priority -> CUDA stream priority of the gather streams (lower runs first)
 GATHER_PRIORITIES = {"normal": 0, "high": -1}
 GATHER_KINDS = ("h2d", "index", "paged")
+DCP_TRANSPORTS = ("nccl", "peer", "auto")
 COMPUTE_KINDS = ("attention", "decoder")
 _LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 MAX_WORKSPACE_MIB = 1 << 24  # 16 TiB: anything larger is a typo, not a budget
@@ -210,6 +211,11 @@ FIELDS: dict[str, ProfileField] = {
         "context tokens one slot holds (all requests of a step); a larger step runs without "
         "prefetch and logs it", 1, 1 << 40, None, nullable=True,
         words="an integer >= 1, or omitted for max_num_seqs x max_model_len"),
+    "kv_prefetch.dcp_transport": _one_of(
+        "under decode context parallelism, how the ranks' KV parts are exchanged: nccl "
+        "(all-gather on the SMs), peer (copy engines pulling from the peers' rings in symmetric "
+        "memory; NCCL if unavailable, logged) or auto (both timed when the ring is built, the "
+        "faster kept, recorded in the plan's meta)", DCP_TRANSPORTS, "auto"),
     "kv_prefetch.verify": _flag("compare every slot with its layer's cache before attention "
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",
@@ -420,10 +426,12 @@ class KVPrefetchSpec:
     depth: int
     workspace_mib: float
     capacity_tokens: int | None
+    dcp_transport: str
     verify: bool
 
     def to_mapping(self) -> dict:
-        out = {"depth": self.depth, "workspace_mib": self.workspace_mib, "verify": self.verify}
+        out = {"depth": self.depth, "workspace_mib": self.workspace_mib, "verify": self.verify,
+               "dcp_transport": self.dcp_transport}
         if self.capacity_tokens is not None:
             out["capacity_tokens"] = self.capacity_tokens
         return out

@@ -24,7 +24,7 @@ import enum
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -142,10 +142,13 @@ class SlotPool:
         depth: requested prefetch lookahead (0 = synchronous, one slot).
         workspace_bytes: budget of the whole ring.
         device: where the slots live.
+        allocate: makes the ring from ``(shape, dtype, device)`` instead of ``torch.empty``
+            (the DCP lane's ring in memory its peers map); same budget, same one allocation.
     """
 
     def __init__(self, lane: str, slot_shape: Sequence[int], dtype: torch.dtype | str, *,
-                 depth: int, workspace_bytes: int, device: torch.device | str = "cpu") -> None:
+                 depth: int, workspace_bytes: int, device: torch.device | str = "cpu",
+                 allocate: Callable[..., torch.Tensor] | None = None) -> None:
         self.dtype = _dtype(dtype)
         self.slot_shape = _shape(slot_shape)
         slot_bytes = math.prod(self.slot_shape) * self.dtype.itemsize
@@ -156,14 +159,19 @@ class SlotPool:
         if self.layout.reduced:
             log.warning("%s", self.layout.arithmetic())
         # The one allocation of this lane: every slot is a view of it; nothing allocates later.
+        shape = (self.layout.slots, *self.slot_shape)
         try:
-            self.storage = torch.empty((self.layout.slots, *self.slot_shape), dtype=self.dtype,
-                                       device=device)
+            self.storage = (allocate or torch.empty)(shape, dtype=self.dtype,
+                                                     device=torch.device(device))
         except (RuntimeError, MemoryError) as exc:  # out of memory, or a size past any device
             raise ProfileError(
                 "workspace_mib", f"lane '{lane}': the ring of {self.layout.slots} slot(s) x "
                 f"{slot_bytes:,} B cannot be allocated on {device} ({str(exc).splitlines()[0]}); "
                 f"accepted: a smaller depth or workspace_mib") from None
+        if tuple(self.storage.shape) != shape or self.storage.dtype != self.dtype:
+            raise ProfileError("workspace_mib", f"lane '{lane}': the allocator gave a ring of "
+                               f"{tuple(self.storage.shape)} {self.storage.dtype}, not {shape} "
+                               f"{self.dtype}")
         self._leases: list[Lease | None] = [None] * self.layout.slots
         self._free: deque[int] = deque(range(self.layout.slots))
         self._closed = False

@@ -3,19 +3,23 @@ more layers ahead of the attention that reads it (the motivating work: TP8/DCP4,
 
     python -m ringflow.dcp_bench [--world N] [--contexts 65536 409600] [--layers 61]
         [--batch 1] [--heads 16] [--extra-gemm 16384] [--depths 1 2] [--replays 10]
-        [--json FILE] [--plot DIR]
+        [--transports nccl peer] [--json FILE] [--plot DIR]
 
-One process per GPU over NCCL (``--world`` GPUs of one host). Every rank holds its DCP shard of
-each request's KV (576 bf16 per token, vLLM's interleave of 1) in a paged cache; a layer's
-gather all-gathers the shards over the gather lane's own communicator and restores sequence
-order (``ringflow.kernels.dcp_all_gather``); the layer's compute is an absorbed-MLA decode
+One process per GPU (``--world`` GPUs of one host). Every rank holds its DCP shard of each
+request's KV (576 bf16 per token, vLLM's interleave of 1) in a paged cache; a layer's gather
+packs this rank's rows, exchanges the parts and restores sequence order, per transport: ``nccl``
+(an all-gather over the gather lane's own communicator, ``ringflow.kernels.dcp_all_gather``) or
+``peer`` (copy engines pull the peers' parts from their rings in symmetric memory,
+``ringflow.kernels.dcp_peer_gather``); the layer's compute is an absorbed-MLA decode
 attention of ``--heads`` heads over the gathered KV plus a ``--extra-gemm``-square GEMM standing
 for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
 gather of the wrong layer shows.
 
-Variants, each captured into a CUDA graph and replayed interleaved (medians): ``sync`` (depth 0:
-gather then compute on one stream), ``ringflow dN`` (depth N), ``gather`` alone and ``compute``
-alone (their maximum is the ideal). Reported per context: ms per forward, hidden = (sync −
+Variants per transport, each captured into a CUDA graph and replayed interleaved (medians):
+``sync`` (depth 0: gather then compute on one stream), ``ringflow dN`` (depth N), ``gather``
+alone, ``exchange`` alone (only the bytes between GPUs: with ``peer`` that is the copy-engine
+floor, reported in GB/s received per rank), and ``compute`` alone (max of gather and compute is
+the ideal). Reported per context: ms per forward, hidden = (sync −
 ringflow) / min(gather, compute), decode tokens/s per GPU, pool bytes and the KV tokens the pool
 costs (pool bytes over one token's KV on one rank: layers × 1152 B / world). Before timing, one
 eager forward checks every layer's slot against the full KV (bit-exact), for every variant.
@@ -101,7 +105,6 @@ def _rank(rank: int, world: int, args) -> None:
     import torch.distributed as dist
 
     from ringflow.integrations.vllm.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher, KVSource
-    from ringflow.kernels import dcp_all_gather, dcp_local_capacity
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -114,7 +117,6 @@ def _rank(rank: int, world: int, args) -> None:
         lens = torch.full((batch,), context, device=device, dtype=torch.int32)
         model = Model(args, batch, context, device)
         layout = KVLayout("rows", (ROW,), torch.bfloat16, BLOCK)
-        dcp = DcpGroup(lane_group, world, rank)
 
         def source(layer: int) -> KVSource:
             cache, table = shards[layer % 2]
@@ -128,43 +130,48 @@ def _rank(rank: int, world: int, args) -> None:
                     pf.end(layer)
             return forward
 
-        variants, pools = {}, {}
-        for depth in [0, *args.depths]:
+        def prefetcher(depth: int, transport: str, name: str) -> KVPrefetcher:
             pf = KVPrefetcher(layout, batch * context, max_requests=batch, depth=depth,
-                              workspace_bytes=1 << 40, device=device, dcp=dcp,
-                              name=f"dcp-d{depth}")
-            pf.plan(args.layers)
-            _check(pf, source, fulls, args.layers, batch * context)
-            name = "sync" if depth == 0 else f"ringflow d{depth}"
-            variants[name] = _Graph(forward_with(pf))
-            pools[name] = pf.reserved_bytes
-        local = dcp_local_capacity(batch * context, batch, world)
-        slots = [torch.empty(batch * context + world * local, ROW, dtype=torch.bfloat16,
-                             device=device) for _ in range(2)]
+                              workspace_bytes=1 << 40, device=device, name=name,
+                              dcp=DcpGroup(lane_group, world, rank, transport=transport))
+            if pf.transport != transport:
+                raise RingflowError(f"DCP transport {transport!r} fell back to {pf.transport!r} "
+                                    f"(see the warning above): the {transport} rows would lie")
+            return pf
 
-        def gather_only() -> None:
-            for layer in range(args.layers):
-                cache, table = shards[layer % 2]
-                slot = slots[layer % 2]
-                dcp_all_gather(cache, table, lens, slot[: batch * context],
-                               slot[batch * context:].view(world, local, ROW), lane_group)
+        variants, pools, prefetchers = {}, {}, {}
+        for transport in args.transports:
+            for depth in [0, *args.depths]:
+                pf = prefetcher(depth, transport, f"dcp-d{depth}-{transport}")
+                pf.plan(args.layers)
+                _check(pf, source, fulls, args.layers, batch * context)
+                name = f"{'sync' if depth == 0 else f'ringflow d{depth}'}/{transport}"
+                variants[name] = _Graph(forward_with(pf))
+                pools[name] = pf.reserved_bytes
+                prefetchers[transport] = pf  # the deepest: its ring has two slots at least
+            variants[f"gather/{transport}"] = _Graph(_gather_only(prefetchers[transport], source,
+                                                                  args.layers))
+            variants[f"exchange/{transport}"] = _Graph(_exchange_only(prefetchers[transport],
+                                                                      args.layers))
+        slot = prefetchers[args.transports[0]].pool.storage
 
         def compute_only() -> None:
             for layer in range(args.layers):
-                model.compute(layer, slots[layer % 2])
+                model.compute(layer, slot[layer % 2])
 
         if args.plot:  # every rank takes part (the gathers are collectives); rank 0 plots
-            pf = KVPrefetcher(layout, batch * context, max_requests=batch, depth=args.depths[0],
-                              workspace_bytes=1 << 40, device=device, dcp=dcp, name="timeline")
-            spans = _timeline(pf, model, source, args.layers)
-            del pf
-            if rank == 0:
-                from ringflow.timeline import plot_timeline
-                Path(args.plot).mkdir(parents=True, exist_ok=True)
-                plot_timeline(spans, Path(args.plot) / f"dcp-allgather-{context}-x{world}.png",
-                              title=f"dcp-allgather, {world} GPU(s), context {context:,}: one "
-                                    f"forward, ringflow eager, depth {args.depths[0]}")
-        variants["gather"] = _Graph(gather_only)
+            for transport in args.transports:
+                pf = prefetcher(args.depths[0], transport, f"timeline-{transport}")
+                spans = _timeline(pf, model, source, args.layers)
+                del pf
+                if rank == 0:
+                    from ringflow.timeline import plot_timeline
+                    Path(args.plot).mkdir(parents=True, exist_ok=True)
+                    plot_timeline(spans, Path(args.plot) /
+                                  f"dcp-allgather-{context}-x{world}-{transport}.png",
+                                  title=f"dcp-allgather over {transport}, {world} GPU(s), "
+                                        f"context {context:,}: one forward, ringflow eager, "
+                                        f"depth {args.depths[0]}")
         variants["compute"] = _Graph(compute_only)
         ms = {name: [] for name in variants}
         for round_ in range(args.replays + 2):  # interleaved; the first two rounds warm up
@@ -173,14 +180,40 @@ def _rank(rank: int, world: int, args) -> None:
                 if round_ >= 2:
                     ms[name].append(elapsed)
         result = {name: statistics.median(v) for name, v in ms.items()}
+        pf = prefetchers[args.transports[0]]
+        part = pf._staging(pf.pool.storage[0])[0]
         rows.append({"context": context, "batch": batch, "rank": rank, "ms": result,
-                     "pool_bytes": pools})
-        del variants, fulls, shards, slots
+                     "pool_bytes": pools, "exchange_bytes": (world - 1) * part.nbytes})
+        del variants, fulls, prefetchers
+        shards = slot = None  # the closures above hold them until the next context
         torch.cuda.empty_cache()
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     if rank == 0:
         _report(args, world, everyone)
+
+
+def _gather_only(pf, source, layers: int):
+    """Each layer's gather into alternating slots of ``pf``'s ring, with no compute."""
+    def run() -> None:
+        for layer in range(layers):
+            pf._gather(layer, pf.lane, pf.pool.storage[layer % 2])
+    pf._sources, pf._step_ok = source, True
+    return run
+
+
+def _exchange_only(pf, layers: int):
+    """Only the exchange of the parts (what NCCL or the copy engines move), per layer."""
+    from ringflow.kernels.kv_gathers import _all_gather
+
+    def run() -> None:
+        for layer in range(layers):
+            staging = pf._staging(pf.pool.storage[layer % 2])
+            if pf.transport == "peer":
+                pf.exchange.pull_peers(staging)
+            else:
+                _all_gather(staging.view(-1, ROW), staging[pf.dcp.rank], group=pf.dcp.group)
+    return run
 
 
 def _timeline(pf, model, source, layers: int) -> list[dict]:
@@ -217,21 +250,30 @@ def _report(args, world: int, everyone) -> None:
     for i, context in enumerate(args.contexts):
         per_rank = [rows[i] for rows in everyone]
         ms = {k: max(r["ms"][k] for r in per_rank) for k in per_rank[0]["ms"]}  # slowest rank
-        gather, compute, sync = ms["gather"], ms["compute"], ms["sync"]
+        compute = ms["compute"]
+        moved = per_rank[0]["exchange_bytes"]
         entry = {"context": context, "batch": args.batch, "layers": args.layers, "world": world,
-                 "ms": ms, "ideal_ms": max(gather, compute), "variants": {}}
+                 "ms": ms, "exchange_bytes_per_layer": moved, "transports": {}}
         token_bytes = args.layers * ROW * 2 / world   # one token's KV on one rank
-        for name in ms:
-            if name.startswith("ringflow"):
-                t = ms[name]
-                pool = per_rank[0]["pool_bytes"][name]
-                entry["variants"][name] = {
-                    "ms": t, "speedup_vs_sync": sync / t, "vs_ideal": t / max(gather, compute),
-                    "gather_hidden_pct": 100 * (sync - t) / max(min(gather, compute), 1e-9),
-                    "tokens_per_s_per_gpu": 1000 * args.batch / t / world,
-                    "pool_bytes": pool, "kv_tokens_displaced": int(pool // token_bytes)}
-        entry["sync_tokens_per_s_per_gpu"] = 1000 * args.batch / sync / world
-        entry["sync_pool_bytes"] = per_rank[0]["pool_bytes"]["sync"]
+        for transport in args.transports:
+            gather, sync = ms[f"gather/{transport}"], ms[f"sync/{transport}"]
+            exchange = ms[f"exchange/{transport}"]
+            t_entry = {"sync_ms": sync, "gather_ms": gather, "exchange_ms": exchange,
+                       "exchange_gb_per_s": moved * args.layers / exchange / 1e6 if moved else None,
+                       "ideal_ms": max(gather, compute),
+                       "sync_tokens_per_s_per_gpu": 1000 * args.batch / sync / world,
+                       "sync_pool_bytes": per_rank[0]["pool_bytes"][f"sync/{transport}"],
+                       "variants": {}}
+            for name in ms:
+                if name.startswith("ringflow") and name.endswith(f"/{transport}"):
+                    t = ms[name]
+                    pool = per_rank[0]["pool_bytes"][name]
+                    t_entry["variants"][name.split("/")[0]] = {
+                        "ms": t, "speedup_vs_sync": sync / t, "vs_ideal": t / max(gather, compute),
+                        "gather_hidden_pct": 100 * (sync - t) / max(min(gather, compute), 1e-9),
+                        "tokens_per_s_per_gpu": 1000 * args.batch / t / world,
+                        "pool_bytes": pool, "kv_tokens_displaced": int(pool // token_bytes)}
+            entry["transports"][transport] = t_entry
         results.append(entry)
     doc = {"gpu": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
            "cuda": torch.version.cuda, "command": "python -m ringflow.dcp_bench " +
@@ -243,20 +285,24 @@ def _report(args, world: int, everyone) -> None:
 
 
 def _table(results) -> str:
-    lines = [f"{'context':>8} {'variant':<12} {'ms':>9} {'x sync':>7} {'/ideal':>7} "
-             f"{'hidden':>7} {'tok/s/GPU':>10} {'pool MiB':>9} {'KV tokens':>10}"]
+    lines = [f"{'context':>8} {'transport':<9} {'variant':<12} {'ms':>9} {'x sync':>7} "
+             f"{'/ideal':>7} {'hidden':>7} {'tok/s/GPU':>10} {'pool MiB':>9} {'KV tokens':>10}"]
     for e in results:
-        lines.append(f"{e['context']:>8} {'sync':<12} {e['ms']['sync']:>9.3f} {'1.00x':>7} "
-                     f"{e['ms']['sync'] / e['ideal_ms']:>7.3f} {'-':>7} "
-                     f"{e['sync_tokens_per_s_per_gpu']:>10.1f} "
-                     f"{e['sync_pool_bytes'] / 2**20:>9.1f} {'-':>10}")
-        for name, v in e["variants"].items():
-            lines.append(f"{e['context']:>8} {name:<12} {v['ms']:>9.3f} "
-                         f"{v['speedup_vs_sync']:>6.2f}x {v['vs_ideal']:>7.3f} "
-                         f"{v['gather_hidden_pct']:>6.1f}% {v['tokens_per_s_per_gpu']:>10.1f} "
-                         f"{v['pool_bytes'] / 2**20:>9.1f} {v['kv_tokens_displaced']:>10,}")
-        lines.append(f"{'':>8} gather alone {e['ms']['gather']:.3f} ms, compute alone "
-                     f"{e['ms']['compute']:.3f} ms")
+        for transport, t in e["transports"].items():
+            lines.append(f"{e['context']:>8} {transport:<9} {'sync':<12} {t['sync_ms']:>9.3f} "
+                         f"{'1.00x':>7} {t['sync_ms'] / t['ideal_ms']:>7.3f} {'-':>7} "
+                         f"{t['sync_tokens_per_s_per_gpu']:>10.1f} "
+                         f"{t['sync_pool_bytes'] / 2**20:>9.1f} {'-':>10}")
+            for name, v in t["variants"].items():
+                lines.append(f"{e['context']:>8} {transport:<9} {name:<12} {v['ms']:>9.3f} "
+                             f"{v['speedup_vs_sync']:>6.2f}x {v['vs_ideal']:>7.3f} "
+                             f"{v['gather_hidden_pct']:>6.1f}% {v['tokens_per_s_per_gpu']:>10.1f} "
+                             f"{v['pool_bytes'] / 2**20:>9.1f} {v['kv_tokens_displaced']:>10,}")
+            rate = (f", {t['exchange_gb_per_s']:.0f} GB/s received per rank"
+                    if t["exchange_gb_per_s"] else "")
+            lines.append(f"{'':>8} {transport:<9} gather alone {t['gather_ms']:.3f} ms, exchange "
+                         f"alone {t['exchange_ms']:.3f} ms{rate}")
+        lines.append(f"{'':>8} compute alone {e['ms']['compute']:.3f} ms")
     return "\n".join(lines)
 
 
@@ -282,6 +328,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--depths", type=_positive, nargs="+", default=[1, 2],
                         help="ringflow lookaheads to time, each >= 1; depth 0 (the sync "
                              "variant) is always measured (default 1 2)")
+    parser.add_argument("--transports", nargs="+", choices=["nccl", "peer"],
+                        default=["nccl", "peer"],
+                        help="how the ranks' parts are exchanged, each measured (default: nccl "
+                             "peer; peer is copy engines over symmetric memory)")
     parser.add_argument("--replays", type=_positive, default=10,
                         help="timed replays of each variant, interleaved (default 10)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")

@@ -1,7 +1,9 @@
-"""The DCP all-gather on real NCCL across GPUs of one host, one process per GPU: the kernel and
+"""The DCP all-gather across GPUs of one host, one process per GPU, over each transport (NCCL,
+and copy engines pulling from the peers' rings in symmetric memory): the kernel and
 KVPrefetcher, eagerly (with a sleep before every gather, slots poisoned after use) and replayed
-from a CUDA graph; every gathered slot must equal the full KV a single GPU would hold. Skipped
-unless the machine has the GPUs (nvidia-h200-x2 / -x4); a world of one runs anywhere."""
+from a CUDA graph; every gathered slot must equal the full KV a single GPU would hold. ``auto``
+must time both and record its choice in the plan. Skipped unless the machine has the GPUs
+(nvidia-h200-x2 / -x4); a world of one runs anywhere."""
 
 import pytest
 import torch
@@ -9,12 +11,13 @@ import torch
 pytestmark = pytest.mark.cuda
 
 
-def _rank(rank: int, world: int) -> None:
+def _rank(rank: int, world: int, transport: str) -> None:
     import torch.distributed as dist
 
     from ringflow.dcp_bench import ROW, _full_kv, _shard
     from ringflow.integrations.vllm.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher, KVSource
-    from ringflow.kernels import dcp_all_gather, dcp_local_capacity
+    from ringflow.kernels import dcp_all_gather, dcp_local_capacity, dcp_peer_gather
+    from ringflow.kernels.peer_exchange import symmetric_exchange
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -27,29 +30,54 @@ def _rank(rank: int, world: int) -> None:
 
     # the kernel alone, on a side stream, then replayed from a graph
     local = dcp_local_capacity(rows, batch, world)
-    slot = torch.full((rows + world * local, ROW), float("nan"), dtype=torch.bfloat16,
-                      device=device)
+    shape = (rows + world * local, ROW)
+    if transport == "peer":
+        exchange = symmetric_exchange(shape, torch.bfloat16, device, lane)
+        slot = exchange.storage.fill_(float("nan"))
+
+        def gather(cache, table):
+            dcp_peer_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
+                            exchange)
+    else:
+        slot = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+        def gather(cache, table):
+            dcp_all_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
+                           lane)
+    torch.cuda.synchronize()
+    dist.barrier(lane)  # every rank's ring is NaN before anyone pulls
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        dcp_all_gather(shards[0][0], shards[0][1], lens, slot[:rows],
-                       slot[rows:].view(world, local, ROW), lane)
+        torch.cuda._sleep(200_000 * (rank + 1))  # ranks arrive at different times
+        gather(*shards[0])
     torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(slot[:rows], fulls[0]), f"rank {rank}: eager all-gather"
+    assert torch.equal(slot[:rows], fulls[0]), f"rank {rank}: eager {transport} gather"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dcp_all_gather(shards[1][0], shards[1][1], lens, slot[:rows],
-                       slot[rows:].view(world, local, ROW), lane)
+        torch.cuda._sleep(200_000 * (world - rank))
+        gather(*shards[1])
+    torch.cuda.synchronize()
+    dist.barrier(lane)
     slot.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier(lane)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(slot[:rows], fulls[1]), f"rank {rank}: captured all-gather"
+    assert torch.equal(slot[:rows], fulls[1]), f"rank {rank}: captured {transport} gather"
 
     # the prefetcher: layer l reads cache l % 2, one layer ahead, eager then captured
     layout = KVLayout("rows", (ROW,), torch.bfloat16, 64)
     pf = KVPrefetcher(layout, rows, max_requests=batch, depth=1, workspace_bytes=1 << 34,
-                      device=device, dcp=DcpGroup(lane, world, rank), poison=True, name="dcp")
+                      device=device, dcp=DcpGroup(lane, world, rank, transport=transport),
+                      poison=True, name="dcp")
     pf.plan(layers)
+    meta = pf.dag.meta["dcp"]
+    if transport == "auto":
+        assert set(meta["measured_ms"]) == {"nccl", "peer"}, meta
+        assert meta["transport"] == min(meta["measured_ms"], key=meta["measured_ms"].get)
+    else:  # no silent fallback on GPUs that can map each other's memory
+        assert meta["transport"] == pf.transport == transport, meta
     pf.gather_hook = lambda: torch.cuda._sleep(200_000)
     seen = torch.empty(layers, rows, ROW, dtype=torch.bfloat16, device=device)
 
@@ -78,10 +106,13 @@ def _rank(rank: int, world: int) -> None:
             assert torch.equal(seen[layer], fulls[layer % 2]), f"rank {rank}: replay, {layer}"
 
 
+@pytest.mark.parametrize("transport", ["nccl", "peer", "auto"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_dcp_all_gather_over_nccl_across_gpus(tmp_path, world):
+def test_dcp_gather_across_gpus_equals_the_full_kv(tmp_path, world, transport):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs of one host (device kinds nvidia-h200-x{world}); this "
                     f"machine has {torch.cuda.device_count()}")
+    if world == 1 and transport != "nccl":
+        pytest.skip("a group of one exchanges nothing")
     from ringflow.testing import spawn_group
-    spawn_group(world, _rank, backend="nccl", rendezvous=str(tmp_path / "rdzv"))
+    spawn_group(world, _rank, transport, backend="nccl", rendezvous=str(tmp_path / "rdzv"))

@@ -64,6 +64,20 @@ def test_gather_priority_high_makes_high_priority_side_streams():
     assert high.stream("gather/kv").priority < normal.stream("gather/kv").priority
 
 
+def test_gather_streams_are_never_streams_torch_hands_to_others():
+    """torch.cuda.Stream() round-robins 32 shared streams (Note [Dedicated streams]); ours
+    must be none of them, or another capture or the compute stream could be our gather lane."""
+    pools = [SlotPool(lane, (16,), torch.float32, depth=1, workspace_bytes=1 << 10, device="cuda")
+             for lane in ("a", "b")]
+    dag = Planner(3, [p.layout for p in pools]).plan()
+    trace = TracingWorkload(["a", "b"], 3, (16,), "cuda")
+    runs = [EagerExecutor(dag, pools, trace.gather, trace.compute, gather_priority=priority)
+            for priority in ("normal", "high")]
+    ours = {r.stream(f"gather/{lane}").cuda_stream for r in runs for lane in ("a", "b")}
+    shared = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
+    assert len(ours) == 4 and not ours & shared
+
+
 def test_eager_follows_the_callers_stream():
     pool = SlotPool("kv", (64,), torch.float32, depth=1, workspace_bytes=1 << 12, device="cuda")
     dag = Planner(5, [pool.layout]).plan()

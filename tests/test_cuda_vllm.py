@@ -83,18 +83,24 @@ def collect(started):
     return results
 
 
+RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER: 0.26 defaults to V2
+
+
 @pytest.fixture(scope="module")
 def memory():
-    """Sequential engines, each alone on the GPU, vLLM sizing its own KV cache."""
+    """Sequential engines, each alone on the GPU, vLLM sizing its own KV cache, per runner."""
     mid = {"model": "llama_mid", "profile_memory": True, "gpu_memory_utilization": 0.3,
            "mode": "eager", "dummy": True, "max_tokens": 4}
-    cases = [{"name": "resident", **mid},
-             {"name": "streamed", **mid, "additional_config": {"ringflow": {
-                 "name": "mem", "offload": {"layers": {"every": 2, "last": 1}, "depth": 1,
-                                            "workspace_mib": 4096}}}}]
+    streamed = {"additional_config": {"ringflow": {
+        "name": "mem", "offload": {"layers": {"every": 2, "last": 1}, "depth": 1,
+                                   "workspace_mib": 4096}}}}
     results = {}
-    for case in cases:  # one after the other: an engine profiling memory must be alone
-        results.update(collect([run([case], f"memory-{case['name']}")]))
+    for runner, flag in RUNNERS.items():
+        env = {"VLLM_USE_V2_MODEL_RUNNER": flag}
+        for name, extra in (("resident", {}), ("streamed", streamed)):
+            case = {"name": f"{runner}/{name}", **mid, **extra, "env": env}
+            # one after the other: an engine profiling memory must be alone on its GPU
+            results.update(collect([run([case], f"memory-{runner}-{name}")]))
     return results
 
 
@@ -113,10 +119,11 @@ def logprob_gap(a, b):
                for sa, sb in zip(pa, pb) for x, y in zip(sa, sb) if x[0] == y[0])
 
 
-def test_memory_streaming_frees_its_weights_into_vllms_kv_budget(memory):
-    """vLLM's KV cache grows by what streaming saved (offloaded weights minus the ring), and
-    the log states the gain from vLLM's own sizing."""
-    resident, streamed = ok(memory["resident"]), ok(memory["streamed"])
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_memory_streaming_frees_its_weights_into_vllms_kv_budget(memory, runner):
+    """vLLM's KV cache grows by what streaming saved (offloaded weights minus the ring), under
+    both model runners, and the log states the gain from vLLM's own sizing."""
+    resident, streamed = ok(memory[f"{runner}/resident"]), ok(memory[f"{runner}/streamed"])
     line = next(l for l in streamed["log"] if "device memory fell by" in l)
     saved_mib = float(line.split("device memory fell by ")[1].split(" MiB")[0])
     per_token = 8 * 2 * 8 * 128 * 2  # llama_mid: 8 layers x K,V x 8 heads x 128 x bf16
@@ -125,6 +132,14 @@ def test_memory_streaming_frees_its_weights_into_vllms_kv_budget(memory):
     assert expected > 5000
     assert abs(gained - expected) <= 0.05 * expected, (gained, expected)
     assert any("without ringflow's measured saving" in l for l in streamed["log"])
+
+
+def test_the_memory_check_ran_under_two_different_model_runners(memory):
+    def runner(run):
+        line = next(l for l in ok(run)["log"] if "credited to " in l)
+        return line.split("credited to ")[1].split("'s weights memory")[0]
+    v1, v2 = runner(memory["v1/streamed"]), runner(memory["v2/streamed"])
+    assert v1 != v2, (v1, v2)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -157,3 +172,60 @@ def test_full_kv_prefetch_verifies_every_slot_in_every_graph_mode(matrix, mode, 
     assert stats["checked"] + stats["captured_checked"] >= stats["layers"] * 4, stats
     if mode in ("full", "default"):  # attention inside the graph: checked on the device
         assert stats["captured_checked"] > 0, "no captured step was verified"
+
+
+# -- two GPUs: tensor parallel 2, decode context parallel 2 ---------------------------------------
+
+TWO = {"tensor_parallel_size": 2}
+DCP2 = {**TWO, "decode_context_parallel_size": 2}
+KV_DCP = {"ringflow": {"name": "dcp", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
+                                                       "verify": True, "dcp_transport": "auto"}}}
+WORKER_RPC = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # kv stats come back from the workers
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs of one host (device kind nvidia-h200-x2)")
+    cases = []
+    for mode in ("eager", "full"):
+        base = {"model": "dsv2", "mode": mode, "max_tokens": 12, "long_prompt": True,
+                "engine": DCP2, "env": WORKER_RPC}
+        cases += [{"name": f"dcp/{mode}/off", **base},
+                  {"name": f"dcp/{mode}/verified", **base, "env": {**WORKER_RPC, **POISON},
+                   "additional_config": KV_DCP}]
+    base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
+    cases += [{"name": "tp2/layer-ops", **base, "env": {**WORKER_RPC,
+                                                        "RINGFLOW_LAYER_OPS_ONLY": "1"}},
+              {"name": "tp2/streamed", **base, "env": {**WORKER_RPC, **POISON},
+               "additional_config": STREAM, "repeat": True}]
+    results = {}
+    for case in cases:  # each engine takes both GPUs: one after the other
+        results.update(collect([run([case], case["name"].replace("/", "-"), timeout=900)]))
+    return results
+
+
+@pytest.mark.parametrize("mode", ["eager", "full"])
+def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
+    """vLLM TP2 + DCP2, MLA: every slot all-gathered across the two GPUs equals the layer's
+    full KV (checked on the host each eager step), tokens equal ringflow off, and the plan
+    records which exchange ran and what both cost."""
+    off, run_ = ok(two_gpus[f"dcp/{mode}/off"]), ok(two_gpus[f"dcp/{mode}/verified"])
+    assert run_["tokens"] == off["tokens"]
+    assert logprob_gap(run_, off) <= BF16_NOISE
+    assert len(run_["kv"]) == 2, run_["kv"]  # one model per worker
+    for stats in run_["kv"]:
+        assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
+        assert stats["checked"] >= stats["layers"], stats
+        assert stats["dcp"]["size"] == 2 and stats["dcp"]["transport"] in ("nccl", "peer")
+        assert set(stats["dcp"]["measured_ms"]) == {"nccl", "peer"}, stats["dcp"]
+
+
+def test_weight_streaming_under_tensor_parallel_2(two_gpus):
+    ops, streamed = ok(two_gpus["tp2/layer-ops"]), ok(two_gpus["tp2/streamed"])
+    assert streamed["tokens"] == ops["tokens"]
+    assert logprob_gap(streamed, ops) <= BF16_NOISE
+    assert streamed["repeat_same"]
+    assert len(streamed["forwards"]) == 2 and all(f and f > 0 for f in streamed["forwards"]), \
+        streamed["forwards"]  # both workers streamed their shards

@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from ringflow import KernelError
-from ringflow.kernels import (dcp_all_gather, dcp_local_capacity, dcp_local_lens, page_gather,
-                              paged_gather)
+from ringflow.kernels import (dcp_all_gather, dcp_local_capacity, dcp_local_lens,
+                              dcp_peer_gather, page_gather, paged_gather)
+from ringflow.kernels.peer_exchange import PeerExchange
 from ringflow.kernels import reference as ref
 from ringflow.testing import spawn_group
 
@@ -88,6 +89,67 @@ def _dcp_rank(rank: int, world: int, lens: list[int], interleave: int, row: int)
 ])
 def test_dcp_all_gather_over_gloo_reproduces_the_full_kv(tmp_path, world, lens, interleave):
     spawn_group(world, _dcp_rank, lens, interleave, 6, rendezvous=str(tmp_path / "rdzv"))
+
+
+class ThreadRings:
+    """Stands in for symmetric memory between threads: every 'rank' maps every ring, and the
+    barrier is a real one, so a pull before its owner's pack reads NaN and fails the test."""
+
+    def __init__(self, rings: list[torch.Tensor]) -> None:
+        import threading
+        self.rings, self.wall = rings, threading.Barrier(len(rings))
+        self.barriers = 0
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        ring = self.rings[rank]
+        assert dtype == ring.dtype
+        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    def barrier(self, channel=0):
+        self.barriers += 1
+        self.wall.wait(timeout=30)
+
+
+@pytest.mark.parametrize("world,lens,interleave", [(2, [1, 3, 10, 17], 1), (4, [2, 9, 0, 16], 2),
+                                                   (3, [5], 4)])
+def test_dcp_peer_gather_pulls_each_part_from_its_owners_ring(world, lens, interleave):
+    """The copy-engine exchange (Note [Peer exchange]) gives the all-gather's result on every
+    rank: each pulls every peer's packed part at the same offset of the peer's ring, from the
+    second slot of a two-slot ring (so an offset error reads the wrong slot)."""
+    from concurrent.futures import ThreadPoolExecutor
+    gen = torch.Generator().manual_seed(11)
+    row, block_size = 6, 4
+    full = [torch.randn(n, row, generator=gen) for n in lens]
+    shards = ref.dcp_shard_ref(full, world, interleave, block_size,
+                               max(1, -(-max(lens) // block_size)))
+    capacity = sum(lens) + 3
+    local = dcp_local_capacity(capacity, len(lens), world, interleave)
+    rings = [torch.full((2, capacity + world * local, row), float("nan")) for _ in range(world)]
+    handle = ThreadRings(rings)
+
+    def rank(r):
+        slot = rings[r][1]
+        exchange = PeerExchange(rings[r], handle, world, r)
+        dcp_peer_gather(*shards[r], torch.tensor(lens), slot[:capacity],
+                        slot[capacity:].view(world, local, row), exchange,
+                        interleave=interleave)
+        return slot[:capacity].clone()
+
+    with ThreadPoolExecutor(world) as pool:
+        outs = list(pool.map(rank, range(world)))
+    want = torch.zeros(capacity, row)
+    want[: sum(lens)] = torch.cat(full)
+    for r, out in enumerate(outs):
+        assert torch.equal(out, want), f"rank {r}"
+    assert handle.barriers == 2 * world  # one after the packs, one after the pulls
+    assert torch.isnan(torch.stack(rings)[:, 0]).all(), "something wrote the other slot"
+
+
+def test_a_peer_view_outside_the_exchanges_ring_is_refused():
+    ring = torch.zeros(2, 8, 3)
+    exchange = PeerExchange(ring, ThreadRings([ring]), 1, 0)
+    with pytest.raises(KernelError, match="contiguous part"):
+        exchange.remote(0, torch.zeros(4, 3))
 
 
 def test_dcp_all_gather_refuses_a_staging_buffer_of_the_wrong_group_size(tmp_path):

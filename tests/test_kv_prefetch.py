@@ -237,8 +237,10 @@ def test_bad_arguments_are_typed_errors():
         pf.begin(0, lambda j: None)
 
 
-def _dcp_prefetch_rank(rank: int, world: int, depth: int) -> None:
-    """One DCP rank: a 3-layer step whose slots must hold every layer's full (global) KV."""
+def _dcp_prefetch_rank(rank: int, world: int, depth: int, transport: str) -> None:
+    """One DCP rank: a 3-layer step whose slots must hold every layer's full (global) KV. On a
+    CPU no transport but NCCL's (here gloo) exists: peer and auto fall back to it, and the plan
+    says what was asked and what runs."""
     import torch.distributed as dist
 
     from ringflow.integrations.vllm.kv_prefetch import DcpGroup
@@ -252,8 +254,12 @@ def _dcp_prefetch_rank(rank: int, world: int, depth: int) -> None:
     lane_group = dist.new_group(list(range(world)))
     layout = KVLayout("rows", (row,), torch.float32, block_size)
     pf = KVPrefetcher(layout, 32, max_requests=3, depth=depth, workspace_bytes=MIB,
-                      device="cpu", dcp=DcpGroup(lane_group, world, rank), verify=True)
+                      device="cpu", dcp=DcpGroup(lane_group, world, rank, transport=transport),
+                      verify=True)
     pf.plan(3)
+    assert pf.transport == "nccl" and pf.exchange is None
+    assert pf.dag.meta["dcp"] == {"size": world, "interleave": 1, "transport": "nccl",
+                                  "requested": transport, "measured_ms": {}}
     context = torch.tensor(lens)
     for layer in range(3):
         pf.begin(layer, lambda j: KVSource(shards[j][0], shards[j][1], context, max_tokens=20))
@@ -264,10 +270,17 @@ def _dcp_prefetch_rank(rank: int, world: int, depth: int) -> None:
     assert pf.verification.checked == 3 and not pf.verification.mismatches
 
 
-@pytest.mark.parametrize("world,depth", [(2, 1), (4, 2)])
-def test_dcp_prefetch_over_gloo_holds_the_full_kv(tmp_path, world, depth):
+@pytest.mark.parametrize("world,depth,transport", [(2, 1, "nccl"), (4, 2, "nccl"), (2, 0, "peer"),
+                                                   (2, 1, "auto")])
+def test_dcp_prefetch_over_gloo_holds_the_full_kv(tmp_path, world, depth, transport):
     from ringflow.testing import spawn_group
-    spawn_group(world, _dcp_prefetch_rank, depth, rendezvous=str(tmp_path / "rdzv"))
+    spawn_group(world, _dcp_prefetch_rank, depth, transport, rendezvous=str(tmp_path / "rdzv"))
+
+
+def test_an_unknown_dcp_transport_is_refused():
+    from ringflow.integrations.vllm.kv_prefetch import DcpGroup
+    with pytest.raises(RingflowError, match="nccl, peer, auto"):
+        DcpGroup(None, 2, 0, transport="nvls")
 
 
 def test_micro_batches_get_lanes_of_their_own(monkeypatch):

@@ -96,7 +96,21 @@ def kv_stats(model) -> dict:
             "attention_checked": model.attention_checked,
             "attention_max_error": model.attention_max_error,
             "retired": sum(lane.retired for lane in lanes),
-            "depth": lanes[0].pool.depth}
+            "depth": lanes[0].pool.depth,
+            "dcp": lanes[0].dag.meta.get("dcp") if lanes[0].dag is not None else None}
+
+
+def worker_forwards(worker=None) -> int | None:
+    """Forwards this worker's weight streamer ran (None: it has none)."""
+    from ringflow.integrations.vllm import plugin
+    streamer = plugin.latest()
+    return None if streamer is None else streamer.stepper.forwards
+
+
+def worker_kv_stats(worker=None) -> list[dict]:
+    """kv_stats of every full-KV model of this process (run in each worker under TP > 1)."""
+    from ringflow.integrations.vllm import attention
+    return [kv_stats(model) for model in attention.models()]
 
 
 def write_model(root: Path, name: str, weights: bool = True) -> str:
@@ -263,8 +277,13 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         if case.get("probe") and streamer is not None:
             result["probe"] = probe_ring_reads(llm, streamer)
         result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
-        result["kv"] = [kv_stats(model) for model in attention.models()
-                        if id(model) not in earlier]
+        if kwargs.get("tensor_parallel_size", 1) > 1:  # the models live in the workers
+            result["kv"] = [s for per_worker in llm.collective_rpc(worker_kv_stats)
+                            for s in per_worker]
+            result["forwards"] = llm.collective_rpc(worker_forwards)
+        else:
+            result["kv"] = [kv_stats(model) for model in attention.models()
+                            if id(model) not in earlier]
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

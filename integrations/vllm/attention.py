@@ -99,7 +99,8 @@ class ModelLanes:
         self.lanes = [  # each lane gathers over a DCP communicator of its own
             KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
                          depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
-                         device=device, dcp=_dcp_group(vllm_config), verify=spec.verify,
+                         device=device, dcp=_dcp_group(vllm_config, spec.dcp_transport),
+                         verify=spec.verify,
                          capture=profile.capture,
                          gather_priority=profile.gather_priority, poison=poison_default(),
                          name=f"{name}/ubatch{u}", lane=f"kv{u}")
@@ -537,7 +538,7 @@ def _ubatch_id() -> int:
     return _vllm.ubatch()
 
 
-def _dcp_group(config) -> DcpGroup | None:
+def _dcp_group(config, transport: str) -> DcpGroup | None:
     """The gather lane's own communicator for the DCP all-gather (split from vLLM's DCP group)."""
     size = getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
     if size == 1:
@@ -555,7 +556,7 @@ def _dcp_group(config) -> DcpGroup | None:
                             f"NCCL and torch.distributed.split_group. Remove kv_prefetch or "
                             f"run without DCP") from None
     interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
-    return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave)
+    return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave, transport)
 
 
 __all__ = ["ModelLanes", "gathered_kv", "install", "kv_cache_sized", "models", "new_model_load"]

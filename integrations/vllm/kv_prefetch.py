@@ -31,14 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ringflow.errors import LifecycleError, ProfileError, RingflowError
+from ringflow.errors import KernelError, LifecycleError, ProfileError, RingflowError
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.stepped import LayerStepper
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.integrations.vllm.verification import Verification, check_slot
-from ringflow.kernels import dcp_all_gather, dcp_local_capacity, page_gather, paged_gather
+from ringflow.kernels import (dcp_all_gather, dcp_local_capacity, dcp_peer_gather, page_gather,
+                              paged_gather)
+from ringflow.kernels.kv_gathers import time_exchanges
+from ringflow.kernels.peer_exchange import symmetric_exchange
 from ringflow.orchestrator.budget import MIB, PoolLayout
 from ringflow.orchestrator.planner import Planner
+from ringflow.orchestrator.profile import DCP_TRANSPORTS
 from ringflow.orchestrator.slots import SlotPool
 
 log = logging.getLogger("ringflow")
@@ -90,12 +94,24 @@ class KVSource:
 
 @dataclass(frozen=True)
 class DcpGroup:
-    """A DCP all-gather for the gather lane: its own process group, size and interleave."""
+    """A DCP all-gather for the gather lane: its own process group, size and interleave.
+
+    ``transport``: how the ranks' parts are exchanged: ``nccl`` (all-gather on the SMs),
+    ``peer`` (copy engines pulling from the peers' rings in symmetric memory, Note [Peer
+    exchange]) or ``auto`` (both timed on the ring when it is built, the faster kept; the
+    choice and the times are logged and recorded in the plan's ``meta``).
+    """
 
     group: object
     size: int
     rank: int
     interleave: int = 1
+    transport: str = "nccl"
+
+    def __post_init__(self) -> None:
+        if self.transport not in DCP_TRANSPORTS:
+            raise RingflowError(f"DCP transport must be one of {', '.join(DCP_TRANSPORTS)}, got "
+                                f"{self.transport!r}")
 
 
 def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
@@ -179,10 +195,46 @@ class KVPrefetcher:
     def _allocate(self, capacity_tokens: int, workspace_bytes: int) -> None:
         """The ring: the one allocation of this lane (Note [Lifecycle])."""
         rows, capacity, local = self._sizes(capacity_tokens, workspace_bytes)
+        self.exchange, self.transport, self.transport_ms = None, None, {}
+        allocate = None
+        if self.dcp is not None:
+            self.transport = self.dcp.transport
+            if self.transport != "nccl":
+                allocate = self._symmetric
         self.pool = SlotPool(self.lane, (rows, *self.layout.unit), self.layout.dtype,
                              depth=self.depth, workspace_bytes=workspace_bytes,
-                             device=self.device)
+                             device=self.device, allocate=allocate)
         self.capacity_tokens, self.capacity, self.local_capacity = capacity_tokens, capacity, local
+        if self.transport == "auto":
+            self._choose_transport()
+
+    def _symmetric(self, shape, dtype, device) -> torch.Tensor:
+        """The ring in memory every DCP rank maps, or a plain one and NCCL (logged)."""
+        try:
+            if device.type != "cuda":
+                raise KernelError("copy engines need a CUDA device")
+            self.exchange = symmetric_exchange(shape, dtype, device, self.dcp.group)
+            return self.exchange.storage
+        except KernelError as exc:
+            log.warning("'%s': DCP transport '%s' unavailable (%s); the gather uses NCCL",
+                        self.name, self.transport, exc)
+            self.transport = "nccl"
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    def _staging(self, slot: torch.Tensor) -> torch.Tensor:
+        return slot[self.capacity:].view(self.dcp.size, self.local_capacity, *self.layout.unit)
+
+    def _choose_transport(self) -> None:
+        """Time both exchanges on slot 0's staging (collective) and keep the faster."""
+        if self.exchange is None:
+            return  # peer memory unavailable: already NCCL, and logged
+        self.transport_ms = time_exchanges(self._staging(self.pool.storage[0]), self.exchange,
+                                           self.dcp.group)
+        self.transport = min(self.transport_ms, key=self.transport_ms.get)
+        log.info("'%s': DCP exchange of %.1f MiB per rank: %s; using %s", self.name,
+                 self._staging(self.pool.storage[0])[0].nbytes / MIB,
+                 ", ".join(f"{k} {v:.3f} ms" for k, v in self.transport_ms.items()),
+                 self.transport)
 
     def resize(self, capacity_tokens: int, workspace_bytes: int) -> None:
         """A new ring for new sizes: every per-step state retires, the old ring is freed after
@@ -209,7 +261,8 @@ class KVPrefetcher:
     def describe(self) -> str:
         return (f"full-KV ring '{self.name}': {self.pool.slots} slot(s) x "
                 f"{self.pool.slot_bytes / MIB:.2f} MiB ({self.capacity_tokens:,} tokens, "
-                f"{self.layout.kind} layout{', DCP all-gather' if self.dcp else ''}), "
+                f"{self.layout.kind} layout"
+                f"{f', DCP all-gather over {self.transport}' if self.dcp else ''}), "
                 f"depth {self.pool.depth}")
 
     # -- planning -----------------------------------------------------------------------------
@@ -223,6 +276,11 @@ class KVPrefetcher:
         self.layers = layers
         self.dag = Planner(layers, [self.pool.layout], gathered=range(layers),
                            name=self.name).plan()
+        if self.dcp is not None:  # what the gather lane runs, in every dump of this plan
+            self.dag.meta["dcp"] = {"size": self.dcp.size, "interleave": self.dcp.interleave,
+                                    "transport": self.transport,
+                                    "requested": self.dcp.transport,
+                                    "measured_ms": dict(self.transport_ms)}
         if self.device.type == "cuda":
             executor = EagerExecutor(self.dag, [self.pool], self._gather, _noop, poison=False,
                                      **self._executor_options)
@@ -338,11 +396,12 @@ class KVPrefetcher:
             self.gather_hook()
         self._valid.add(layer)
         out = slot[: self.capacity]
-        if self.dcp is not None:
-            staging = slot[self.capacity:].view(self.dcp.size, self.local_capacity,
-                                                *self.layout.unit)
-            dcp_all_gather(source.cache, source.block_table, source.context_lens, out, staging,
-                           self.dcp.group, interleave=self.dcp.interleave)
+        if self.dcp is not None and self.transport == "peer":
+            dcp_peer_gather(source.cache, source.block_table, source.context_lens, out,
+                            self._staging(slot), self.exchange, interleave=self.dcp.interleave)
+        elif self.dcp is not None:
+            dcp_all_gather(source.cache, source.block_table, source.context_lens, out,
+                           self._staging(slot), self.dcp.group, interleave=self.dcp.interleave)
         elif self.layout.kind == "rows":
             paged_gather(source.cache, source.block_table, source.context_lens, out)
         else:

@@ -235,11 +235,13 @@ def _enable(worker, profile: Profile, stacks) -> WeightStreamer:
     if on_gpu:
         streamer.saved_bytes = before - torch.cuda.memory_allocated()  # measured, not estimated
         credited = _credit_weights_memory(worker, streamer.saved_bytes)
+        runner = type(worker.model_runner)
         log.info("profile '%s': %s; allocated before the KV cache is sized; device memory "
                  "%s by %.2f MiB (offloaded weights freed minus the ring)%s, worth %s",
                  profile.name, streamer.describe(),
                  "fell" if streamer.saved_bytes >= 0 else "grew", abs(streamer.saved_bytes) / MIB,
-                 ", credited to vLLM's weights memory before it sizes the KV cache" if credited
+                 f", credited to {runner.__module__}.{runner.__qualname__}'s weights memory "
+                 f"before it sizes the KV cache" if credited
                  else " (vLLM's weights memory figure not found: not credited)",
                  tokens(abs(streamer.saved_bytes)))
     else:

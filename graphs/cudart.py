@@ -1,0 +1,21 @@
+"""The CUDA runtime through cuda-python, for the few calls torch does not expose."""
+
+from __future__ import annotations
+
+
+def runtime():
+    """cuda-python's runtime module (``cuda.bindings.runtime``; ``cuda.cudart`` before 12.6)."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        from cuda import cudart as rt
+    return rt
+
+
+def checked(name: str, result, error: type[Exception], hint: str):
+    """The values of a cuda-python call's result tuple, or ``error`` naming the call and ``hint``."""
+    rt = runtime()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise error(f"cuda-python {name} failed with {err}; {hint}")
+    return rest[0] if len(rest) == 1 else rest

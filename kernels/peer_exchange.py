@@ -1,0 +1,94 @@
+"""Copy-engine exchange for the DCP gather: every rank's ring in memory the others map.
+
+Note [Peer exchange]
+    NCCL's all-gather runs on the SMs, which the attention it should hide behind needs
+    (measured on 2 x H200: about a quarter of the compute hid). Copy engines move bytes between
+    GPUs over NVLink without SMs. So the DCP lane's ring is allocated in symmetric memory
+    (``torch.distributed._symmetric_memory``: the same allocation size on every rank, each
+    mapped into every other's address space), and a rank pulls a peer's packed rows straight
+    from the peer's slot with one device-to-device copy, which the driver issues on a copy
+    engine. A slot's staging part of rank ``s`` is written only by rank ``s`` (its pack) and
+    read by everyone; the receiving parts are written only by their owner's pulls.
+
+    Ordering across processes is two barriers per gather, on the gather stream (tiny kernels on
+    each rank's signal pad): after the pack (no one pulls a part before its owner packed it),
+    and after the pulls (no one packs, poisons or re-gathers into a part a peer still reads;
+    with a one-slot ring the next gather packs the same part at once). Each rank issues its
+    gathers in the same order (the plan is the same on every rank), so the barriers pair up.
+
+    NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first
+    allocation unless the caller set it); nothing here creates a multicast object.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ringflow.errors import KernelError
+
+
+class PeerExchange:
+    """A ring every rank of a group maps: ``storage`` (this rank's) and its peers' copies."""
+
+    def __init__(self, storage: torch.Tensor, handle, size: int, rank: int) -> None:
+        self.storage, self.size, self.rank = storage, size, rank
+        self._handle = handle
+        self._remote: dict[tuple, torch.Tensor] = {}
+
+    def remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (contiguous, inside :attr:`storage`) as it lies in ``rank``'s memory."""
+        offset = view.data_ptr() - self.storage.data_ptr()
+        end = offset + view.numel() * view.element_size()
+        if not view.is_contiguous() or offset < 0 or \
+                end > self.storage.numel() * self.storage.element_size():
+            raise KernelError("a peer view must be a contiguous part of the exchange's storage")
+        key = (rank, offset, tuple(view.shape), view.dtype)
+        peer = self._remote.get(key)
+        if peer is None:  # made once per part; a captured graph keeps the address anyway
+            peer = self._handle.get_buffer(rank, tuple(view.shape), view.dtype,
+                                           offset // view.element_size())
+            self._remote[key] = peer
+        return peer
+
+    def barrier(self) -> None:
+        """Every rank's current stream reaches this point before any goes on (no host sync)."""
+        self._handle.barrier(channel=0)
+
+    def pull_peers(self, staging: torch.Tensor) -> None:
+        """Fill every peer's part of ``staging`` ([size, rows, *row], inside :attr:`storage`)
+        from that peer's own part, once each has packed it (Note [Peer exchange])."""
+        self.barrier()
+        for step in range(1, self.size):  # staggered: each rank starts with a different peer
+            peer = (self.rank + step) % self.size
+            staging[peer].copy_(self.remote(peer, staging[peer]))
+        self.barrier()
+
+
+def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -> PeerExchange:
+    """Allocate ``shape`` in symmetric memory on every rank of ``group`` (collective: every
+    rank calls it at the same point) and return the exchange over it.
+
+    Raises:
+        KernelError: symmetric memory is not available here (torch, driver or GPUs); the
+            caller falls back to NCCL.
+    """
+    import torch.distributed as dist
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        name = group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
+            enable(name)  # torch < 2.12 needs it before rendezvous
+        storage = symm_mem.empty(*shape, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(storage, name)
+    except Exception as exc:  # not built with it, no P2P between these GPUs, old driver...
+        raise KernelError(f"symmetric memory is not available for the DCP group "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                          ) from exc
+    if handle is None:
+        raise KernelError("symmetric memory rendezvous returned nothing for the DCP group")
+    return PeerExchange(storage, handle, dist.get_world_size(group), dist.get_rank(group))
