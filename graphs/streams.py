@@ -9,13 +9,21 @@ Note [Dedicated streams]
     path), and in an engine it would be worse when the alias is the compute stream: every
     prefetch serialised behind compute with nothing logged. So the executors create their own
     streams through the CUDA runtime (non-blocking, with the requested priority clamped to the
-    device's range), hand them to torch as ``torch.cuda.ExternalStream``, and destroy them when
-    their owner is collected. Destroying a stream with work still queued is safe: CUDA releases
-    it once that work is done, and a captured graph never refers to the stream it was captured on.
+    device's range) and hand them to torch as ``torch.cuda.ExternalStream``.
+
+    Such a stream is never destroyed: torch keeps the streams a tensor was used on (its caching
+    allocator records an event on them when the tensor is freed, cuBLAS keeps a workspace per
+    stream), and on the H200 destroying ours when an executor was collected aborted the process
+    later ("invalid device context" from an event record in a tensor's destructor). Instead a
+    collected owner's streams go back to a free list per device and priority, and the next
+    executor takes them: each stream belongs to one live owner at a time, the number ever
+    created is the most alive at once, and work still queued on a recycled stream only runs
+    before the new owner's (stream order).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -28,15 +36,18 @@ def _checked(name: str, result):
     return checked(name, result, ExecutorError, "is the CUDA device usable from this process?")
 
 
-def _destroy(handles: list[int]) -> None:
-    rt = runtime()
-    for handle in handles:
-        rt.cudaStreamDestroy(handle)  # nothing to report at collection time
+_free: dict[tuple[int, int], list[int]] = {}  # (device, priority) -> idle stream handles
+_lock = threading.Lock()
+
+
+def _recycle(key: tuple[int, int], handles: list[int]) -> None:
+    with _lock:
+        _free.setdefault(key, []).extend(handles)
 
 
 def dedicated_streams(owner: object, device: torch.device, names, priority: int
                       ) -> dict[str, torch.cuda.ExternalStream]:
-    """One new CUDA stream per name on ``device``, destroyed when ``owner`` is collected.
+    """One stream per name on ``device`` that no one else uses while ``owner`` lives.
 
     ``priority`` is a CUDA stream priority (lower runs first); it is clamped to the device's
     range, as ``torch.cuda.Stream`` does.
@@ -45,15 +56,23 @@ def dedicated_streams(owner: object, device: torch.device, names, priority: int
     if not names:
         return {}
     rt = runtime()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     streams, handles = {}, []
-    with torch.cuda.device(device):
+    with torch.cuda.device(index):
         least, greatest = _checked("cudaDeviceGetStreamPriorityRange",
                                    rt.cudaDeviceGetStreamPriorityRange())
-        clamped = min(max(priority, greatest), least)
+        key = (index, min(max(priority, greatest), least))
+        with _lock:
+            idle = _free.setdefault(key, [])
+            reused = [idle.pop() for _ in range(min(len(idle), len(names)))]
         for name in names:
-            handle = _checked("cudaStreamCreateWithPriority",
-                              rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, clamped))
-            handles.append(int(handle))
-            streams[name] = torch.cuda.ExternalStream(int(handle), device=device)
-    weakref.finalize(owner, _destroy, handles)
+            if reused:
+                handle = reused.pop()
+            else:
+                handle = int(_checked("cudaStreamCreateWithPriority",
+                                      rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking,
+                                                                      key[1])))
+            handles.append(handle)
+            streams[name] = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+    weakref.finalize(owner, _recycle, key, handles)
     return streams

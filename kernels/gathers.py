@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ringflow.errors import KernelError
+from ringflow.kernels.row_gather import gather_rows
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -117,9 +118,9 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     offset = torch.where(valid, pos % block_size, torch.zeros_like(pos))
     rows, per_block = _row_view(cache)
     if rows is not None:
-        torch.index_select(rows, 0, block * per_block + offset, out=out)
-    else:  # rows that no stride pattern reaches: index in place (a temporary of out's size)
-        out.copy_(cache[block, offset])
+        return gather_rows(rows, block * per_block + offset, valid, out)
+    # rows that no stride pattern reaches: index in place (a temporary of out's size)
+    out.copy_(cache[block, offset])
     out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
     return out
 

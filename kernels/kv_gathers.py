@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ringflow.errors import KernelError
 from ringflow.kernels.gathers import check_paged_args, packed_positions, paged_gather
+from ringflow.kernels.row_gather import gather_rows
 
 
 # torch >= 2.12 names it all_gather_single and deprecates the old name
@@ -50,9 +51,7 @@ def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.
     request, index, valid = packed_positions(pages, out.shape[0])
     block = block_table.to(torch.int64)[request, index.clamp_(max=block_table.shape[1] - 1)]
     block = torch.where(valid, block, torch.zeros_like(block))
-    torch.index_select(cache, 0, block, out=out)
-    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
-    return out
+    return gather_rows(cache, block, valid, out)
 
 
 def dcp_local_lens(seq_lens: torch.Tensor, size: int, interleave: int = 1) -> torch.Tensor:
@@ -96,9 +95,7 @@ def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.T
     starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
     source = owner * staging.shape[1] + starts[request, owner] + position
     source = torch.where(valid, source, torch.zeros_like(source))
-    torch.index_select(staging.view(-1, *staging.shape[2:]), 0, source, out=out)
-    out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
-    return out
+    return gather_rows(staging.view(-1, *staging.shape[2:]), source, valid, out)
 
 
 def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

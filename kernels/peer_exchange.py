@@ -66,6 +66,11 @@ class PeerExchange:
         self.barrier()
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -> PeerExchange:
     """Allocate ``shape`` in symmetric memory on every rank of ``group`` (collective: every
     rank calls it at the same point) and return the exchange over it.
@@ -80,9 +85,8 @@ def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -
     try:
         from torch.distributed import _symmetric_memory as symm_mem
         name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(name):
-            enable(name)  # torch < 2.12 needs it before rendezvous
+        if _torch_version() < (2, 11) and not symm_mem.is_symm_mem_enabled_for_group(name):
+            symm_mem.enable_symm_mem_for_group(name)  # needed before rendezvous until 2.11
         storage = symm_mem.empty(*shape, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(storage, name)
     except Exception as exc:  # not built with it, no P2P between these GPUs, old driver...

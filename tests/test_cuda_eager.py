@@ -78,6 +78,26 @@ def test_gather_streams_are_never_streams_torch_hands_to_others():
     assert len(ours) == 4 and not ours & shared
 
 
+def test_a_collected_executors_streams_go_to_the_next_one_and_are_never_destroyed():
+    """Destroying them aborted the process on the H200 (Note [Dedicated streams])."""
+    import gc
+    pool = SlotPool("kv", (16,), torch.float32, depth=1, workspace_bytes=1 << 10, device="cuda")
+    dag = Planner(3, [pool.layout]).plan()
+    trace = TracingWorkload(["kv"], 3, (16,), "cuda")
+    first = EagerExecutor(dag, [pool], trace.gather, trace.compute)
+    trace.new_forward()
+    first.run()
+    handle = first.stream("gather/kv").cuda_stream
+    del first
+    gc.collect()
+    second = EagerExecutor(dag, [pool], trace.gather, trace.compute)
+    assert second.stream("gather/kv").cuda_stream == handle
+    trace.new_forward()
+    second.run()  # the recycled stream still works
+    torch.cuda.synchronize()
+    trace.check()
+
+
 def test_eager_follows_the_callers_stream():
     pool = SlotPool("kv", (64,), torch.float32, depth=1, workspace_bytes=1 << 12, device="cuda")
     dag = Planner(5, [pool.layout]).plan()

@@ -75,3 +75,24 @@ def test_paged_gather_refuses_mismatched_shapes():
     with pytest.raises(KernelError, match="cannot gather pages"):
         paged_gather(torch.randn(4, 2, 3), torch.zeros(1, 1, dtype=torch.long),
                      torch.tensor([1]), torch.empty(4, 5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("row", [(576,), (4, 130), (1,)])
+def test_the_one_pass_row_gather_equals_index_select_then_zero(dtype, row):
+    """Note [One-pass row gather]: the Triton kernel against the CPU torch pair, rows read
+    through a strided view (padding between rows) and the unused rows poisoned first."""
+    from ringflow.kernels.row_gather import gather_rows, triton
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    gen = torch.Generator().manual_seed(len(row))
+    base = torch.randn(300, 2, *row, generator=gen).to(dtype)
+    src = base[:, 0]                                   # every other row: a padded view
+    index = torch.randint(0, 300, (1000,), generator=gen)
+    valid = torch.rand(1000, generator=gen) < 0.8
+    want = src[index].clone()
+    want[~valid] = 0
+    out = torch.full((1000, *row), float("nan"), dtype=dtype, device="cuda")
+    gather_rows(src.cuda(), index.cuda(), valid.cuda(), out)
+    assert torch.equal(out.cpu(), want)

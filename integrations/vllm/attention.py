@@ -539,22 +539,28 @@ def _ubatch_id() -> int:
 
 
 def _dcp_group(config, transport: str) -> DcpGroup | None:
-    """The gather lane's own communicator for the DCP all-gather (split from vLLM's DCP group)."""
+    """The gather lane's own communicator for the DCP all-gather: a new NCCL group over the
+    ranks of this worker's DCP group (a collective of every worker: each learns every DCP
+    group's ranks and creates them all, in one order)."""
     size = getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
     if size == 1:
         return None
     import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_dcp_group
-    dcp = get_dcp_group()
+    from vllm.distributed.parallel_state import get_dcp_group, get_world_group
+    dcp, world = get_dcp_group(), get_world_group()
     try:
-        group = dist.split_group(parent_pg=dcp.device_group,
-                                 split_ranks=[list(range(dcp.world_size))],
-                                 group_desc="ringflow_dcp_gather")
+        everyone: list = [None] * world.world_size
+        dist.all_gather_object(everyone, list(dcp.ranks), group=world.cpu_group)
+        groups = sorted({tuple(ranks) for ranks in everyone})
+        group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="nccl")
     except Exception as exc:
         raise RingflowError(f"full-KV prefetch under DCP needs a communicator of its own for "
-                            f"the gather lane, split from the DCP group ({exc}); this needs "
-                            f"NCCL and torch.distributed.split_group. Remove kv_prefetch or "
-                            f"run without DCP") from None
+                            f"the gather lane, made over the DCP group's ranks ({exc}); this "
+                            f"needs NCCL. Remove kv_prefetch or run without DCP") from None
+    if dist.get_rank(group) != dcp.rank_in_group:  # the token owner rule needs vLLM's order
+        raise RingflowError(f"the gather lane's DCP communicator numbers this worker "
+                            f"{dist.get_rank(group)}, vLLM's DCP group {dcp.rank_in_group} "
+                            f"(ranks {list(dcp.ranks)} are not ascending); run without kv_prefetch")
     interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
     return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave, transport)
 
