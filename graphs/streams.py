@@ -38,6 +38,18 @@ def _checked(name: str, result):
 
 _free: dict[tuple[int, int], list[int]] = {}  # (device, priority) -> idle stream handles
 _lock = threading.Lock()
+_created = [0]  # streams this process ever created (they are never destroyed)
+
+
+def streams_created() -> int:
+    """How many CUDA streams ringflow created in this process so far."""
+    return _created[0]
+
+
+def idle_streams() -> int:
+    """How many of them wait for an owner."""
+    with _lock:
+        return sum(len(v) for v in _free.values())
 
 
 def _recycle(key: tuple[int, int], handles: list[int]) -> None:
@@ -72,6 +84,8 @@ def dedicated_streams(owner: object, device: torch.device, names, priority: int
                 handle = int(_checked("cudaStreamCreateWithPriority",
                                       rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking,
                                                                       key[1])))
+                with _lock:
+                    _created[0] += 1
             handles.append(handle)
             streams[name] = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
     weakref.finalize(owner, _recycle, key, handles)
