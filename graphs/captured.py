@@ -119,7 +119,8 @@ class CapturedExecutor:
                                    f"capture: join to fall back to eager runs") from exc
             log.warning("capturing plan '%s' (bucket %r) failed (%s); running that bucket "
                         "eagerly from now on", self.dag.name, bucket, exc)
-            # fresh streams and events: none of the abandoned capture's state is reused
+            # a new runner with events and streams of its own; the abandoned one's streams are
+            # recycled once it is collected, their capture ended (Note [Dedicated streams])
             self._runners[bucket] = EagerExecutor(self.dag, self.pools, runner.gather,
                                                   runner.compute, **self._options)
             self._eager_only.add(bucket)

@@ -37,7 +37,7 @@ def _checked(name: str, result):
 
 
 _free: dict[tuple[int, int], list[int]] = {}  # (device, priority) -> idle stream handles
-_lock = threading.Lock()
+_lock = threading.RLock()  # a collection inside the lock may run _recycle on this thread
 _created = [0]  # streams this process ever created (they are never destroyed)
 
 
@@ -77,16 +77,21 @@ def dedicated_streams(owner: object, device: torch.device, names, priority: int
         with _lock:
             idle = _free.setdefault(key, [])
             reused = [idle.pop() for _ in range(min(len(idle), len(names)))]
-        for name in names:
-            if reused:
-                handle = reused.pop()
-            else:
-                handle = int(_checked("cudaStreamCreateWithPriority",
-                                      rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking,
-                                                                      key[1])))
-                with _lock:
-                    _created[0] += 1
-            handles.append(handle)
-            streams[name] = torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
+        try:
+            for name in names:
+                if reused:
+                    handle = reused.pop()
+                else:
+                    handle = int(_checked("cudaStreamCreateWithPriority",
+                                          rt.cudaStreamCreateWithPriority(
+                                              rt.cudaStreamNonBlocking, key[1])))
+                    with _lock:
+                        _created[0] += 1
+                handles.append(handle)
+                streams[name] = torch.cuda.ExternalStream(handle,
+                                                          device=torch.device("cuda", index))
+        except BaseException:  # nothing is lost: every stream taken so far goes back
+            _recycle(key, handles + reused)
+            raise
     weakref.finalize(owner, _recycle, key, handles)
     return streams

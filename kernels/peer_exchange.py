@@ -29,6 +29,18 @@ import torch
 from ringflow.errors import KernelError
 
 
+BARRIER_TIMEOUT_MS = 600_000  # as NCCL's watchdog: ten minutes
+
+
+def all_ranks_agree(ok: bool, group, device: torch.device) -> bool:
+    """True on every rank when ``ok`` is true on every rank of ``group`` (collective)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 class PeerExchange:
     """A ring every rank of a group maps: ``storage`` (this rank's) and its peers' copies."""
 
@@ -53,8 +65,10 @@ class PeerExchange:
         return peer
 
     def barrier(self) -> None:
-        """Every rank's current stream reaches this point before any goes on (no host sync)."""
-        self._handle.barrier(channel=0)
+        """Every rank's current stream reaches this point before any goes on (no host sync).
+        A peer that never arrives traps the kernel after :data:`BARRIER_TIMEOUT_MS` (a CUDA
+        error, not a silent hang)."""
+        self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
     def pull_peers(self, staging: torch.Tensor) -> None:
         """Fill every peer's part of ``staging`` ([size, rows, *row], inside :attr:`storage`)
@@ -76,23 +90,33 @@ def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -
     rank calls it at the same point) and return the exchange over it.
 
     Raises:
-        KernelError: symmetric memory is not available here (torch, driver or GPUs); the
-            caller falls back to NCCL.
+        KernelError: symmetric memory is not available on some rank (torch, driver, GPUs or
+            memory); every rank raises it together, so all fall back to NCCL together.
     """
     import torch.distributed as dist
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    storage, handle, why = None, None, None
     try:
         from torch.distributed import _symmetric_memory as symm_mem
         name = group.group_name
         if _torch_version() < (2, 11) and not symm_mem.is_symm_mem_enabled_for_group(name):
             symm_mem.enable_symm_mem_for_group(name)  # needed before rendezvous until 2.11
         storage = symm_mem.empty(*shape, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(storage, name)
-    except Exception as exc:  # not built with it, no P2P between these GPUs, old driver...
+    except Exception as exc:  # not built with it, out of memory, old driver...
+        why = exc
+    # every rank goes on to the rendezvous, or none does: one that failed alone would leave the
+    # others waiting in it, or later pair an NCCL all-gather with their barriers
+    if all_ranks_agree(why is None, group, device):
+        try:
+            handle = symm_mem.rendezvous(storage, name)
+        except Exception as exc:  # no P2P between these GPUs, an IPC failure...
+            why = exc
+    elif why is None:
+        why = RuntimeError("another rank of the group could not allocate symmetric memory")
+    if not all_ranks_agree(why is None and handle is not None, group, device):
+        why = why or RuntimeError("another rank of the group failed its rendezvous")
         raise KernelError(f"symmetric memory is not available for the DCP group "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-                          ) from exc
-    if handle is None:
-        raise KernelError("symmetric memory rendezvous returned nothing for the DCP group")
+                          f"({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})"
+                          ) from why
     return PeerExchange(storage, handle, dist.get_world_size(group), dist.get_rank(group))

@@ -57,16 +57,20 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
     """``out[i] = src[index[i]]`` where ``valid[i]``, else zeros (Note [One-pass row gather]).
 
     ``index`` and ``valid`` have ``out.shape[0]`` entries; ``index`` is in range wherever
-    ``valid`` is true. No host sync, capture-safe.
+    ``valid`` is true (the callers compute it so; unlike ``index_select``, the kernel does not
+    check). No host sync, capture-safe.
     """
     layouts = (_flat_rows(src), _flat_rows(out))
-    if (triton is not None and out.is_cuda and src.is_cuda and None not in layouts
-            and src.dtype == out.dtype and out.shape[0] > 0):
+    rows = out.shape[0]
+    if (triton is not None and out.is_cuda and src.device == out.device and None not in layouts
+            and src.dtype == out.dtype and rows > 0 and index.shape == (rows,)
+            and valid.shape == (rows,) and index.is_contiguous() and valid.is_contiguous()):
         (src_stride, width), (out_stride, _) = layouts
         block_r, block_c = 16, min(1024, max(16, triton.next_power_of_2(width)))
-        grid = (triton.cdiv(out.shape[0], block_r),)
-        _gather_rows_kernel[grid](src, index, valid, out, out.shape[0], width, src_stride,
-                                  out_stride, BLOCK_R=block_r, BLOCK_C=block_c)
+        grid = (triton.cdiv(rows, block_r),)
+        with torch.cuda.device(out.device):
+            _gather_rows_kernel[grid](src, index, valid, out, rows, width, src_stride,
+                                      out_stride, BLOCK_R=block_r, BLOCK_C=block_c)
         return out
     torch.index_select(src, 0, index, out=out)
     out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)

@@ -214,8 +214,8 @@ FIELDS: dict[str, ProfileField] = {
     "kv_prefetch.dcp_transport": _one_of(
         "under decode context parallelism, how the ranks' KV parts are exchanged: nccl "
         "(all-gather on the SMs), peer (copy engines pulling from the peers' rings in symmetric "
-        "memory; NCCL if unavailable, logged) or auto (both timed when the ring is built, the "
-        "faster kept, recorded in the plan's meta)", DCP_TRANSPORTS, "auto"),
+        "memory; NCCL if unavailable, logged) or auto (both timed when the ring is built; peer "
+        "kept unless NCCL is more than 10% faster; recorded in the plan's meta)", DCP_TRANSPORTS, "auto"),
     "kv_prefetch.verify": _flag("compare every slot with its layer's cache before attention "
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",

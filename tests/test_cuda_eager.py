@@ -86,15 +86,18 @@ def test_a_collected_executors_streams_go_to_the_next_one_and_are_never_destroye
     pool = SlotPool("kv", (16,), torch.float32, depth=1, workspace_bytes=1 << 10, device="cuda")
     dag = Planner(3, [pool.layout]).plan()
     trace = TracingWorkload(["kv"], 3, (16,), "cuda")
+    gc.collect()  # earlier tests' executors: recycled before we count
     first = EagerExecutor(dag, [pool], trace.gather, trace.compute)
     trace.new_forward()
     first.run()
+    handle, idle = first.stream("gather/kv").cuda_stream, idle_streams()
     del first
     gc.collect()
-    idle, created = idle_streams(), streams_created()
-    assert idle >= 1
+    assert idle_streams() == idle + 1
+    created = streams_created()
     second = EagerExecutor(dag, [pool], trace.gather, trace.compute)
-    assert streams_created() == created and idle_streams() == idle - 1  # taken, not made
+    assert streams_created() == created and idle_streams() == idle  # taken, not made
+    assert second.stream("gather/kv").cuda_stream == handle
     trace.new_forward()
     second.run()  # a recycled stream still works
     torch.cuda.synchronize()

@@ -215,6 +215,7 @@ def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
     assert run_["tokens"] == off["tokens"]
     assert logprob_gap(run_, off) <= BF16_NOISE
     assert len(run_["kv"]) == 2, run_["kv"]  # one model per worker
+    assert len({s["dcp"]["transport"] for s in run_["kv"]}) == 1, "the workers disagree"
     for stats in run_["kv"]:
         assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
         assert stats["checked"] >= stats["layers"], stats

@@ -98,15 +98,16 @@ class ThreadRings:
     def __init__(self, rings: list[torch.Tensor]) -> None:
         import threading
         self.rings, self.wall = rings, threading.Barrier(len(rings))
-        self.barriers = 0
+        self.barriers, self._count = 0, threading.Lock()
 
     def get_buffer(self, rank, shape, dtype, offset):
         ring = self.rings[rank]
         assert dtype == ring.dtype
         return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
 
-    def barrier(self, channel=0):
-        self.barriers += 1
+    def barrier(self, channel=0, timeout_ms=0):
+        with self._count:
+            self.barriers += 1
         self.wall.wait(timeout=30)
 
 

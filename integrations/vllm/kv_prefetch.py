@@ -47,6 +47,7 @@ from ringflow.orchestrator.slots import SlotPool
 
 log = logging.getLogger("ringflow")
 LAYOUTS = ("rows", "pages")
+PEER_PREFERENCE = 1.10  # auto keeps peer while it is within 10% of NCCL's exchange time
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ class DcpGroup:
 
     ``transport``: how the ranks' parts are exchanged: ``nccl`` (all-gather on the SMs),
     ``peer`` (copy engines pulling from the peers' rings in symmetric memory, Note [Peer
-    exchange]) or ``auto`` (both timed on the ring when it is built, the faster kept; the
-    choice and the times are logged and recorded in the plan's ``meta``).
+    exchange]) or ``auto`` (both timed on the ring when it is built; peer kept unless NCCL is
+    more than 10% faster; the choice and the times are logged and recorded in the plan's
+    ``meta``).
     """
 
     group: object
@@ -225,12 +227,17 @@ class KVPrefetcher:
         return slot[self.capacity:].view(self.dcp.size, self.local_capacity, *self.layout.unit)
 
     def _choose_transport(self) -> None:
-        """Time both exchanges on slot 0's staging (collective) and keep the faster."""
+        """Time both exchanges on slot 0's staging (collective); keep peer unless its time is
+        more than :data:`PEER_PREFERENCE` times NCCL's."""
         if self.exchange is None:
             return  # peer memory unavailable: already NCCL, and logged
         self.transport_ms = time_exchanges(self._staging(self.pool.storage[0]), self.exchange,
                                            self.dcp.group)
-        self.transport = min(self.transport_ms, key=self.transport_ms.get)
+        # every rank has the slowest rank's times, so every rank chooses the same. Timed alone,
+        # the exchanges do not show that the copy engines leave the SMs to the attention: peer
+        # wins ties and near-ties
+        ms = self.transport_ms
+        self.transport = "peer" if ms["peer"] <= PEER_PREFERENCE * ms["nccl"] else "nccl"
         log.info("'%s': DCP exchange of %.1f MiB per rank: %s; using %s", self.name,
                  self._staging(self.pool.storage[0])[0].nbytes / MIB,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.transport_ms.items()),
