@@ -17,7 +17,7 @@ from ringflow.errors import CaptureError
 from ringflow.graphs.cudart import checked, runtime as _runtime
 
 
-def _check(rt, name: str, result):
+def _check(name: str, result):
     return checked(name, result, CaptureError,
                    "is the graph captured with keep_graph=True and still alive?")
 
@@ -64,22 +64,22 @@ def read_graph(graph: torch.cuda.CUDAGraph) -> GraphView:
     """Nodes and edges of ``graph`` (captured with ``keep_graph=True``)."""
     rt = _runtime()
     raw = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
-    _, count = _check(rt, "cudaGraphGetNodes", rt.cudaGraphGetNodes(raw, 0))
-    handles, _ = _check(rt, "cudaGraphGetNodes", rt.cudaGraphGetNodes(raw, count))
+    _, count = _check("cudaGraphGetNodes", rt.cudaGraphGetNodes(raw, 0))
+    handles, _ = _check("cudaGraphGetNodes", rt.cudaGraphGetNodes(raw, count))
     index = {int(h): i for i, h in enumerate(handles)}
     nodes = []
     for i, h in enumerate(handles):
-        kind = _check(rt, "cudaGraphNodeGetType", rt.cudaGraphNodeGetType(h))
+        kind = _check("cudaGraphNodeGetType", rt.cudaGraphNodeGetType(h))
         name = kind.name.removeprefix("cudaGraphNodeType")
         src = dst = nbytes = None
         if name == "Memcpy":
-            params = _check(rt, "cudaGraphMemcpyNodeGetParams", rt.cudaGraphMemcpyNodeGetParams(h))
+            params = _check("cudaGraphMemcpyNodeGetParams", rt.cudaGraphMemcpyNodeGetParams(h))
             src, dst = int(params.srcPtr.ptr), int(params.dstPtr.ptr)
             nbytes = int(params.extent.width) * int(params.extent.height) * int(params.extent.depth)
         nodes.append(GraphNode(i, name, src, dst, nbytes))
-    result = _check(rt, "cudaGraphGetEdges", rt.cudaGraphGetEdges(raw, 0))
+    result = _check("cudaGraphGetEdges", rt.cudaGraphGetEdges(raw, 0))
     total = result[-1]
-    result = _check(rt, "cudaGraphGetEdges", rt.cudaGraphGetEdges(raw, total))
+    result = _check("cudaGraphGetEdges", rt.cudaGraphGetEdges(raw, total))
     frm, to = result[0], result[1]
     edges = tuple((index[int(a)], index[int(b)]) for a, b in zip(frm[:total], to[:total]))
     return GraphView(tuple(nodes), edges)
@@ -90,4 +90,4 @@ def write_dot(graph: torch.cuda.CUDAGraph, path: str) -> None:
     rt = _runtime()
     raw = rt.cudaGraph_t(init_value=graph.raw_cuda_graph())
     flags = int(rt.cudaGraphDebugDotFlags.cudaGraphDebugDotFlagsVerbose)
-    _check(rt, "cudaGraphDebugDotPrint", rt.cudaGraphDebugDotPrint(raw, str(path).encode(), flags))
+    _check("cudaGraphDebugDotPrint", rt.cudaGraphDebugDotPrint(raw, str(path).encode(), flags))

@@ -98,10 +98,28 @@ def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.T
     return gather_rows(staging.view(-1, *staging.shape[2:]), source, valid, out)
 
 
-def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   out: torch.Tensor, staging: torch.Tensor, group, *,
-                   interleave: int = 1) -> torch.Tensor:
+class NcclExchange:
+    """The parts of a DCP staging buffer exchanged by one NCCL all-gather (on the SMs), over
+    the gather lane's own process group (never the one the main stream uses)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def pull_peers(self, staging: torch.Tensor) -> None:
+        """Fill every peer's part of ``staging`` ([size, rows, *row]) with the peer's own."""
+        _all_gather(staging.view(-1, *staging.shape[2:]), staging[self.rank], group=self.group)
+
+
+def dcp_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               out: torch.Tensor, staging: torch.Tensor, exchange, *,
+               interleave: int = 1) -> torch.Tensor:
     """The full KV of every request, in sequence order, from a DCP group's local caches.
+
+    This rank packs its local rows into its part of ``staging``, ``exchange`` fills the other
+    parts with the peers' (:class:`NcclExchange`, or a
+    :class:`ringflow.kernels.peer_exchange.PeerExchange` whose copy engines pull them from the
+    peers' memory: Note [Peer exchange]), and one gather restores sequence order.
 
     Args:
         cache: this rank's ``[num_blocks, block_size, *row]`` paged cache (its local tokens).
@@ -110,30 +128,8 @@ def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
         out: ``[capacity, *row]``; requests are packed in order, the tail is zeroed.
         staging: ``[size, local_capacity, *row]`` (see :func:`dcp_local_capacity`); it belongs
             to the same slot as ``out``, so a ring never shares it between two gathers.
-        group: the gather lane's own process group (never the one the main stream uses).
+        exchange: has ``size``, ``rank`` and ``pull_peers(staging)``.
         interleave: vLLM's ``cp_kv_cache_interleave_size``.
-    """
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    requests = block_table.shape[0]
-    _check_dcp(out, staging, size, requests, interleave)
-    if requests == 0:  # every rank sees the same batch: all skip the collective together
-        return out.zero_()
-    local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
-    paged_gather(cache, block_table, local[:, rank], staging[rank])
-    _all_gather(staging.view(-1, *staging.shape[2:]), staging[rank], group=group)
-    return _restore_order(staging, local, seq_lens, out, interleave)
-
-
-def dcp_peer_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    out: torch.Tensor, staging: torch.Tensor, exchange, *,
-                    interleave: int = 1) -> torch.Tensor:
-    """:func:`dcp_all_gather`'s result, with the exchange done by copy engines, not NCCL.
-
-    ``staging`` lies in memory every rank of the group maps (``exchange``, a
-    :class:`ringflow.kernels.peer_exchange.PeerExchange`): this rank packs its local rows into
-    its own part, a barrier, then each peer's part is pulled with one device-to-device copy
-    from the peer's memory (a copy engine over NVLink: no SMs), a second barrier (no rank packs
-    into a part a peer still reads: Note [Peer exchange]), and one index gather restores order.
     """
     size, rank = exchange.size, exchange.rank
     requests = block_table.shape[0]
@@ -146,21 +142,25 @@ def dcp_peer_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     return _restore_order(staging, local, seq_lens, out, interleave)
 
 
-def time_exchanges(staging: torch.Tensor, exchange, group, *, rounds: int = 5
+def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   out: torch.Tensor, staging: torch.Tensor, group, *,
+                   interleave: int = 1) -> torch.Tensor:
+    """:func:`dcp_gather` with an NCCL all-gather over ``group``."""
+    return dcp_gather(cache, block_table, seq_lens, out, staging, NcclExchange(group),
+                      interleave=interleave)
+
+
+def time_exchanges(staging: torch.Tensor, exchanges: dict, group, *, rounds: int = 5
                    ) -> dict[str, float]:
-    """Median ms of exchanging ``staging``'s parts by NCCL and by copy engines (``exchange``),
-    the slowest rank's (collective: every rank of ``group`` calls it; host-syncs)."""
-    rank = exchange.rank
-    flat = staging.view(-1, *staging.shape[2:])
-    ways = {"nccl": lambda: _all_gather(flat, staging[rank], group=group),
-            "peer": lambda: exchange.pull_peers(staging)}
+    """Median ms of each of ``exchanges`` filling ``staging``'s parts, the slowest rank's
+    (collective: every rank of ``group`` calls it; host-syncs)."""
     ms = []
-    for way in ways.values():
+    for exchange in exchanges.values():
         times = []
         for i in range(rounds + 2):  # two warm-up rounds
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            way()
+            exchange.pull_peers(staging)
             end.record()
             end.synchronize()
             if i >= 2:
@@ -168,4 +168,4 @@ def time_exchanges(staging: torch.Tensor, exchange, group, *, rounds: int = 5
         ms.append(sorted(times)[len(times) // 2])
     slowest = torch.tensor(ms, device=staging.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(ways, slowest.tolist()))
+    return dict(zip(exchanges, slowest.tolist()))

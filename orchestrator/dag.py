@@ -130,7 +130,7 @@ class Dag:
     def lanes(self) -> tuple[str, ...]:
         return tuple(p.lane for p in self.pools)
 
-    @property
+    @cached_property
     def carried(self) -> tuple[tuple[str, int, int], ...]:
         """``(lane, layer, slot)`` of every lease a forward starts with (filled by the previous
         forward's tail, or by :attr:`prime`)."""

@@ -122,6 +122,13 @@ def _kind(n: Node) -> str:
     return str(n.kind) if n.role is None else f"{n.kind}.{n.role}"
 
 
+def condenses(dag: Dag, full: bool | None = None) -> bool:
+    """Whether :func:`to_dot` draws runs of middle layers as summary nodes."""
+    if full is None:
+        full = dag.layers <= DOT_FULL_MAX_LAYERS
+    return not full and DOT_KEEP_LAYERS <= dag.layers - DOT_KEEP_LAYERS - 1
+
+
 def to_dot(dag: Dag, *, full: bool | None = None) -> str:
     """Graphviz: one cluster per stream (lane), stream edges solid, event edges dashed.
 
@@ -135,10 +142,8 @@ def to_dot(dag: Dag, *, full: bool | None = None) -> str:
 
     In a plan with several lanes, nodes on the shared compute stream name their lane.
     """
-    if full is None:
-        full = dag.layers <= DOT_FULL_MAX_LAYERS
     first, last = DOT_KEEP_LAYERS, dag.layers - DOT_KEEP_LAYERS - 1  # the layers condensed
-    condensed = not full and first <= last
+    condensed = condenses(dag, full)
     name_lanes = len(dag.lanes) > 1
     lines = [f'digraph "{dag.name}" {{', "  rankdir=TB;", '  node [shape=box, fontsize=10];']
     if condensed:
@@ -224,8 +229,7 @@ def to_text(dag: Dag, kv_token_bytes: int | None = None) -> str:
         after = ", ".join(f"n{src}" + ("~" if kind == "event" else "") for src, kind in preds)
         layer = "" if node.layer is None else f"{node.layer}" + ("@F+1" if node.forward else "")
         slot = "" if node.slot is None else node.slot
-        kind = node.kind.value if node.role is None else f"{node.kind.value}.{node.role.value}"
-        out.append(f"{node.id:>5}  {node.stream:<14} {kind:<14} {node.lane:<8} {layer!s:>5} "
+        out.append(f"{node.id:>5}  {node.stream:<14} {_kind(node):<14} {node.lane:<8} {layer!s:>5} "
                    f"{slot!s:>4}  {node.event or '':<18} {after}")
     out.append("(after: direct predecessors; ~ marks an event edge)")
     return "\n".join(out) + "\n"

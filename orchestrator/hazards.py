@@ -63,7 +63,7 @@ def check_hazards(dag: Dag) -> Dag:
             alone = Dag(dag.name, dag.layers, dag.pools, part)
             _check_waits(alone)
             _check_fork_join(alone)
-    target = unrolled(dag) if dag.prime else dag
+    target = _unrolled(dag) if dag.prime else dag
     _check_waits(target)
     _check_pools(target)
     leases = _collect_leases(target)
@@ -76,10 +76,10 @@ def check_hazards(dag: Dag) -> Dag:
     return dag
 
 
-def unrolled(dag: Dag) -> Dag:
+def _unrolled(dag: Dag) -> Dag:
     """``dag``'s prime, a forward, and a second forward without its tail gathers, as one Dag
-    whose nodes carry absolute forward numbers (what the hazard check and the simulator run
-    to cover the boundary)."""
+    whose nodes carry absolute forward numbers (what the hazard check proves to cover the
+    boundary)."""
     nodes: list[Node] = []
 
     def add(node: Node, forward: int) -> None:

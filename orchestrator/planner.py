@@ -232,7 +232,7 @@ class Planner:
             last.following = nxt
             ahead.append(nxt)
         # issued in the order their slots free up (the pump issues a lane's gathers in order)
-        ahead.sort(key=lambda x: ring.index(x.previous))
+        ahead.sort(key=lambda x: x.previous.layer)  # ring is in layer order
         return ring + ahead
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from ringflow.errors import ProfileError
+from ringflow.errors import ProfileError, RingflowError
 from ringflow.orchestrator.budget import MAX_LAYERS, MAX_SLOT_BYTES, MIB, PoolLayout
 
 #: slot element type -> bytes per element (``orchestrator/slots.py`` maps the names to torch)
@@ -83,7 +83,8 @@ class ProfileField:
             return "true | false"
         if self.kind == "choice":
             return " | ".join(self.choices)
-        raise AssertionError(f"a {self.kind} field states its accepted values in words")
+        raise RingflowError(f"a {self.kind} field states its accepted values in words: give "
+                            f"it words= in FIELDS")
 
     def check(self, name: str, value: Any, source: str | None) -> Any:
         """``value`` if this field accepts it (a null: the default, where nullable).

@@ -142,8 +142,9 @@ class SlotPool:
         depth: requested prefetch lookahead (0 = synchronous, one slot).
         workspace_bytes: budget of the whole ring.
         device: where the slots live.
-        allocate: makes the ring from ``(shape, dtype, device)`` instead of ``torch.empty``
-            (the DCP lane's ring in memory its peers map); same budget, same one allocation.
+        allocate: makes the ring from ``(shape, dtype=, device=)`` instead of ``torch.empty``
+            and returns exactly that (the DCP lane's ring in memory its peers map); same
+            budget, same one allocation.
     """
 
     def __init__(self, lane: str, slot_shape: Sequence[int], dtype: torch.dtype | str, *,
@@ -168,10 +169,6 @@ class SlotPool:
                 "workspace_mib", f"lane '{lane}': the ring of {self.layout.slots} slot(s) x "
                 f"{slot_bytes:,} B cannot be allocated on {device} ({str(exc).splitlines()[0]}); "
                 f"accepted: a smaller depth or workspace_mib") from None
-        if tuple(self.storage.shape) != shape or self.storage.dtype != self.dtype:
-            raise ProfileError("workspace_mib", f"lane '{lane}': the allocator gave a ring of "
-                               f"{tuple(self.storage.shape)} {self.storage.dtype}, not {shape} "
-                               f"{self.dtype}")
         self._leases: list[Lease | None] = [None] * self.layout.slots
         self._free: deque[int] = deque(range(self.layout.slots))
         self._closed = False

@@ -158,29 +158,18 @@ class Result:
                 "replay_allocator_calls": self.replay_allocator_calls, **self.extra}
 
 
-def _time(variants: dict[str, Any], work: SyntheticWorkload, replays: int) -> dict[str, float]:
-    """Median ms of each variant, replays interleaved, fresh inputs before every replay."""
+def _time(variants: dict[str, Any], work: SyntheticWorkload, replays: int, *,
+          repeat: int = 1, warmup: int = 2, seed: int = 10_000) -> dict[str, float]:
+    """Median ms per forward of each variant, replays interleaved variant by variant, fresh
+    inputs every round; ``repeat`` forwards back to back per sample (steady state: what an
+    engine stepping forward after forward sees)."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(replays + 2):
-        work.refresh(10_000 + r, sources=False)  # fresh queries each round; waits for the GPU
+    for r in range(replays + warmup):
+        work.refresh(seed + r, sources=False)  # fresh queries each round; waits for the GPU
         for name, variant in variants.items():
-            ms = elapsed_ms(variant.run)
-            if r >= 2:  # the first two rounds are warm-up
-                samples[name].append(ms)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def _time_steady(variants: dict[str, Any], work: SyntheticWorkload,
-                 replays: int) -> dict[str, float]:
-    """Median ms per forward of each variant run ``STEADY_RUN`` times back to back, interleaved
-    variant by variant: what an engine stepping forward after forward sees."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(replays + 1):
-        work.refresh(20_000 + r, sources=False)
-        for name, variant in variants.items():
-            ms = elapsed_ms(variant.run, repeat=STEADY_RUN)
-            if r >= 1:
-                samples[name].append(ms / STEADY_RUN)
+            ms = elapsed_ms(variant.run, repeat=repeat)
+            if r >= warmup:
+                samples[name].append(ms / repeat)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -285,8 +274,8 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         _say(f"{name}: OUTPUTS DIFFER from sync: max |diff| {diff}")
     _say(f"{name}: timing {replays} interleaved replays of each")
     ms = _time(variants, work, replays)
-    steady = _time_steady({k: variants[k] for k in ("sync", "captured", "cross", "hand")}, work,
-                          replays)
+    steady = _time({k: variants[k] for k in ("sync", "captured", "cross", "hand")}, work,
+                   replays, repeat=STEADY_RUN, warmup=1, seed=20_000)
     before = _allocations()
     for _ in range(50):
         variants["captured"].run()

@@ -132,7 +132,7 @@ def _profile(args: argparse.Namespace):
 
 def _vllm_only(ref: str, profile) -> str:
     """Why ``ringflow run`` cannot run a profile with only vLLM sections, and what can."""
-    from ringflow.orchestrator.profile import Profile, builtin_profiles
+    from ringflow.orchestrator.profile import _RUN_FIELDS, Profile, builtin_profiles
 
     sections = " and ".join(f"'{name}'" for name in ("offload", "kv_prefetch")
                             if getattr(profile, name) is not None)
@@ -141,7 +141,7 @@ def _vllm_only(ref: str, profile) -> str:
     return (f"profile '{profile.name}' has only vLLM sections ({sections}), which the vLLM plugin "
             f"plans from the model it loads: use it with `RINGFLOW_PROFILE={ref} vllm serve "
             f"MODEL` (`ringflow plan {ref}` explains); `ringflow run` needs a profile with "
-            f"layers, depth, workspace_mib and slot, such as {runnable}")
+            f"{_RUN_FIELDS}, such as {runnable}")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -169,7 +169,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise RingflowError(f"cannot write {args.out}: {exc.strerror}") from None
         for line in dumps.budget_lines(dag, profile.kv_token_bytes):
             print(line)
-        condensed = args.format == "dot" and not args.full and dag.layers > DOT_FULL_MAX_LAYERS
+        condensed = args.format == "dot" and dumps.condenses(dag, True if args.full else None)
         note = ", condensed: --full draws every node" if condensed else ""
         print(f"wrote {args.format} plan ({len(dag.nodes)} nodes{note}) to {args.out}")
     if args.cuda_graph_dot is not None:

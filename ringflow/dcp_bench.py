@@ -10,9 +10,9 @@ request's KV (576 bf16 per token, vLLM's interleave of 1) in a paged cache; a la
 packs this rank's rows, exchanges the parts and restores sequence order, per transport: ``nccl``
 (an all-gather over the gather lane's own communicator, ``ringflow.kernels.dcp_all_gather``) or
 ``peer`` (copy engines pull the peers' parts from their rings in symmetric memory,
-``ringflow.kernels.dcp_peer_gather``); the layer's compute is an absorbed-MLA decode
-attention of ``--heads`` heads over the gathered KV plus a ``--extra-gemm``-square GEMM standing
-for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
+``ringflow.kernels.dcp_gather`` with a ``PeerExchange``); the layer's compute is an
+absorbed-MLA decode attention of ``--heads`` heads over the gathered KV plus a
+``--extra-gemm``-square GEMM standing for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
 gather of the wrong layer shows.
 
 Variants per transport, each captured into a CUDA graph and replayed interleaved (medians):
@@ -136,7 +136,9 @@ def _rank(rank: int, world: int, args) -> None:
                               dcp=DcpGroup(lane_group, world, rank, transport=transport))
             if pf.transport != transport:
                 raise RingflowError(f"DCP transport {transport!r} fell back to {pf.transport!r} "
-                                    f"(see the warning above): the {transport} rows would lie")
+                                    f"(see the warning above), so its rows would measure "
+                                    f"{pf.transport}; drop {transport} from --transports, or "
+                                    f"run where symmetric memory works")
             return pf
 
         variants, pools, prefetchers = {}, {}, {}
@@ -204,15 +206,9 @@ def _gather_only(pf, source, layers: int):
 
 def _exchange_only(pf, layers: int):
     """Only the exchange of the parts (what NCCL or the copy engines move), per layer."""
-    from ringflow.kernels.kv_gathers import _all_gather
-
     def run() -> None:
         for layer in range(layers):
-            staging = pf._staging(pf.pool.storage[layer % 2])
-            if pf.transport == "peer":
-                pf.exchange.pull_peers(staging)
-            else:
-                _all_gather(staging.view(-1, ROW), staging[pf.dcp.rank], group=pf.dcp.group)
+            pf._exchanger.pull_peers(pf._staging(pf.pool.storage[layer % 2]))
     return run
 
 

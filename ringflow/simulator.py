@@ -71,7 +71,7 @@ def simulate(dag: Dag, *, forwards: int = 2, seed: int = 0, linearize: bool = Fa
     resets = set(resets)
     sim = Simulation()
     memory: dict[tuple[str, int], tuple[int, str, int]] = {}
-    segment: list[tuple[int, Node, bool]] = []  # (forward, node, is a prime node)
+    segment: list[tuple[int, Node]] = []  # (forward, node): prime nodes count as the forward's
     primed = False
     for f in range(forwards):
         if f in resets or not primed:
@@ -79,10 +79,10 @@ def simulate(dag: Dag, *, forwards: int = 2, seed: int = 0, linearize: bool = Fa
             segment = []
             if dag.prime:
                 sim.primes.append(f)
-                segment += [(f, node, True) for node in dag.prime]
+                segment += [(f, node) for node in dag.prime]
             primed = True
         nodes = dag.nodes[: abandon[f]] if f in abandon else dag.nodes
-        segment += [(f, node, False) for node in nodes]
+        segment += [(f, node) for node in nodes]
         if f in abandon:  # the executor reclaims every lease after a host sync
             primed = False
     _run(segment, rng, linearize, bias, memory, sim)
@@ -93,13 +93,13 @@ def _run(segment, rng, linearize, bias, memory, sim) -> None:
     total = len(segment)
     deps: list[list[int]] = [[] for _ in range(total)]
     last_record: dict[str, int] = {}
-    for g, (_, node, _) in enumerate(segment):  # issue every node in host order, bind waits
+    for g, (_, node) in enumerate(segment):  # issue every node in host order, bind waits
         if node.kind is NodeKind.WAIT and node.event in last_record:
             deps[g].append(last_record[node.event])
         if node.kind is NodeKind.RECORD:
             last_record[node.event] = g
     queues: dict[str, list[int]] = {}
-    for g, (_, node, _) in enumerate(segment):
+    for g, (_, node) in enumerate(segment):
         queues.setdefault("sync" if linearize else node.stream, []).append(g)
     heads = dict.fromkeys(queues, 0)
     done = [False] * total
@@ -114,7 +114,7 @@ def _run(segment, rng, linearize, bias, memory, sim) -> None:
         g = queues[stream][heads[stream]]
         heads[stream] += 1
         done[g] = True
-        f, node, _ = segment[g]
+        f, node = segment[g]
         sim.order.append((f, node.id))
         if node.kind in (NodeKind.GATHER, NodeKind.SYNC_GATHER):
             memory[(node.lane, node.slot)] = (f + node.forward, node.lane, node.layer)

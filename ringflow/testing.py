@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ringflow.errors import RingflowError
 from ringflow.orchestrator.dag import Dag, NodeKind
+from ringflow.timing import elapsed_ms
 from ringflow.workload import decoder_block
 
 _FORWARD_STRIDE = 4096   # tag = sign * (1 + forward * 4096 + layer * 16 + lane + bucket * 2^20)
@@ -51,7 +53,8 @@ class TracingWorkload:
                  dtype: torch.dtype = torch.float32, bucket: int = 0, history: int = 8,
                  static: Iterable[str] = ()) -> None:
         if not 0 <= bucket < 8:
-            raise ValueError(f"bucket must be in 0..7 (tags stay exact in float32), got {bucket}")
+            raise RingflowError(f"bucket must be in 0..7 (tags stay exact in float32), got "
+                                f"{bucket}; number the buckets 0..7")
         self.lanes = list(lanes)
         self.layers = layers
         self.device = torch.device(device)
@@ -74,7 +77,6 @@ class TracingWorkload:
         self.seen_max = torch.full(n, float("nan"), dtype=torch.float64, device=self.device)
         self._history: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque(maxlen=history)
         self.resident = torch.empty(tuple(slot_shape), dtype=dtype, device=self.device)
-        self.gather_hook = None  # called before each gather (e.g. a sleep kernel)
         self._set_tags()
 
     def tag(self, layer: int, lane: str, epoch: int | None = None) -> float:
@@ -97,8 +99,6 @@ class TracingWorkload:
         self._set_tags()
 
     def gather(self, layer: int, lane: str, out: torch.Tensor) -> None:
-        if self.gather_hook is not None:
-            self.gather_hook()
         out.copy_(self._tags[self.lanes.index(lane), layer])  # read at run (and replay) time
 
     def compute(self, layer: int, lane: str, slot: torch.Tensor | None) -> None:
@@ -166,7 +166,6 @@ class RaceWindows:
 
     def __init__(self, cycles: int, seed: int, probability: float = 0.5) -> None:
         self.cycles = int(cycles)
-        self.seed = seed
         self.probability = probability
         self._rng = random.Random(seed)
         self.delays = 0
@@ -176,12 +175,7 @@ class RaceWindows:
         """GPU sleep rate, timed with events around ``torch.cuda._sleep``."""
         with torch.cuda.device(device):
             torch.cuda._sleep(1000)  # load the kernel
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(2_000_000)
-            stop.record()
-            stop.synchronize()
-            return 2_000_000 / (start.elapsed_time(stop) / 1e3)
+            return 2_000_000 / (elapsed_ms(lambda: torch.cuda._sleep(2_000_000)) / 1e3)
 
     @staticmethod
     def issue_seconds_per_node(run: Callable[[], None], nodes: int, repeats: int = 5) -> float:
@@ -214,10 +208,7 @@ class RaceWindows:
         """Windows for ``dag`` issued by ``run`` (Note [Sizing race windows])."""
         per_node = cls.issue_seconds_per_node(run, len(dag.nodes))
         seconds = max(factor * per_node * cls.widest_gap(dag), floor_seconds)
-        windows = cls(seconds * cls.cycles_per_second(), seed, probability)
-        windows.seconds = seconds
-        windows.per_node_seconds = per_node
-        return windows
+        return cls(seconds * cls.cycles_per_second(), seed, probability)
 
     def delay(self) -> None:
         """Maybe sleep on the current stream (a seeded draw)."""

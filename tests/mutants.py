@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.orchestrator.dag import EventRole, NodeKind
@@ -97,7 +99,7 @@ def apply(name: str) -> None:
     """Patch the executors with mutant ``name`` for the rest of this process (and its
     children, which read ``RINGFLOW_MUTANT``)."""
     if name not in MUTANTS:
-        raise SystemExit(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+        raise pytest.UsageError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
     MUTANTS[name]()
     os.environ[ENV] = name
 

@@ -16,7 +16,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
 
     from ringflow.dcp_bench import ROW, _full_kv, _shard
     from ringflow.integrations.vllm.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher, KVSource
-    from ringflow.kernels import dcp_all_gather, dcp_local_capacity, dcp_peer_gather
+    from ringflow.kernels import dcp_all_gather, dcp_gather, dcp_local_capacity
     from ringflow.kernels.peer_exchange import symmetric_exchange
 
     torch.cuda.set_device(rank)
@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
         slot = exchange.storage.fill_(float("nan"))
 
         def gather(cache, table):
-            dcp_peer_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
+            dcp_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
                             exchange)
     else:
         slot = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)

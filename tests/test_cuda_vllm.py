@@ -114,6 +114,12 @@ def ok(run):
     return run
 
 
+def assert_same_output(run, baseline):
+    """Greedy tokens identical, top-5 logprobs within bf16 noise."""
+    assert run["tokens"] == baseline["tokens"]
+    assert logprob_gap(run, baseline) <= BF16_NOISE
+
+
 def logprob_gap(a, b):
     return max(abs(x[1] - y[1]) for pa, pb in zip(a["top5"], b["top5"])
                for sa, sb in zip(pa, pb) for x, y in zip(sa, sb) if x[0] == y[0])
@@ -146,8 +152,7 @@ def test_the_memory_check_ran_under_two_different_model_runners(memory):
 @pytest.mark.parametrize("mode", MODES)
 def test_streaming_matches_the_same_partition_with_nothing_streamed(matrix, mode, model):
     ops, streamed = ok(matrix[f"{model}/{mode}/layer-ops"]), ok(matrix[f"{model}/{mode}/streamed"])
-    assert streamed["tokens"] == ops["tokens"]
-    assert logprob_gap(streamed, ops) <= BF16_NOISE
+    assert_same_output(streamed, ops)
     assert streamed["repeat_same"], "a second run of the same engine differs (poison is on)"
     assert not any("runs the synchronous path" in l for l in streamed["log"]), \
         "the plan did not join vLLM's capture"
@@ -165,8 +170,7 @@ def test_full_graphs_are_not_silently_downgraded_for_the_llama(matrix, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_full_kv_prefetch_verifies_every_slot_in_every_graph_mode(matrix, mode, model):
     off, run_ = ok(matrix[f"{model}/{mode}/kv/off"]), ok(matrix[f"{model}/{mode}/kv/verified"])
-    assert run_["tokens"] == off["tokens"]
-    assert logprob_gap(run_, off) <= BF16_NOISE
+    assert_same_output(run_, off)
     [stats] = run_["kv"]
     assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
     assert stats["checked"] + stats["captured_checked"] >= stats["layers"] * 4, stats
@@ -212,8 +216,7 @@ def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
     full KV (checked on the host each eager step), tokens equal ringflow off, and the plan
     records which exchange ran and what both cost."""
     off, run_ = ok(two_gpus[f"dcp/{mode}/off"]), ok(two_gpus[f"dcp/{mode}/verified"])
-    assert run_["tokens"] == off["tokens"]
-    assert logprob_gap(run_, off) <= BF16_NOISE
+    assert_same_output(run_, off)
     assert len(run_["kv"]) == 2, run_["kv"]  # one model per worker
     assert len({s["dcp"]["transport"] for s in run_["kv"]}) == 1, "the workers disagree"
     for stats in run_["kv"]:
@@ -225,8 +228,7 @@ def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
 
 def test_weight_streaming_under_tensor_parallel_2(two_gpus):
     ops, streamed = ok(two_gpus["tp2/layer-ops"]), ok(two_gpus["tp2/streamed"])
-    assert streamed["tokens"] == ops["tokens"]
-    assert logprob_gap(streamed, ops) <= BF16_NOISE
+    assert_same_output(streamed, ops)
     assert streamed["repeat_same"]
     assert len(streamed["forwards"]) == 2 and all(f and f > 0 for f in streamed["forwards"]), \
         streamed["forwards"]  # both workers streamed their shards

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from ringflow import KernelError
-from ringflow.kernels import (dcp_all_gather, dcp_local_capacity, dcp_local_lens,
-                              dcp_peer_gather, page_gather, paged_gather)
+from ringflow.kernels import (dcp_all_gather, dcp_gather, dcp_local_capacity, dcp_local_lens,
+                              page_gather, paged_gather)
 from ringflow.kernels.peer_exchange import PeerExchange
 from ringflow.kernels import reference as ref
 from ringflow.testing import spawn_group
@@ -113,7 +113,7 @@ class ThreadRings:
 
 @pytest.mark.parametrize("world,lens,interleave", [(2, [1, 3, 10, 17], 1), (4, [2, 9, 0, 16], 2),
                                                    (3, [5], 4)])
-def test_dcp_peer_gather_pulls_each_part_from_its_owners_ring(world, lens, interleave):
+def test_dcp_gather_over_a_peer_exchange_pulls_each_part_from_its_owners_ring(world, lens, interleave):
     """The copy-engine exchange (Note [Peer exchange]) gives the all-gather's result on every
     rank: each pulls every peer's packed part at the same offset of the peer's ring, from the
     second slot of a two-slot ring (so an offset error reads the wrong slot)."""
@@ -131,7 +131,7 @@ def test_dcp_peer_gather_pulls_each_part_from_its_owners_ring(world, lens, inter
     def rank(r):
         slot = rings[r][1]
         exchange = PeerExchange(rings[r], handle, world, r)
-        dcp_peer_gather(*shards[r], torch.tensor(lens), slot[:capacity],
+        dcp_gather(*shards[r], torch.tensor(lens), slot[:capacity],
                         slot[capacity:].view(world, local, row), exchange,
                         interleave=interleave)
         return slot[:capacity].clone()

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import weakref
 from collections.abc import Callable
 
@@ -421,7 +422,8 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
             _state.log_once(f"view:{model.key}", "the KV cache has no block axis ringflow can "
                             "view; full-KV prefetch stays off")
             return None
-        unit = (cache[0].numel(),) if model.layout.kind == "pages" else tuple(cache.shape[2:])
+        unit = (math.prod(cache.shape[1:]),) if model.layout.kind == "pages" \
+            else tuple(cache.shape[2:])
         if unit != model.layout.unit:
             _state.log_once(f"unit:{model.key}", "a KV cache of shape %s does not match the "
                             "layout the rings were sized for (%s); no prefetch",

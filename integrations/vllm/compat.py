@@ -27,8 +27,8 @@ def version_tuple(text: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
-def check_version() -> tuple[int, int] | None:
-    """vLLM's (major, minor); logs one line when it is outside :data:`SUPPORTED`."""
+def check_version() -> None:
+    """Log one line when vLLM's version is outside :data:`SUPPORTED`."""
     import vllm
 
     found = version_tuple(getattr(vllm, "__version__", ""))
@@ -38,7 +38,6 @@ def check_version() -> tuple[int, int] | None:
                     "(%d.%d to %d.%d); it loads, but its hooks may not fire (each says so in "
                     "the log if it cannot install)", getattr(vllm, "__version__", "?"),
                     *low, *high)
-    return found
 
 
 def model_runner_classes() -> list[type]:

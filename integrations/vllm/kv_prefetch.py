@@ -36,9 +36,8 @@ from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.stepped import LayerStepper
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.integrations.vllm.verification import Verification, check_slot
-from ringflow.kernels import (dcp_all_gather, dcp_local_capacity, dcp_peer_gather, page_gather,
-                              paged_gather)
-from ringflow.kernels.kv_gathers import time_exchanges
+from ringflow.kernels import dcp_gather, dcp_local_capacity, page_gather, paged_gather
+from ringflow.kernels.kv_gathers import NcclExchange, time_exchanges
 from ringflow.kernels.peer_exchange import symmetric_exchange
 from ringflow.orchestrator.budget import MIB, PoolLayout
 from ringflow.orchestrator.planner import Planner
@@ -198,6 +197,7 @@ class KVPrefetcher:
         """The ring: the one allocation of this lane (Note [Lifecycle])."""
         rows, capacity, local = self._sizes(capacity_tokens, workspace_bytes)
         self.exchange, self.transport, self.transport_ms = None, None, {}
+        self._exchanger = None  # what fills the staging parts: NCCL, or the peer exchange
         allocate = None
         if self.dcp is not None:
             self.transport = self.dcp.transport
@@ -207,32 +207,34 @@ class KVPrefetcher:
                              depth=self.depth, workspace_bytes=workspace_bytes,
                              device=self.device, allocate=allocate)
         self.capacity_tokens, self.capacity, self.local_capacity = capacity_tokens, capacity, local
-        if self.transport == "auto":
-            self._choose_transport()
+        if self.dcp is not None:
+            nccl = NcclExchange(self.dcp.group)
+            if self.transport == "auto":  # the symmetric ring is there: it fell back otherwise
+                self._choose_transport(nccl)
+            self._exchanger = self.exchange if self.transport == "peer" else nccl
 
     def _symmetric(self, shape, dtype, device) -> torch.Tensor:
         """The ring in memory every DCP rank maps, or a plain one and NCCL (logged)."""
-        try:
-            if device.type != "cuda":
-                raise KernelError("copy engines need a CUDA device")
-            self.exchange = symmetric_exchange(shape, dtype, device, self.dcp.group)
-            return self.exchange.storage
-        except KernelError as exc:
-            log.warning("'%s': DCP transport '%s' unavailable (%s); the gather uses NCCL",
-                        self.name, self.transport, exc)
-            self.transport = "nccl"
-            return torch.empty(shape, dtype=dtype, device=device)
+        why = "copy engines need a CUDA device"
+        if device.type == "cuda":
+            try:
+                self.exchange = symmetric_exchange(shape, dtype, device, self.dcp.group)
+                return self.exchange.storage
+            except KernelError as exc:
+                why = str(exc)
+        log.warning("'%s': DCP transport '%s' unavailable (%s); the gather uses NCCL",
+                    self.name, self.transport, why)
+        self.transport = "nccl"
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def _staging(self, slot: torch.Tensor) -> torch.Tensor:
         return slot[self.capacity:].view(self.dcp.size, self.local_capacity, *self.layout.unit)
 
-    def _choose_transport(self) -> None:
+    def _choose_transport(self, nccl: NcclExchange) -> None:
         """Time both exchanges on slot 0's staging (collective); keep peer unless its time is
         more than :data:`PEER_PREFERENCE` times NCCL's."""
-        if self.exchange is None:
-            return  # peer memory unavailable: already NCCL, and logged
-        self.transport_ms = time_exchanges(self._staging(self.pool.storage[0]), self.exchange,
-                                           self.dcp.group)
+        self.transport_ms = time_exchanges(self._staging(self.pool.storage[0]),
+                                           {"nccl": nccl, "peer": self.exchange}, self.dcp.group)
         # every rank has the slowest rank's times, so every rank chooses the same. Timed alone,
         # the exchanges do not show that the copy engines leave the SMs to the attention: peer
         # wins ties and near-ties
@@ -403,12 +405,9 @@ class KVPrefetcher:
             self.gather_hook()
         self._valid.add(layer)
         out = slot[: self.capacity]
-        if self.dcp is not None and self.transport == "peer":
-            dcp_peer_gather(source.cache, source.block_table, source.context_lens, out,
-                            self._staging(slot), self.exchange, interleave=self.dcp.interleave)
-        elif self.dcp is not None:
-            dcp_all_gather(source.cache, source.block_table, source.context_lens, out,
-                           self._staging(slot), self.dcp.group, interleave=self.dcp.interleave)
+        if self.dcp is not None:
+            dcp_gather(source.cache, source.block_table, source.context_lens, out,
+                       self._staging(slot), self._exchanger, interleave=self.dcp.interleave)
         elif self.layout.kind == "rows":
             paged_gather(source.cache, source.block_table, source.context_lens, out)
         else:
