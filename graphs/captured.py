@@ -141,7 +141,9 @@ class CapturedExecutor:
             if graph is None:
                 self._runners[bucket].run()
                 return
-        self._runners[bucket].prime()  # the graph starts with carried slots filled (no-op if so)
+        runner = self._runners.get(bucket, self._runners[None])
+        if not runner.primed():  # the graph starts with carried slots filled: fill them first
+            runner.prime()
         current = torch.cuda.current_stream(self.device)
         if self._last_stream is not None and self._last_stream != current:
             current.wait_event(self._replayed)  # buckets share a pool: never overlap replays
