@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 
 from ringflow.errors import CaptureError
-from ringflow.graphs.cudart import checked, runtime as _runtime
+from ringflow.cudart import checked, runtime as _runtime
 
 
 def _check(name: str, result):

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from ringflow.errors import ExecutorError
-from ringflow.graphs.cudart import checked, runtime
+from ringflow.cudart import checked, runtime
 
 
 def _checked(name: str, result):

@@ -116,7 +116,7 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     block = block_table.to(torch.int64)[request, (pos // block_size).clamp_(max=block_table.shape[1] - 1)]
     block = torch.where(valid, block, torch.zeros_like(block))
     offset = torch.where(valid, pos % block_size, torch.zeros_like(pos))
-    rows, per_block = _row_view(cache)
+    rows, per_block = row_view(cache)
     if rows is not None:
         return gather_rows(rows, block * per_block + offset, valid, out)
     # rows that no stride pattern reaches: index in place (a temporary of out's size)
@@ -125,7 +125,7 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     return out
 
 
-def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+def row_view(cache: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     """``cache`` ``[blocks, block_size, *row]`` as one row axis, without a copy.
 
     A block may be padded or its rows interleaved with other data (K and V planes): as long as

@@ -5,16 +5,25 @@ Note [Peer exchange]
     (measured on 2 x H200: about a quarter of the compute hid). Copy engines move bytes between
     GPUs over NVLink without SMs. So the DCP lane's ring is allocated in symmetric memory
     (``torch.distributed._symmetric_memory``: the same allocation size on every rank, each
-    mapped into every other's address space), and a rank pulls a peer's packed rows straight
-    from the peer's slot with one device-to-device copy, which the driver issues on a copy
-    engine. A slot's staging part of rank ``s`` is written only by rank ``s`` (its pack) and
-    read by everyone; the receiving parts are written only by their owner's pulls.
+    mapped into every other's address space), and every rank's rows of a slot lie in one fixed
+    strided pattern (Note [DCP layout] in kv_gathers.py). A rank writes its own tokens into
+    its rows of its slot (one SM pass over 1/N of the slot), then pulls each peer's rows from
+    the same rows of the peer's slot with one 2-D device-to-device copy (``cudaMemcpy2DAsync``:
+    a chunk of ``interleave`` rows every ``N * interleave`` rows), which the driver issues on a
+    copy engine, straight into sequence order. A slot's rows of rank ``s`` are written only by
+    rank ``s`` (in its own slot) and by the pulls of the others (in theirs).
+
+    (The first version pulled packed parts into a staging buffer and restored the order with
+    an index gather: on 2 x H200 the pack and restore passes took longer than the NVLink copy
+    and competed with the attention for the SMs and HBM. The aligned layout removes the
+    restore pass and the staging buffer, half the slot.)
 
     Ordering across processes is two barriers per gather, on the gather stream (tiny kernels on
-    each rank's signal pad): after the pack (no one pulls a part before its owner packed it),
-    and after the pulls (no one packs, poisons or re-gathers into a part a peer still reads;
-    with a one-slot ring the next gather packs the same part at once). Each rank issues its
-    gathers in the same order (the plan is the same on every rank), so the barriers pair up.
+    each rank's signal pad): after the own rows are written (no one pulls rows before their
+    owner wrote them), and after the pulls (no one writes, poisons or re-gathers into a slot a
+    peer still reads; with a one-slot ring the next gather writes the same slot at once). Each
+    rank issues its gathers in the same order (the plan is the same on every rank), so the
+    barriers pair up.
 
     NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first
     allocation unless the caller set it); nothing here creates a multicast object.
@@ -44,6 +53,8 @@ def all_ranks_agree(ok: bool, group, device: torch.device) -> bool:
 class PeerExchange:
     """A ring every rank of a group maps: ``storage`` (this rank's) and its peers' copies."""
 
+    in_place = True  # the rows land in sequence order (Note [DCP layout])
+
     def __init__(self, storage: torch.Tensor, handle, size: int, rank: int) -> None:
         self.storage, self.size, self.rank = storage, size, rank
         self._handle = handle
@@ -70,14 +81,43 @@ class PeerExchange:
         error, not a silent hang)."""
         self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
-    def pull_peers(self, staging: torch.Tensor) -> None:
-        """Fill every peer's part of ``staging`` ([size, rows, *row], inside :attr:`storage`)
-        from that peer's own part, once each has packed it (Note [Peer exchange])."""
+    def exchange(self, out: torch.Tensor, staging: torch.Tensor | None, interleave: int) -> None:
+        """Fill every peer's rows of ``out`` (a slot inside :attr:`storage`, Note [DCP layout])
+        from the same rows of the peer's slot, once each has written them (Note [Peer
+        exchange]). ``staging`` is not used (the rows land in order; ``auto`` rings have one)."""
+        align = self.size * interleave
+        if out.shape[0] % align or not out.is_contiguous():
+            raise KernelError(f"a peer exchange needs a contiguous slot of a multiple of "
+                              f"{align} rows, got {tuple(out.shape)}")
+        shape = (out.shape[0] // align, self.size, interleave, *out.shape[1:])
         self.barrier()
         for step in range(1, self.size):  # staggered: each rank starts with a different peer
             peer = (self.rank + step) % self.size
-            staging[peer].copy_(self.remote(peer, staging[peer]))
+            copy_strided(out.view(shape)[:, peer], self.remote(peer, out).view(shape)[:, peer])
         self.barrier()
+
+
+def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two views of one shape and strides whose every step along dim 0
+    is a run of contiguous bytes: on CUDA one 2-D memcpy on the current stream (a copy engine,
+    no SMs; capture-safe); elsewhere (the CPU tests) a torch copy."""
+    if dst.shape != src.shape or dst.stride() != src.stride() or dst.dtype != src.dtype or \
+            dst.dim() < 2 or not dst[0].is_contiguous():
+        raise KernelError(f"a strided copy needs two views of one shape, strides and dtype whose "
+                          f"rows (dim 0) are contiguous, got {tuple(dst.shape)} {dst.stride()} "
+                          f"and {tuple(src.shape)} {src.stride()}")
+    if not dst.is_cuda or dst.numel() == 0:
+        dst.copy_(src)
+        return
+    from ringflow.cudart import checked, runtime
+    rt = runtime()
+    size = dst.element_size()
+    checked("cudaMemcpy2DAsync",
+            rt.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(),
+                                 src.stride(0) * size, dst[0].numel() * size, dst.shape[0],
+                                 rt.cudaMemcpyKind.cudaMemcpyDefault,
+                                 torch.cuda.current_stream(dst.device).cuda_stream),
+            KernelError, "the peer exchange could not copy; run with dcp_transport: nccl")
 
 
 def _torch_version() -> tuple[int, int]:

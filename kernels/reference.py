@@ -81,15 +81,16 @@ def dcp_shard_ref(full: list[torch.Tensor], size: int, interleave: int, block_si
 
 def dcp_all_gather_ref(shards, seq_lens: list[int], size: int, interleave: int,
                        capacity: int) -> torch.Tensor:
-    """Sequence-order full KV from the ranks' caches, by plain loops."""
+    """A DCP slot from the ranks' caches, by plain loops: each request's tokens in order from
+    the next multiple of ``size * interleave`` rows, zeros elsewhere."""
     first = shards[0][0]
     out = torch.zeros((capacity, *first.shape[2:]), dtype=first.dtype)
-    row = 0
+    start, align = 0, size * interleave
     for r, n in enumerate(seq_lens):
         for t in range(n):
             owner, p = dcp_owner(t, size, interleave)
             cache, table = shards[owner]
             block_size = cache.shape[1]
-            out[row] = cache[table[r, p // block_size], p % block_size]
-            row += 1
+            out[start + t] = cache[table[r, p // block_size], p % block_size]
+        start += -(-n // align) * align
     return out

@@ -24,19 +24,24 @@ except ImportError:  # CPU-only installs: the torch path serves
 
 if triton is not None:
     @triton.jit
-    def _gather_rows_kernel(src, index, valid, out, rows, width, src_stride, out_stride,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _gather_rows_kernel(src, index, valid, out, out_index, rows, width, src_stride,
+                            out_stride, SCATTER: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
         pid = tl.program_id(0)
         r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         in_range = r < rows
         i = tl.load(index + r, mask=in_range, other=0).to(tl.int64)
         keep = tl.load(valid + r, mask=in_range, other=0) != 0
+        if SCATTER:
+            o = tl.load(out_index + r, mask=in_range, other=0).to(tl.int64)
+        else:
+            o = r.to(tl.int64)
         for c0 in range(0, width, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             cols = c < width
             x = tl.load(src + i[:, None] * src_stride + c[None, :],
                         mask=(in_range & keep)[:, None] & cols[None, :], other=0)
-            tl.store(out + r.to(tl.int64)[:, None] * out_stride + c[None, :], x,
+            tl.store(out + o[:, None] * out_stride + c[None, :], x,
                      mask=in_range[:, None] & cols[None, :])
 
 
@@ -53,25 +58,35 @@ def _flat_rows(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
-    """``out[i] = src[index[i]]`` where ``valid[i]``, else zeros (Note [One-pass row gather]).
+                out: torch.Tensor, out_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = src[index[i]]`` where ``valid[i]``, else zeros (Note [One-pass row gather]);
+    with ``out_index``, row ``out_index[i]`` of ``out`` instead of row i (a scatter: the other
+    rows are not touched).
 
-    ``index`` and ``valid`` have ``out.shape[0]`` entries; ``index`` is in range wherever
-    ``valid`` is true (the callers compute it so; unlike ``index_select``, the kernel does not
-    check). No host sync, capture-safe.
+    ``index``, ``valid`` (and ``out_index``) have one entry per row written: ``out.shape[0]``
+    without ``out_index``. ``index`` is in range wherever ``valid`` is true and ``out_index``
+    everywhere, without repeats (the callers compute them so; unlike ``index_select``, the
+    kernel does not check). No host sync, capture-safe.
     """
     layouts = (_flat_rows(src), _flat_rows(out))
-    rows = out.shape[0]
+    rows = index.shape[0] if out_index is not None else out.shape[0]
+    targets = (out_index,) if out_index is not None else ()
     if (triton is not None and out.is_cuda and src.device == out.device and None not in layouts
             and src.dtype == out.dtype and rows > 0 and index.shape == (rows,)
-            and valid.shape == (rows,) and index.is_contiguous() and valid.is_contiguous()):
+            and valid.shape == (rows,) and index.is_contiguous() and valid.is_contiguous()
+            and all(t.shape == (rows,) and t.is_contiguous() for t in targets)):
         (src_stride, width), (out_stride, _) = layouts
         block_r, block_c = 16, min(1024, max(16, triton.next_power_of_2(width)))
         grid = (triton.cdiv(rows, block_r),)
         with torch.cuda.device(out.device):
-            _gather_rows_kernel[grid](src, index, valid, out, rows, width, src_stride,
-                                      out_stride, BLOCK_R=block_r, BLOCK_C=block_c)
+            _gather_rows_kernel[grid](src, index, valid, out, out_index if targets else index,
+                                      rows, width, src_stride, out_stride,
+                                      SCATTER=bool(targets), BLOCK_R=block_r, BLOCK_C=block_c)
         return out
+    if out_index is not None:
+        picked = torch.index_select(src, 0, index)
+        picked.masked_fill_(~valid.view(-1, *([1] * (picked.dim() - 1))), 0)
+        return out.index_copy_(0, out_index, picked)
     torch.index_select(src, 0, index, out=out)
     out.masked_fill_(~valid.view(-1, *([1] * (out.dim() - 1))), 0)
     return out

@@ -7,10 +7,12 @@ more layers ahead of the attention that reads it (the motivating work: TP8/DCP4,
 
 One process per GPU (``--world`` GPUs of one host). Every rank holds its DCP shard of each
 request's KV (576 bf16 per token, vLLM's interleave of 1) in a paged cache; a layer's gather
-packs this rank's rows, exchanges the parts and restores sequence order, per transport: ``nccl``
-(an all-gather over the gather lane's own communicator, ``ringflow.kernels.dcp_all_gather``) or
-``peer`` (copy engines pull the peers' parts from their rings in symmetric memory,
-``ringflow.kernels.dcp_gather`` with a ``PeerExchange``); the layer's compute is an
+fills a slot with the full KV in sequence order, per transport: ``nccl`` (pack this rank's
+rows, all-gather the parts over the gather lane's own communicator, restore the order:
+``ringflow.kernels.dcp_all_gather``) or ``peer`` (write this rank's rows into their places in
+its slot, then copy engines pull the peers' rows from their slots in symmetric memory with 2-D
+copies straight into place: ``ringflow.kernels.dcp_gather`` with a ``PeerExchange``); the
+layer's compute is an
 absorbed-MLA decode attention of ``--heads`` heads over the gathered KV plus a
 ``--extra-gemm``-square GEMM standing for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
 gather of the wrong layer shows.
@@ -146,7 +148,7 @@ def _rank(rank: int, world: int, args) -> None:
             for depth in [0, *args.depths]:
                 pf = prefetcher(depth, transport, f"dcp-d{depth}-{transport}")
                 pf.plan(args.layers)
-                _check(pf, source, fulls, args.layers, batch * context)
+                _check(pf, source, fulls, args.layers)
                 name = f"{'sync' if depth == 0 else f'ringflow d{depth}'}/{transport}"
                 variants[name] = _Graph(forward_with(pf))
                 pools[name] = pf.reserved_bytes
@@ -183,9 +185,9 @@ def _rank(rank: int, world: int, args) -> None:
                     ms[name].append(elapsed)
         result = {name: statistics.median(v) for name, v in ms.items()}
         pf = prefetchers[args.transports[0]]
-        part = pf._staging(pf.pool.storage[0])[0]
+        out = pf.pool.storage[0][: pf.capacity]  # either transport moves the peers' rows of it
         rows.append({"context": context, "batch": batch, "rank": rank, "ms": result,
-                     "pool_bytes": pools, "exchange_bytes": (world - 1) * part.nbytes})
+                     "pool_bytes": pools, "exchange_bytes": (world - 1) * out.nbytes // world})
         del variants, fulls, prefetchers
         shards = slot = None  # the closures above hold them until the next context
         torch.cuda.empty_cache()
@@ -208,7 +210,8 @@ def _exchange_only(pf, layers: int):
     """Only the exchange of the parts (what NCCL or the copy engines move), per layer."""
     def run() -> None:
         for layer in range(layers):
-            pf._exchanger.pull_peers(pf._staging(pf.pool.storage[layer % 2]))
+            slot = pf.pool.storage[layer % 2]
+            pf._exchanger.exchange(slot[: pf.capacity], pf._staging(slot), pf.dcp.interleave)
     return run
 
 
@@ -228,13 +231,17 @@ def _timeline(pf, model, source, layers: int) -> list[dict]:
     return forward_spans(forward, marks)
 
 
-def _check(pf, source, fulls, layers: int, rows: int) -> None:
+def _check(pf, source, fulls, layers: int) -> None:
     """One eager forward: every layer's slot equals that layer's full KV, bit for bit."""
     bad = []
     for layer in range(layers):
         pf.begin(layer, source)
-        if not torch.equal(pf.gathered(layer)[:rows], fulls[layer % 2]):
-            bad.append(layer)
+        lens = source(layer).context_lens
+        got, full = pf.gathered(layer), fulls[layer % 2].view(len(lens), -1, ROW)
+        for start, want in zip(pf.request_starts(lens).tolist(), full):
+            if not torch.equal(got[start: start + want.shape[0]], want):
+                bad.append(layer)
+                break
         pf.end(layer)
     if bad:
         raise RingflowError(f"DCP all-gather: the slots of layers {bad} differ from the full KV; "
@@ -350,6 +357,10 @@ def main(argv: list[str] | None = None) -> None:
         raise RingflowError(f"--world {args.world} needs {args.world} CUDA GPUs of one host and "
                             f"this one has {found}; lower --world to {found} or run it on a "
                             f"larger machine")
+    if args.batch > 1 and any(c % args.world for c in args.contexts):
+        raise RingflowError(f"with --batch {args.batch} the compute reads the requests packed, "
+                            f"which a DCP slot is only when every context is a multiple of "
+                            f"--world {args.world}; pick such contexts or --batch 1")
     from ringflow.testing import spawn_group
     with tempfile.TemporaryDirectory() as tmp:
         spawn_group(args.world, _rank, args, backend="nccl", rendezvous=f"{tmp}/rdzv")

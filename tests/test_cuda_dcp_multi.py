@@ -16,7 +16,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
 
     from ringflow.dcp_bench import ROW, _full_kv, _shard
     from ringflow.integrations.vllm.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher, KVSource
-    from ringflow.kernels import dcp_all_gather, dcp_gather, dcp_local_capacity
+    from ringflow.kernels import dcp_all_gather, dcp_gather, dcp_slot_rows
     from ringflow.kernels.peer_exchange import symmetric_exchange
 
     torch.cuda.set_device(rank)
@@ -26,20 +26,24 @@ def _rank(rank: int, world: int, transport: str) -> None:
     fulls = [_full_kv(batch, context, seed, device) for seed in (1, 2)]
     shards = [_shard(f, batch, context, rank, world) for f in fulls]
     lens = torch.full((batch,), context, device=device, dtype=torch.int32)
-    rows = batch * context
+    rows = dcp_slot_rows(batch * context, batch, world)  # each request from a multiple of world
+    step = -(-context // world) * world
+    wants = [torch.zeros(rows, ROW, dtype=torch.bfloat16, device=device) for _ in fulls]
+    for want, full in zip(wants, fulls):
+        for r in range(batch):
+            want[r * step: r * step + context] = full[r * context: (r + 1) * context]
 
     # the kernel alone, on a side stream, then replayed from a graph
-    local = dcp_local_capacity(rows, batch, world)
-    shape = (rows + world * local, ROW)
-    if transport == "peer":
-        exchange = symmetric_exchange(shape, torch.bfloat16, device, lane)
+    if transport == "peer":  # no staging: the peers' rows land in order
+        exchange = symmetric_exchange((rows, ROW), torch.bfloat16, device, lane)
         slot = exchange.storage.fill_(float("nan"))
 
         def gather(cache, table):
-            dcp_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
-                            exchange)
+            dcp_gather(cache, table, lens, slot, None, exchange)
     else:
-        slot = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+        local = rows // world
+        slot = torch.full((rows + world * local, ROW), float("nan"), dtype=torch.bfloat16,
+                          device=device)
 
         def gather(cache, table):
             dcp_all_gather(cache, table, lens, slot[:rows], slot[rows:].view(world, local, ROW),
@@ -52,7 +56,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
         torch.cuda._sleep(200_000 * (rank + 1))  # ranks arrive at different times
         gather(*shards[0])
     torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(slot[:rows], fulls[0]), f"rank {rank}: eager {transport} gather"
+    assert torch.equal(slot[:rows], wants[0]), f"rank {rank}: eager {transport} gather"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.cuda._sleep(200_000 * (world - rank))
@@ -64,11 +68,11 @@ def _rank(rank: int, world: int, transport: str) -> None:
     dist.barrier(lane)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(slot[:rows], fulls[1]), f"rank {rank}: captured {transport} gather"
+    assert torch.equal(slot[:rows], wants[1]), f"rank {rank}: captured {transport} gather"
 
     # the prefetcher: layer l reads cache l % 2, one layer ahead, eager then captured
     layout = KVLayout("rows", (ROW,), torch.bfloat16, 64)
-    pf = KVPrefetcher(layout, rows, max_requests=batch, depth=1, workspace_bytes=1 << 34,
+    pf = KVPrefetcher(layout, batch * context, max_requests=batch, depth=1, workspace_bytes=1 << 34,
                       device=device, dcp=DcpGroup(lane, world, rank, transport=transport),
                       poison=True, name="dcp")
     pf.plan(layers)
@@ -79,12 +83,13 @@ def _rank(rank: int, world: int, transport: str) -> None:
         assert meta["transport"] == ("peer" if ms["peer"] <= 1.10 * ms["nccl"] else "nccl"), meta
     else:  # no silent fallback on GPUs that can map each other's memory
         assert meta["transport"] == pf.transport == transport, meta
+    assert pf.capacity == rows and (pf.local_capacity == 0) == (transport == "peer")
     pf.gather_hook = lambda: torch.cuda._sleep(200_000 * (rank + 1))  # ranks out of step
     seen = torch.empty(layers, rows, ROW, dtype=torch.bfloat16, device=device)
 
     def source(layer):
         cache, table = shards[layer % 2]
-        return KVSource(cache, table, lens, rows)
+        return KVSource(cache, table, lens, batch * context)
 
     def forward():
         for layer in range(layers):
@@ -95,7 +100,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
     forward()
     torch.cuda.synchronize()
     for layer in range(layers):
-        assert torch.equal(seen[layer], fulls[layer % 2]), f"rank {rank}: eager layer {layer}"
+        assert torch.equal(seen[layer], wants[layer % 2]), f"rank {rank}: eager layer {layer}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
@@ -104,7 +109,7 @@ def _rank(rank: int, world: int, transport: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         for layer in range(layers):
-            assert torch.equal(seen[layer], fulls[layer % 2]), f"rank {rank}: replay, {layer}"
+            assert torch.equal(seen[layer], wants[layer % 2]), f"rank {rank}: replay, {layer}"
 
 
 @pytest.mark.parametrize("transport", ["nccl", "peer", "auto"])

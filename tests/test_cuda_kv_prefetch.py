@@ -151,6 +151,58 @@ def nccl(tmp_path_factory):
     dist.destroy_process_group()
 
 
+class _OneGpuRings:
+    """Two 'ranks' of symmetric memory on one GPU: get_buffer hands out the other ring, and the
+    barriers are no-ops (the test orders the ranks itself)."""
+
+    def __init__(self, rings):
+        self.rings = rings
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        return self.rings[rank].view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        pass
+
+
+@torch.no_grad()
+def test_the_peer_exchange_lands_the_peers_rows_in_order_with_2d_copies():
+    """Rank 0 of a group of 2 (interleave 2) on one GPU: its own rows by the Triton scatter,
+    rank 1's by cudaMemcpy2DAsync from rank 1's ring, eagerly on a side stream and replayed
+    from a CUDA graph over a poisoned slot (a copy issued at capture instead of recorded
+    would leave the poison)."""
+    from ringflow.kernels import dcp_gather, dcp_slot_rows
+    from ringflow.kernels.kv_gathers import _write_own_rows
+    from ringflow.kernels.peer_exchange import PeerExchange
+    gen = torch.Generator().manual_seed(5)
+    lens, world, interleave = [33, 1, 200], 2, 2
+    full = [torch.randn(n, 576, generator=gen).to(torch.bfloat16) for n in lens]
+    host = ref.dcp_shard_ref(full, world, interleave, 64, 4)
+    shards = [(cache.cuda(), table.cuda()) for cache, table in host]
+    rows = dcp_slot_rows(sum(lens), len(lens), world, interleave)
+    want = ref.dcp_all_gather_ref(host, lens, world, interleave, rows)
+    rings = [torch.full((2, rows, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+             for _ in range(world)]
+    seq = torch.tensor(lens, device="cuda")
+    _write_own_rows(*shards[1], seq, rings[1][1], world, 1, interleave)  # the peer went first
+    exchange = PeerExchange(rings[0], _OneGpuRings(rings), world, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        dcp_gather(*shards[0], seq, rings[0][1], None, exchange, interleave=interleave)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(rings[0][1].cpu(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dcp_gather(*shards[0], seq, rings[0][1], None, exchange, interleave=interleave)
+    rings[0][1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rings[0][1].cpu(), want)
+    assert torch.isnan(rings[0][0].cpu()).all(), "the gather wrote the ring's other slot"
+
+
 @torch.no_grad()
 def test_dcp_all_gather_on_nccl_eager_and_captured(nccl):
     gen = torch.Generator().manual_seed(3)

@@ -96,3 +96,61 @@ def test_the_one_pass_row_gather_equals_index_select_then_zero(dtype, row):
     out = torch.full((1000, *row), float("nan"), dtype=dtype, device="cuda")
     gather_rows(src.cuda(), index.cuda(), valid.cuda(), out)
     assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_row_scatter_writes_only_the_rows_it_names(device):
+    """``gather_rows(..., out_index=)`` (the DCP gather writing a rank's own rows): each named
+    row gets its source row or zeros, and every other row keeps its poison. On CUDA the Triton
+    kernel runs; the CPU runs the torch pair."""
+    from ringflow.kernels.row_gather import gather_rows
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(50, 2, 576, generator=gen).to(torch.bfloat16)[:, 1]   # padded rows
+    targets = torch.randperm(400, generator=gen)[:120]
+    index = torch.randint(0, 50, (120,), generator=gen)
+    valid = torch.rand(120, generator=gen) < 0.7
+    want = torch.full((400, 576), float("nan"), dtype=torch.bfloat16)
+    want[targets] = torch.where(valid[:, None], src[index], torch.zeros(()).to(torch.bfloat16))
+    out = want.clone().fill_(float("nan")).to(device)
+    gather_rows(src.to(device), index.to(device), valid.to(device), out,
+                out_index=targets.to(device))
+    got = out.cpu()
+    assert torch.equal(got[targets], want[targets])
+    untouched = torch.ones(400, dtype=torch.bool)
+    untouched[targets] = False
+    assert torch.isnan(got[untouched]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size,rank,interleave", [(2, 0, 1), (2, 1, 1), (4, 3, 2), (3, 1, 16)])
+@pytest.mark.parametrize("lens,table_dtype", [([37, 0, 301, 5], torch.int32),
+                                              ([37, 0, 301, 5], torch.int64),
+                                              ([301], torch.int32), ([301, 9], torch.int64)])
+def test_the_fused_own_rows_kernel_equals_the_torch_ops(size, rank, interleave, lens,
+                                                        table_dtype):
+    """Note [Own rows in one launch]: the Triton kernel against the torch path it replaces and
+    the CPU reference, over requests of odd lengths (one empty), a permuted block table, blocks
+    padded in the cache and a slot with rows past the last request; every row the rank does
+    not own keeps its poison."""
+    from ringflow.kernels import dcp_slot_rows
+    from ringflow.kernels.kv_gathers import _write_own_rows
+    from ringflow.kernels import reference as ref
+    gen = torch.Generator().manual_seed(size * 10 + rank)
+    full = [torch.randn(n, 576, generator=gen).to(torch.bfloat16) for n in lens]
+    shards = ref.dcp_shard_ref(full, size, interleave, 16, 20)
+    cache, table = shards[rank]
+    rows = dcp_slot_rows(sum(lens) + 40, len(lens), size, interleave)
+    want = ref.dcp_all_gather_ref(shards, lens, size, interleave, rows)
+    mine = torch.tensor([(p // interleave) % size == rank for p in range(rows)])
+    padded = torch.full((cache.shape[0], 19, 576), float("nan"), dtype=torch.bfloat16)
+    padded[:, :16] = cache  # blocks of 16 rows, 19 apart: the kernel must use per_block
+    outs = []
+    for fused in (True, False):
+        out = torch.full((rows, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _write_own_rows(padded.cuda()[:, :16], table.to(table_dtype).cuda(),
+                        torch.tensor(lens, device="cuda"), out, size, rank, interleave,
+                        fused=fused)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0][mine], want[mine]), "fused kernel"
+    assert torch.equal(outs[1][mine], want[mine]), "torch ops"
+    assert torch.isnan(outs[0][~mine]).all() and torch.isnan(outs[1][~mine]).all()

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from ringflow import KernelError
-from ringflow.kernels import (dcp_all_gather, dcp_gather, dcp_local_capacity, dcp_local_lens,
-                              page_gather, paged_gather)
+from ringflow.kernels import (dcp_all_gather, dcp_gather, dcp_local_lens, dcp_slot_rows,
+                              dcp_slot_starts, page_gather, paged_gather)
 from ringflow.kernels.peer_exchange import PeerExchange
 from ringflow.kernels import reference as ref
 from ringflow.testing import spawn_group
@@ -59,6 +59,15 @@ def test_dcp_local_lens_follow_the_token_owner_rule(size, interleave):
         assert got[r].tolist() == want
 
 
+def _aligned(full: list[torch.Tensor], rows: int, align: int) -> torch.Tensor:
+    """The DCP slot by hand: request after request, each from a multiple of ``align``."""
+    want, start = torch.zeros(rows, full[0].shape[1], dtype=full[0].dtype), 0
+    for part in full:
+        want[start: start + part.shape[0]] = part
+        start += -(-part.shape[0] // align) * align
+    return want
+
+
 def _dcp_rank(rank: int, world: int, lens: list[int], interleave: int, row: int) -> None:
     """One rank: shard a seeded full KV, all-gather it back on a group of its own, compare."""
     gen = torch.Generator().manual_seed(7)
@@ -67,15 +76,14 @@ def _dcp_rank(rank: int, world: int, lens: list[int], interleave: int, row: int)
     blocks_per_request = max(1, -(-max(lens) // block_size))
     shards = ref.dcp_shard_ref(full, world, interleave, block_size, blocks_per_request)
     cache, table = shards[rank]
-    capacity = sum(lens) + 3
-    local_capacity = dcp_local_capacity(capacity, len(lens), world, interleave)
+    capacity = dcp_slot_rows(sum(lens) + 3, len(lens), world, interleave)
+    local_capacity = capacity // world
     slot = torch.full((capacity + world * local_capacity, row), float("nan"))
     out, staging = slot[:capacity], slot[capacity:].view(world, local_capacity, row)
     lane_group = dist.new_group(list(range(world)))  # the gather lane's own communicator
     dcp_all_gather(cache, table, torch.tensor(lens), out, staging, lane_group,
                    interleave=interleave)
-    want = torch.zeros(capacity, row)
-    want[: sum(lens)] = torch.cat(full) if full else want[:0]
+    want = _aligned(full, capacity, world * interleave)
     assert torch.equal(out, want), f"rank {rank}: all-gathered KV differs from the full KV"
     single = ref.dcp_all_gather_ref(shards, lens, world, interleave, capacity)
     assert torch.equal(out, single)
@@ -112,38 +120,102 @@ class ThreadRings:
 
 
 @pytest.mark.parametrize("world,lens,interleave", [(2, [1, 3, 10, 17], 1), (4, [2, 9, 0, 16], 2),
-                                                   (3, [5], 4)])
-def test_dcp_gather_over_a_peer_exchange_pulls_each_part_from_its_owners_ring(world, lens, interleave):
+                                                   (3, [5], 4), (2, [7, 64], 4)])
+def test_dcp_gather_over_a_peer_exchange_lands_every_row_in_order(world, lens, interleave):
     """The copy-engine exchange (Note [Peer exchange]) gives the all-gather's result on every
-    rank: each pulls every peer's packed part at the same offset of the peer's ring, from the
-    second slot of a two-slot ring (so an offset error reads the wrong slot)."""
+    rank with no staging: each writes its own rows into its slot, then pulls each peer's rows
+    from the same rows of the peer's slot, in the second slot of a two-slot ring (so an offset
+    error reads the wrong slot). A pull before its owner's write reads NaN and fails."""
     from concurrent.futures import ThreadPoolExecutor
     gen = torch.Generator().manual_seed(11)
     row, block_size = 6, 4
     full = [torch.randn(n, row, generator=gen) for n in lens]
     shards = ref.dcp_shard_ref(full, world, interleave, block_size,
                                max(1, -(-max(lens) // block_size)))
-    capacity = sum(lens) + 3
-    local = dcp_local_capacity(capacity, len(lens), world, interleave)
-    rings = [torch.full((2, capacity + world * local, row), float("nan")) for _ in range(world)]
+    capacity = dcp_slot_rows(sum(lens) + 3, len(lens), world, interleave)
+    rings = [torch.full((2, capacity, row), float("nan")) for _ in range(world)]
     handle = ThreadRings(rings)
 
     def rank(r):
-        slot = rings[r][1]
         exchange = PeerExchange(rings[r], handle, world, r)
-        dcp_gather(*shards[r], torch.tensor(lens), slot[:capacity],
-                        slot[capacity:].view(world, local, row), exchange,
-                        interleave=interleave)
-        return slot[:capacity].clone()
+        dcp_gather(*shards[r], torch.tensor(lens), rings[r][1], None, exchange,
+                   interleave=interleave)
+        return rings[r][1].clone()
 
     with ThreadPoolExecutor(world) as pool:
         outs = list(pool.map(rank, range(world)))
-    want = torch.zeros(capacity, row)
-    want[: sum(lens)] = torch.cat(full)
+    want = _aligned(full, capacity, world * interleave)
+    assert torch.equal(want, ref.dcp_all_gather_ref(shards, lens, world, interleave, capacity))
     for r, out in enumerate(outs):
         assert torch.equal(out, want), f"rank {r}"
-    assert handle.barriers == 2 * world  # one after the packs, one after the pulls
+    assert handle.barriers == 2 * world  # one after the own rows, one after the pulls
     assert torch.isnan(torch.stack(rings)[:, 0]).all(), "something wrote the other slot"
+
+
+def test_a_rank_writes_only_its_own_rows_before_the_exchange():
+    """Rank 1 of 2 with interleave 2: rows 2, 3, 6, 7, ... (its chunks) hold its tokens or
+    zeros, every other row is untouched for the peer's pull to fill."""
+    from ringflow.kernels.kv_gathers import _write_own_rows
+    lens, world, interleave = [6, 3], 2, 2
+    full = [torch.randn(n, 5, generator=torch.Generator().manual_seed(n)) for n in lens]
+    cache, table = ref.dcp_shard_ref(full, world, interleave, 2, 2)[1]
+    out = torch.full((12, 5), float("nan"))
+    _write_own_rows(cache, table, torch.tensor(lens), out, world, 1, interleave)
+    want = _aligned(full, 12, 4)
+    mine = torch.tensor([(p // interleave) % world == 1 for p in range(12)])
+    assert torch.equal(out[mine], want[mine])
+    assert torch.isnan(out[~mine]).all()
+    assert dcp_slot_starts(torch.tensor(lens), world, interleave).tolist() == [0, 8]
+
+
+@pytest.mark.parametrize("tokens,requests,size,interleave,rows", [
+    (10, 1, 2, 1, 10), (11, 1, 2, 1, 12), (10, 3, 2, 2, 16), (1, 1, 4, 16, 64)])
+def test_a_dcp_slot_holds_every_batch_the_ring_admits(tokens, requests, size, interleave, rows):
+    """Every split of ``tokens`` over ``requests`` fits ``dcp_slot_rows`` once aligned, and
+    the worst one needs all of it."""
+    import itertools
+    assert dcp_slot_rows(tokens, requests, size, interleave) == rows
+    align, ends = size * interleave, []
+    for cut in itertools.combinations_with_replacement(range(tokens + 1), requests - 1):
+        lens = torch.diff(torch.tensor([0, *cut, tokens]))
+        ends.append(int(dcp_slot_starts(lens, size, interleave)[-1] + lens[-1]))
+    assert max(ends) <= rows and rows % align == 0
+    assert rows - max(ends) < align
+
+
+def test_the_in_place_gather_checks_the_cache_against_the_slot():
+    """A cache of wider rows than the slot would write past each row: refused before any
+    write, as the NCCL path refuses it."""
+    ring = torch.full((2, 8, 3), float("nan"))
+    exchange = PeerExchange(ring, ThreadRings([ring, ring.clone()]), 2, 0)
+    with pytest.raises(KernelError, match="cannot gather"):
+        dcp_gather(torch.zeros(2, 4, 5), torch.zeros(1, 2, dtype=torch.int64), torch.tensor([3]),
+                   ring[0], None, exchange)
+    assert torch.isnan(ring).all()
+
+
+def test_own_rows_of_a_cache_no_stride_reaches_come_from_plain_indexing():
+    """A cache whose blocks are not a whole number of rows apart (no row view) still gives the
+    rank's rows, through the indexing fallback."""
+    from ringflow.kernels.kv_gathers import _write_own_rows
+    lens = [5, 2]
+    full = [torch.randn(n, 3, generator=torch.Generator().manual_seed(n)) for n in lens]
+    cache, table = ref.dcp_shard_ref(full, 2, 1, 2, 2)[0]
+    skewed = torch.as_strided(torch.full((cache.shape[0] * 7,), float("nan")), cache.shape,
+                              (7, 3, 1))  # blocks 7 apart, rows 3: no row view
+    skewed.copy_(cache)
+    out = torch.full((8, 3), float("nan"))
+    _write_own_rows(skewed, table, torch.tensor(lens), out, 2, 0, 1)
+    want = _aligned(full, 8, 2)
+    mine = torch.arange(8) % 2 == 0
+    assert torch.equal(out[mine], want[mine]) and torch.isnan(out[~mine]).all()
+
+
+def test_a_peer_exchange_refuses_a_slot_not_aligned_to_the_group():
+    ring = torch.zeros(2, 9, 3)
+    exchange = PeerExchange(ring, ThreadRings([ring, ring.clone()]), 2, 0)
+    with pytest.raises(KernelError, match="multiple of 2 rows"):
+        exchange.exchange(ring[0], None, 1)
 
 
 def test_a_peer_view_outside_the_exchanges_ring_is_refused():
@@ -166,11 +238,10 @@ def _wrong_staging(rank: int, world: int) -> None:
 def _bench_shards(rank: int, world: int) -> None:
     """dcp_bench's shards (block tables not the identity) all-gather back to its full KV."""
     from ringflow.dcp_bench import ROW, _full_kv, _shard
-    from ringflow.kernels import dcp_local_capacity
     batch, context = 2, 300
     full = _full_kv(batch, context, 1, "cpu")
     cache, table = _shard(full, batch, context, rank, world)
-    local = dcp_local_capacity(batch * context, batch, world)
+    local = batch * context // world
     slot = torch.full((batch * context + world * local, ROW), float("nan"), dtype=torch.bfloat16)
     dcp_all_gather(cache, table, torch.full((batch,), context), slot[: batch * context],
                    slot[batch * context:].view(world, local, ROW), dist.new_group(list(range(world))))
@@ -205,7 +276,7 @@ def test_gathers_of_an_empty_batch_zero_the_slot():
 
 
 def _small_staging(rank: int, world: int) -> None:
-    with pytest.raises(KernelError, match="dcp_local_capacity"):
+    with pytest.raises(KernelError, match="needs 8"):
         dcp_all_gather(torch.zeros(2, 4, 3), torch.zeros(3, 2, dtype=torch.int64),
                        torch.tensor([3, 3, 3]), torch.zeros(8, 3), torch.zeros(1, 4, 3),
                        dist.group.WORLD)

@@ -131,8 +131,10 @@ def gathered_kv(layer) -> torch.Tensor | None:
     """The prefetched full context KV of attention ``layer`` while its attention runs.
 
     Rows: ``[capacity, *row]``, requests packed in batch order, each with its context tokens
-    (sequence length minus the step's new tokens); the rest zero. None when this step has no
-    prefetched KV for the layer (not enabled, step too large, or inside a retired step).
+    (sequence length minus the step's new tokens); the rest zero. Under DCP each request starts
+    at a multiple of ``dcp_size * interleave`` rows (``KVPrefetcher.request_starts``). None
+    when this step has no prefetched KV for the layer (not enabled, step too large, or inside
+    a retired step).
     """
     owner = getattr(layer, "_ringflow_kv", None)
     if owner is None:

@@ -36,7 +36,7 @@ from ringflow.graphs.eager import EagerExecutor
 from ringflow.graphs.stepped import LayerStepper
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.integrations.vllm.verification import Verification, check_slot
-from ringflow.kernels import dcp_gather, dcp_local_capacity, page_gather, paged_gather
+from ringflow.kernels import dcp_gather, dcp_slot_rows, dcp_slot_starts, page_gather, paged_gather
 from ringflow.kernels.kv_gathers import NcclExchange, time_exchanges
 from ringflow.kernels.peer_exchange import symmetric_exchange
 from ringflow.orchestrator.budget import MIB, PoolLayout
@@ -125,7 +125,8 @@ class KVPrefetcher:
     Args:
         layout: how each layer's cache is read (:class:`KVLayout`).
         capacity_tokens: context tokens one slot holds (all requests of a step together).
-        max_requests: most requests in a step (pages layout and DCP staging need it).
+        max_requests: most requests in a step (the pages layout and the DCP slot's alignment
+            need it).
         depth: layers of lookahead; the ring holds ``depth + 1`` slots (reduced to fit).
         workspace_bytes: device budget of the ring.
         device: where the ring lives (a CUDA device runs eagerly on streams, a CPU synchronously).
@@ -171,16 +172,21 @@ class KVPrefetcher:
         #: called before each gather on the gather stream (tests inject a sleep kernel here)
         self.gather_hook: Callable[[], None] | None = None
 
-    def _sizes(self, capacity_tokens: int, workspace_bytes: int) -> tuple[int, int, int]:
-        """(slot rows, output rows, staging rows per rank), checked against the budget."""
+    def _sizes(self, capacity_tokens: int, workspace_bytes: int, staged: bool
+               ) -> tuple[int, int, int]:
+        """(slot rows, output rows, staging rows per rank), checked against the budget. Under
+        DCP the output rows are aligned (Note [DCP layout]) and ``staged`` adds the NCCL path's
+        staging parts."""
         if capacity_tokens < 1 or self.max_requests < 1:
             raise ProfileError("kv_prefetch.capacity_tokens", f"a slot must hold at least one "
                                f"token of one request, got {capacity_tokens} tokens and "
                                f"{self.max_requests} requests")
         layout, dcp = self.layout, self.dcp
-        capacity = layout.units(capacity_tokens, self.max_requests)
-        local = (dcp_local_capacity(capacity_tokens, self.max_requests, dcp.size,
-                                    dcp.interleave) if dcp else 0)
+        if dcp is None:
+            capacity, local = layout.units(capacity_tokens, self.max_requests), 0
+        else:
+            capacity = dcp_slot_rows(capacity_tokens, self.max_requests, dcp.size, dcp.interleave)
+            local = capacity // dcp.size if staged else 0  # a rank's part of every chunk
         rows = capacity + (dcp.size * local if dcp else 0)
         slot_bytes = rows * torch.Size(layout.unit).numel() * layout.dtype.itemsize
         try:
@@ -189,29 +195,43 @@ class KVPrefetcher:
             raise ProfileError(
                 "kv_prefetch.workspace_mib",
                 f"a ring of {workspace_bytes / MIB:.2f} MiB is smaller than one full-KV slot "
-                f"({slot_bytes / MIB:.2f} MiB for {capacity_tokens:,} tokens); accepted: at "
-                f"least {slot_bytes / MIB:.2f} MiB, or fewer capacity_tokens") from None
+                f"({slot_bytes / MIB:.2f} MiB for {capacity_tokens:,} tokens"
+                f"{' with the NCCL staging parts' if local else ''}); accepted: at least "
+                f"{slot_bytes / MIB:.2f} MiB, or fewer capacity_tokens") from None
         return rows, capacity, local
 
     def _allocate(self, capacity_tokens: int, workspace_bytes: int) -> None:
-        """The ring: the one allocation of this lane (Note [Lifecycle])."""
-        rows, capacity, local = self._sizes(capacity_tokens, workspace_bytes)
+        """The ring: the one allocation of this lane (Note [Lifecycle]). Under DCP with the
+        ``peer`` or ``auto`` transport it lies in symmetric memory; ``peer`` needs no staging
+        parts (Note [Peer exchange]), ``auto`` keeps them for NCCL should it win."""
         self.exchange, self.transport, self.transport_ms = None, None, {}
-        self._exchanger = None  # what fills the staging parts: NCCL, or the peer exchange
-        allocate = None
-        if self.dcp is not None:
-            self.transport = self.dcp.transport
-            if self.transport != "nccl":
-                allocate = self._symmetric
-        self.pool = SlotPool(self.lane, (rows, *self.layout.unit), self.layout.dtype,
-                             depth=self.depth, workspace_bytes=workspace_bytes,
-                             device=self.device, allocate=allocate)
-        self.capacity_tokens, self.capacity, self.local_capacity = capacity_tokens, capacity, local
+        self._exchanger = None  # NCCL, or the peer exchange
+        requested = self.dcp.transport if self.dcp is not None else None
+        self.transport = requested
+        self._pool(capacity_tokens, workspace_bytes, staged=requested != "peer",
+                   symmetric=requested in ("peer", "auto"))
+        if requested == "peer" and self.transport == "nccl":  # fell back (logged): NCCL stages
+            self.pool.close()
+            try:
+                self._pool(capacity_tokens, workspace_bytes, staged=True, symmetric=False)
+            except ProfileError as exc:
+                raise ProfileError("kv_prefetch.workspace_mib",
+                                   f"DCP transport 'peer' is unavailable here (logged above) and "
+                                   f"NCCL's gather needs staging parts beside each slot: "
+                                   f"{str(exc).split(': ', 1)[-1]}") from None
         if self.dcp is not None:
             nccl = NcclExchange(self.dcp.group)
             if self.transport == "auto":  # the symmetric ring is there: it fell back otherwise
                 self._choose_transport(nccl)
             self._exchanger = self.exchange if self.transport == "peer" else nccl
+
+    def _pool(self, capacity_tokens: int, workspace_bytes: int, *, staged: bool,
+              symmetric: bool) -> None:
+        rows, capacity, local = self._sizes(capacity_tokens, workspace_bytes, staged)
+        self.pool = SlotPool(self.lane, (rows, *self.layout.unit), self.layout.dtype,
+                             depth=self.depth, workspace_bytes=workspace_bytes,
+                             device=self.device, allocate=self._symmetric if symmetric else None)
+        self.capacity_tokens, self.capacity, self.local_capacity = capacity_tokens, capacity, local
 
     def _symmetric(self, shape, dtype, device) -> torch.Tensor:
         """The ring in memory every DCP rank maps, or a plain one and NCCL (logged)."""
@@ -227,23 +247,28 @@ class KVPrefetcher:
         self.transport = "nccl"
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def _staging(self, slot: torch.Tensor) -> torch.Tensor:
+    def _staging(self, slot: torch.Tensor) -> torch.Tensor | None:
+        if not self.local_capacity:
+            return None
         return slot[self.capacity:].view(self.dcp.size, self.local_capacity, *self.layout.unit)
 
     def _choose_transport(self, nccl: NcclExchange) -> None:
-        """Time both exchanges on slot 0's staging (collective); keep peer unless its time is
-        more than :data:`PEER_PREFERENCE` times NCCL's."""
-        self.transport_ms = time_exchanges(self._staging(self.pool.storage[0]),
-                                           {"nccl": nccl, "peer": self.exchange}, self.dcp.group)
+        """Time both exchanges on slot 0 (collective); keep peer unless its time is more than
+        :data:`PEER_PREFERENCE` times NCCL's."""
+        slot = self.pool.storage[0]
+        self.transport_ms = time_exchanges(slot[: self.capacity], self._staging(slot),
+                                           {"nccl": nccl, "peer": self.exchange}, self.dcp.group,
+                                           interleave=self.dcp.interleave)
         # every rank has the slowest rank's times, so every rank chooses the same. Timed alone,
-        # the exchanges do not show that the copy engines leave the SMs to the attention: peer
-        # wins ties and near-ties
+        # the exchanges do not show that the copy engines leave the SMs to the attention (nor
+        # that NCCL's path adds an order-restoring pass): peer wins ties and near-ties
         ms = self.transport_ms
         self.transport = "peer" if ms["peer"] <= PEER_PREFERENCE * ms["nccl"] else "nccl"
-        log.info("'%s': DCP exchange of %.1f MiB per rank: %s; using %s", self.name,
-                 self._staging(self.pool.storage[0])[0].nbytes / MIB,
+        log.info("'%s': DCP exchange of a %.1f MiB slot: %s; using %s%s", self.name,
+                 slot[: self.capacity].nbytes / MIB,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.transport_ms.items()),
-                 self.transport)
+                 self.transport, " (the ring keeps NCCL's staging parts, unused; "
+                 "dcp_transport: peer drops them)" if self.transport == "peer" else "")
 
     def resize(self, capacity_tokens: int, workspace_bytes: int) -> None:
         """A new ring for new sizes: every per-step state retires, the old ring is freed after
@@ -255,7 +280,8 @@ class KVPrefetcher:
         Raises:
             ProfileError: the new sizes do not fit (checked first: nothing is lost then).
         """
-        self._sizes(capacity_tokens, workspace_bytes)
+        self._sizes(capacity_tokens, workspace_bytes,
+                    self.dcp is not None and self.dcp.transport != "peer")
         self.retire("the workspace is resized")
         self.pool.close()
         layers, self.stepper, self.dag = self.layers, None, None  # no plan over a closed ring
@@ -340,7 +366,9 @@ class KVPrefetcher:
         """Layer ``layer``'s full context KV while its attention runs (None if not gathered).
 
         Rows layout: ``[capacity, *row]`` with requests packed in order (request r's rows start
-        at the sum of the earlier context lengths); pages layout: the pages likewise.
+        at the sum of the earlier context lengths); pages layout: the pages likewise. Under
+        DCP each request starts at a multiple of ``size * interleave`` rows instead
+        (:meth:`request_starts`; Note [DCP layout] in kv_gathers.py).
         """
         if self.stepper is None or not self.stepper.in_forward or not self._step_ok:
             return None
@@ -348,6 +376,15 @@ class KVPrefetcher:
             return None
         lease = self.stepper.lease(layer)
         return None if lease is None else lease.tensor[: self.capacity]
+
+    def request_starts(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """The slot row (rows layout) or page (pages layout) where each request begins, for
+        the step's ``context_lens``; computed on the device, no host sync."""
+        lens = context_lens.to(torch.int64)
+        if self.dcp is not None:
+            return dcp_slot_starts(lens, self.dcp.size, self.dcp.interleave)
+        units = lens if self.layout.kind == "rows" else -(-lens // self.layout.block_size)
+        return torch.cumsum(units, 0) - units
 
     def retire(self, reason: str) -> None:
         """Forget all per-step state; a step in flight hands its slots back (host sync)."""

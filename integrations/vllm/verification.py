@@ -121,7 +121,8 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
 def _check_own_shard(got: torch.Tensor, source: KVSource, dcp: DcpGroup) -> str | None:
     """Under DCP a rank holds only its own tokens: check those rows of the gathered KV.
 
-    Token t lives on rank ``(t // interleave) % size`` (Note [DCP layout] in kv_gathers.py).
+    Token t lives on rank ``(t // interleave) % size``; request r's tokens start at a multiple
+    of ``size * interleave`` rows (Note [DCP layout] in kv_gathers.py).
     """
     cache, table = source.cache.cpu(), source.block_table.cpu()
     got = got.cpu()
@@ -133,7 +134,7 @@ def _check_own_shard(got: torch.Tensor, source: KVSource, dcp: DcpGroup) -> str 
                 p = (t // stride) * dcp.interleave + t % dcp.interleave  # position on this rank
                 if not torch.equal(got[row + t], cache[table[r, p // block_size], p % block_size]):
                     wrong += 1
-        row += n
+        row += -(-n // stride) * stride
     return f"{wrong} own-shard row(s) differ" if wrong else None
 
 
