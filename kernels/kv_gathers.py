@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ringflow.errors import KernelError
 from ringflow.kernels.gathers import check_paged_args, packed_positions, paged_gather, row_view
-from ringflow.kernels.dcp_rows import write_own_rows_fused
+from ringflow.kernels.dcp_rows import restore_order_fused, write_own_rows_fused
 from ringflow.kernels.row_gather import gather_rows
 
 
@@ -125,15 +125,18 @@ def _check_dcp(out: torch.Tensor, staging: torch.Tensor | None, size: int, reque
 
 
 def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.Tensor,
-                   out: torch.Tensor, interleave: int) -> torch.Tensor:
+                   out: torch.Tensor, interleave: int, *, fused: bool = True) -> torch.Tensor:
     """Every rank's part of ``staging`` (its local rows, request after request) into ``out`` in
-    the slot's order: one index gather (Note [DCP layout])."""
+    the slot's order: one index gather (Note [DCP layout]), in one launch where Triton runs
+    (Note [Own rows in one launch]; ``fused=False`` forces the torch ops)."""
     size = staging.shape[0]
+    starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
+    if fused and restore_order_fused(staging, starts, seq_lens, out, interleave):
+        return out
     rows = torch.arange(out.shape[0], device=out.device)
     request, t, valid = _slot_positions(seq_lens.to(torch.int64), rows, size * interleave)
     owner = (t // interleave) % size
     position = (t // (interleave * size)) * interleave + t % interleave
-    starts = torch.cumsum(local, 0) - local                                # [R, N] exclusive
     source = owner * staging.shape[1] + starts[request, owner] + position
     source = torch.where(valid, source, torch.zeros_like(source))
     return gather_rows(staging.view(-1, *staging.shape[2:]), source, valid, out)

@@ -154,3 +154,30 @@ def test_the_fused_own_rows_kernel_equals_the_torch_ops(size, rank, interleave, 
     assert torch.equal(outs[0][mine], want[mine]), "fused kernel"
     assert torch.equal(outs[1][mine], want[mine]), "torch ops"
     assert torch.isnan(outs[0][~mine]).all() and torch.isnan(outs[1][~mine]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size,interleave", [(2, 1), (4, 2), (3, 16), (1, 1)])
+@pytest.mark.parametrize("lens", [[37, 0, 301, 5], [301]])
+def test_the_fused_order_restoring_equals_the_torch_ops(size, interleave, lens):
+    """The NCCL path's restore (Note [Own rows in one launch]) in one launch against the torch
+    ops and the CPU reference: parts packed per rank (from the CPU shards), a poisoned slot
+    with rows past the last request, which must come back zero."""
+    from ringflow.kernels import dcp_local_lens, dcp_slot_rows
+    from ringflow.kernels.kv_gathers import _restore_order
+    from ringflow.kernels import reference as ref
+    gen = torch.Generator().manual_seed(size + interleave)
+    full = [torch.randn(n, 576, generator=gen).to(torch.bfloat16) for n in lens]
+    shards = ref.dcp_shard_ref(full, size, interleave, 16, 20)
+    rows = dcp_slot_rows(sum(lens) + 40, len(lens), size, interleave)
+    local = dcp_local_lens(torch.tensor(lens), size, interleave)
+    staging = torch.full((size, rows // size + 3, 576), float("nan"), dtype=torch.bfloat16)
+    for rank, (cache, table) in enumerate(shards):
+        staging[rank, : int(local[:, rank].sum())] = ref.paged_gather_ref(
+            cache, table, local[:, rank], int(local[:, rank].sum()))
+    want = ref.dcp_all_gather_ref(shards, lens, size, interleave, rows)
+    for fused in (True, False):
+        out = torch.full((rows, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _restore_order(staging.cuda(), local.cuda(), torch.tensor(lens, device="cuda"), out,
+                       interleave, fused=fused)
+        assert torch.equal(out.cpu(), want), f"fused={fused}"
