@@ -182,8 +182,14 @@ def test_full_kv_prefetch_verifies_every_slot_in_every_graph_mode(matrix, mode, 
 
 TWO = {"tensor_parallel_size": 2}
 DCP2 = {**TWO, "decode_context_parallel_size": 2}
-KV_DCP = {"ringflow": {"name": "dcp", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
-                                                       "verify": True, "dcp_transport": "auto"}}}
+# eager: `auto` measures both exchanges and picks; FULL graphs: the copy engines, asked for
+DCP_TRANSPORT = {"eager": "auto", "full": "peer"}
+
+
+def kv_dcp(transport: str) -> dict:
+    return {"ringflow": {"name": "dcp", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
+                                                        "verify": True,
+                                                        "dcp_transport": transport}}}
 WORKER_RPC = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # kv stats come back from the workers
 
 
@@ -198,23 +204,35 @@ def two_gpus():
                 "engine": DCP2, "env": WORKER_RPC}
         cases += [{"name": f"dcp/{mode}/off", **base},
                   {"name": f"dcp/{mode}/verified", **base, "env": {**WORKER_RPC, **POISON},
-                   "additional_config": KV_DCP}]
+                   "additional_config": kv_dcp(DCP_TRANSPORT[mode])}]
     base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
     cases += [{"name": "tp2/layer-ops", **base, "env": {**WORKER_RPC,
                                                         "RINGFLOW_LAYER_OPS_ONLY": "1"}},
               {"name": "tp2/streamed", **base, "env": {**WORKER_RPC, **POISON},
                "additional_config": STREAM, "repeat": True}]
-    results = {}
-    for case in cases:  # each engine takes both GPUs: one after the other
-        results.update(collect([run([case], case["name"].replace("/", "-"), timeout=900)]))
-    return results
+    return _Engines(cases)
+
+
+class _Engines(dict):
+    """Each case's engine, run the first time a test reads it (each takes both GPUs: one after
+    the other), so `-k` selects the engines that run too."""
+
+    def __init__(self, cases) -> None:
+        super().__init__()
+        self.cases = {case["name"]: case for case in cases}
+
+    def __missing__(self, name):
+        case = self.cases[name]
+        self.update(collect([run([case], name.replace("/", "-"), timeout=900)]))
+        return self[name]
 
 
 @pytest.mark.parametrize("mode", ["eager", "full"])
 def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
     """vLLM TP2 + DCP2, MLA: every slot all-gathered across the two GPUs equals the layer's
     full KV (checked on the host each eager step), tokens equal ringflow off, and the plan
-    records which exchange ran and what both cost."""
+    records which exchange ran (and, under `auto`, what both cost). FULL graphs ask for the
+    copy engines: they must run, not fall back."""
     off, run_ = ok(two_gpus[f"dcp/{mode}/off"]), ok(two_gpus[f"dcp/{mode}/verified"])
     assert_same_output(run_, off)
     assert len(run_["kv"]) == 2, run_["kv"]  # one model per worker
@@ -223,7 +241,11 @@ def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
         assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
         assert stats["checked"] >= stats["layers"], stats
         assert stats["dcp"]["size"] == 2 and stats["dcp"]["transport"] in ("nccl", "peer")
-        assert set(stats["dcp"]["measured_ms"]) == {"nccl", "peer"}, stats["dcp"]
+        assert stats["dcp"]["requested"] == DCP_TRANSPORT[mode], stats["dcp"]
+        if DCP_TRANSPORT[mode] == "auto":
+            assert set(stats["dcp"]["measured_ms"]) == {"nccl", "peer"}, stats["dcp"]
+        else:
+            assert stats["dcp"]["transport"] == DCP_TRANSPORT[mode], stats["dcp"]
 
 
 def test_weight_streaming_under_tensor_parallel_2(two_gpus):
