@@ -66,6 +66,9 @@ def check_paged_args(cache: torch.Tensor, row_dim: int, block_table: torch.Tenso
     """What every paged gather needs: a table per request, rows that fit ``out``, one device.
 
     ``cache.shape[row_dim:]`` is one unit copied (a token row, or a whole page)."""
+    if cache.dim() < row_dim:
+        unit = "block_size, *row" if row_dim == 2 else "*page"
+        raise KernelError(f"cache must be [num_blocks, {unit}], got {tuple(cache.shape)}")
     if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
         raise KernelError(f"block_table must be [requests, max_blocks] and seq_lens [requests], "
                           f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
@@ -105,8 +108,6 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     lengths that fit. The caller guarantees ``sum(seq_lens) <= capacity``; the CPU reference
     checks it.
     """
-    if cache.dim() < 2:
-        raise KernelError(f"cache must be [num_blocks, block_size, ...], got {tuple(cache.shape)}")
     check_paged_args(cache, 2, block_table, seq_lens, out)
     if block_table.shape[0] == 0:
         return out.zero_()

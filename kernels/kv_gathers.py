@@ -100,8 +100,13 @@ def _slot_positions(lens: torch.Tensor, rows: torch.Tensor, align: int):
     return request, t, valid & (t < lens[request])
 
 
-def _check_dcp(out: torch.Tensor, staging: torch.Tensor | None, size: int, requests: int,
-               interleave: int, seq_lens: torch.Tensor) -> None:
+def _local_position(t: torch.Tensor, size: int, interleave: int) -> torch.Tensor:
+    """Where token ``t`` of a request lies in its owner's cache (Note [DCP layout])."""
+    return (t // (interleave * size)) * interleave + t % interleave
+
+
+def _check_dcp(out: torch.Tensor, staging: torch.Tensor | None, staged: bool, size: int,
+               requests: int, interleave: int, seq_lens: torch.Tensor) -> None:
     if interleave < 1:
         raise KernelError(f"interleave must be positive, got {interleave}")
     align = size * interleave
@@ -111,8 +116,10 @@ def _check_dcp(out: torch.Tensor, staging: torch.Tensor | None, size: int, reque
     if seq_lens.shape != (requests,):
         raise KernelError(f"seq_lens must have one entry per request ({requests}), got "
                           f"{tuple(seq_lens.shape)}")
-    if staging is None:
+    if not staged:  # the exchange lands the rows in place
         return
+    if staging is None:
+        raise KernelError("an NCCL exchange needs a staging buffer ([size, rows // size, *row])")
     if staging.dim() < 2 or staging.shape[0] != size or staging.shape[2:] != out.shape[1:]:
         raise KernelError(f"staging must be [{size}, local_capacity, *row] for a group of "
                           f"{size} and a slot of {tuple(out.shape)}, got {tuple(staging.shape)}")
@@ -136,7 +143,7 @@ def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.T
     rows = torch.arange(out.shape[0], device=out.device)
     request, t, valid = _slot_positions(seq_lens.to(torch.int64), rows, size * interleave)
     owner = (t // interleave) % size
-    position = (t // (interleave * size)) * interleave + t % interleave
+    position = _local_position(t, size, interleave)
     source = owner * staging.shape[1] + starts[request, owner] + position
     source = torch.where(valid, source, torch.zeros_like(source))
     return gather_rows(staging.view(-1, *staging.shape[2:]), source, valid, out)
@@ -150,14 +157,14 @@ def _write_own_rows(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: to
     where Triton runs (Note [Own rows in one launch]; ``fused=False`` forces the torch ops)."""
     cache_rows, per_block = row_view(cache)
     block_size = cache.shape[1]
-    if fused and cache_rows is not None and write_own_rows_fused(cache_rows, per_block, block_size, block_table, seq_lens,
-                                      out, size, rank, interleave):
+    if fused and cache_rows is not None and write_own_rows_fused(
+            cache_rows, per_block, block_size, block_table, seq_lens, out, size, rank, interleave):
         return out
     align = size * interleave
     chunk = torch.arange(out.shape[0] // align, device=out.device).unsqueeze(1) * align
     rows = (chunk + rank * interleave + torch.arange(interleave, device=out.device)).flatten()
     request, t, valid = _slot_positions(seq_lens.to(torch.int64), rows, align)
-    position = (t // align) * interleave + t % interleave                  # local position
+    position = _local_position(t, size, interleave)
     table = block_table.to(torch.int64)
     block = torch.where(valid, table[request, (position // block_size).clamp_(
         0, table.shape[1] - 1)], torch.zeros_like(request))
@@ -212,15 +219,10 @@ def dcp_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.T
     """
     size, rank = exchange.size, exchange.rank
     requests = block_table.shape[0]
-    if not exchange.in_place and staging is None:
-        raise KernelError("an NCCL exchange needs a staging buffer ([size, rows // size, *row])")
-    _check_dcp(out, None if exchange.in_place else staging, size, requests, interleave, seq_lens)
+    _check_dcp(out, staging, not exchange.in_place, size, requests, interleave, seq_lens)
     if requests == 0:  # every rank sees the same batch: all skip the exchange together
         return out.zero_()
     if exchange.in_place:
-        if cache.dim() < 2:
-            raise KernelError(f"cache must be [num_blocks, block_size, ...], got "
-                              f"{tuple(cache.shape)}")
         check_paged_args(cache, 2, block_table, seq_lens, out)
         _write_own_rows(cache, block_table, seq_lens, out, size, rank, interleave)
         exchange.exchange(out, None, interleave)

@@ -12,10 +12,9 @@ rows, all-gather the parts over the gather lane's own communicator, restore the 
 ``ringflow.kernels.dcp_all_gather``) or ``peer`` (write this rank's rows into their places in
 its slot, then copy engines pull the peers' rows from their slots in symmetric memory with 2-D
 copies straight into place: ``ringflow.kernels.dcp_gather`` with a ``PeerExchange``); the
-layer's compute is an
-absorbed-MLA decode attention of ``--heads`` heads over the gathered KV plus a
-``--extra-gemm``-square GEMM standing for the rest of the layer (projections, MLP/MoE). Two caches alternate between layers, so a
-gather of the wrong layer shows.
+layer's compute is an absorbed-MLA decode attention of ``--heads`` heads over the gathered KV
+plus a ``--extra-gemm``-square GEMM standing for the rest of the layer (projections, MLP/MoE).
+Two caches alternate between layers, so a gather of the wrong layer shows.
 
 Variants per transport, each captured into a CUDA graph and replayed interleaved (medians):
 ``sync`` (depth 0: gather then compute on one stream), ``ringflow dN`` (depth N), ``gather``
