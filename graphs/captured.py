@@ -19,14 +19,14 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import torch
 
-from ringflow.errors import CaptureError, ExecutorError
+from ringflow.errors import CaptureError
 from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.eager import EagerExecutor
-from ringflow.graphs.executor import ComputeFn, GatherFn
+from ringflow.graphs.executor import ComputeFn, GatherFn, check_option, cuda_device_of, pools_by_lane
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.orchestrator.dag import Dag
-from ringflow.orchestrator.profile import CAPTURE_POLICIES
-from ringflow.orchestrator.slots import SlotPool
+from ringflow.orchestrator.vocab import CAPTURE_POLICIES
+from ringflow.graphs.slots import SlotPool
 
 log = logging.getLogger("ringflow")
 
@@ -53,15 +53,10 @@ class CapturedExecutor:
                  gather: GatherFn, compute: ComputeFn, *, gather_priority: str = "normal",
                  poison: bool | None = None, capture: str = "join", keep_graph: bool = False,
                  warmup: int = 1) -> None:
-        if capture not in CAPTURE_POLICIES:
-            raise ExecutorError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got "
-                                f"{capture!r}")
+        check_option("capture", capture, CAPTURE_POLICIES)
         self.dag = dag
-        self.pools = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
-        devices = {p.device for p in self.pools.values()}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ExecutorError(f"CapturedExecutor needs every pool on one CUDA device, got "
-                                f"{sorted(map(str, devices))}; use SyncExecutor on the CPU")
+        self.pools = pools_by_lane(pools)
+        cuda_device_of(self.pools.values(), "CapturedExecutor")
         self.capture_policy = capture
         self.keep_graph = keep_graph
         self.warmup = warmup

@@ -33,13 +33,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ringflow.errors import CaptureError, ExecutorError
-from ringflow.graphs.executor import ComputeFn, DagExecutor, GatherFn
+from ringflow.errors import CaptureError
+from ringflow.graphs.executor import (ComputeFn, DagExecutor, GatherFn, check_option,
+                                      cuda_device_of, pools_by_lane)
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.graphs.sync import SyncExecutor
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, Node
-from ringflow.orchestrator.profile import CAPTURE_POLICIES, GATHER_PRIORITIES
-from ringflow.orchestrator.slots import SlotPool
+from ringflow.orchestrator.vocab import CAPTURE_POLICIES, GATHER_PRIORITIES
+from ringflow.graphs.slots import SlotPool
 
 log = logging.getLogger("ringflow")
 
@@ -63,18 +64,10 @@ class EagerExecutor(DagExecutor):
     def __init__(self, dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool],
                  gather: GatherFn, compute: ComputeFn, *, gather_priority: str = "normal",
                  poison: bool | None = None, capture: str = "join") -> None:
-        pools = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
-        devices = {p.device for p in pools.values()}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ExecutorError(f"EagerExecutor needs every pool on one CUDA device, got "
-                                f"{sorted(map(str, devices))}; use SyncExecutor on the CPU")
-        if gather_priority not in GATHER_PRIORITIES:
-            raise ExecutorError(f"gather_priority must be one of {', '.join(GATHER_PRIORITIES)}, "
-                                f"got {gather_priority!r}")
-        if capture not in CAPTURE_POLICIES:
-            raise ExecutorError(f"capture must be one of {', '.join(CAPTURE_POLICIES)}, got "
-                                f"{capture!r}")
-        self.device = next(iter(devices))
+        pools = pools_by_lane(pools)
+        check_option("gather_priority", gather_priority, GATHER_PRIORITIES)
+        check_option("capture", capture, CAPTURE_POLICIES)
+        self.device = cuda_device_of(pools.values(), "EagerExecutor")
         self.gather_priority = gather_priority
         self.capture_policy = capture
         self._logged: set[str] = set()
@@ -156,3 +149,15 @@ class EagerExecutor(DagExecutor):
 
     def _may_sync(self) -> bool:
         return not torch.cuda.is_current_stream_capturing()
+
+
+def executor_for(dag: Dag, pools: Iterable[SlotPool], gather: GatherFn, compute: ComputeFn, *,
+                 capture: str = "join", gather_priority: str = "normal",
+                 poison: bool | None = None) -> DagExecutor:
+    """The executor that runs ``dag`` where its pools live: :class:`EagerExecutor` (side
+    streams) on a CUDA device, :class:`SyncExecutor` (one stream, in plan order) elsewhere."""
+    pools = list(pools)
+    if all(p.device.type == "cuda" for p in pools):
+        return EagerExecutor(dag, pools, gather, compute, capture=capture,
+                             gather_priority=gather_priority, poison=poison)
+    return SyncExecutor(dag, pools, gather, compute, poison=poison)

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from ringflow import envs
 from ringflow.errors import ExecutorError
 from ringflow.graphs import nvtx_ranges
 from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
 from ringflow.orchestrator.hazards import check_hazards
-from ringflow.orchestrator.slots import Lease, LeaseState, SlotPool
+from ringflow.graphs.slots import Lease, LeaseState, SlotPool, poison
+from ringflow.orchestrator.vocab import check_choice
 
 log = logging.getLogger("ringflow")
 
@@ -35,25 +36,40 @@ ComputeFn = Callable[[int, str, "torch.Tensor | None"], Any]
 
 
 def poison_default() -> bool:
-    """``RINGFLOW_POISON=1`` makes executors fill each slot with NaN after its last read.
+    """``RINGFLOW_POISON``: fill each slot with NaN after its last read (Note [Switches] in
+    ``ringflow/envs.py``: a value that is not a flag raises ConfigError naming it)."""
+    return envs.flag("RINGFLOW_POISON")
+
+
+def cuda_device_of(pools: Iterable[SlotPool], who: str) -> torch.device:
+    """The one CUDA device every pool lives on.
 
     Raises:
-        ExecutorError: the variable holds anything but 0/1, true/false, yes/no or on/off (any
-            case); a typo must not silently turn the debug check off.
+        ExecutorError: the pools are on the CPU or on several devices.
     """
-    value = os.environ.get("RINGFLOW_POISON", "0")
-    switch = {"1": True, "true": True, "yes": True, "on": True,
-              "0": False, "false": False, "no": False, "off": False, "": False}
-    try:
-        return switch[value.strip().lower()]
-    except KeyError:
-        raise ExecutorError(f"RINGFLOW_POISON={value!r} is not a switch; accepted: 1, true, yes, "
-                            f"on (poison every slot after its last read) or 0, false, no, off, "
-                            f"unset (do not)") from None
+    devices = {p.device for p in pools}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ExecutorError(f"{who} needs every pool on one CUDA device, got "
+                            f"{sorted(map(str, devices))}; use SyncExecutor on the CPU")
+    return next(iter(devices))
+
+
+def check_option(what: str, value: object, choices) -> None:
+    """An executor option (``capture``, ``gather_priority``) is one of ``choices``.
+
+    Raises:
+        ExecutorError: naming the option and what it accepts.
+    """
+    check_choice(what, value, choices, ExecutorError)
+
+
+def pools_by_lane(pools: Mapping[str, SlotPool] | Iterable[SlotPool]) -> dict[str, SlotPool]:
+    """``pools`` keyed by lane, whichever way they were given."""
+    return dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
 
 
 def _pools_by_lane(dag: Dag, pools: Mapping[str, SlotPool] | Iterable[SlotPool]) -> dict[str, SlotPool]:
-    by_lane = dict(pools) if isinstance(pools, Mapping) else {p.lane: p for p in pools}
+    by_lane = pools_by_lane(pools)
     for layout in dag.pools:
         pool = by_lane.get(layout.lane)
         if pool is None:
@@ -210,14 +226,13 @@ class DagExecutor:
         layer, lane, compute = node.layer, node.lane, self.compute
         if node.slot is None:
             return lambda: compute(layer, lane, None)
-        key, leases, poison = (lane, layer), self._leases, self.poison
-        nan = float("nan") if self.pools[lane].dtype.is_floating_point else 255
+        key, leases, poisoned = (lane, layer), self._leases, self.poison
 
         def step() -> None:
             slot = leases[key].begin_read()
             compute(layer, lane, slot)
-            if poison:  # debug: a later read of this lease without a new gather sees NaN
-                slot.fill_(nan)
+            if poisoned:  # debug: a later read of this lease without a new gather sees NaN
+                poison(slot)
 
         return step
 

@@ -3,7 +3,7 @@
 The ``nvtx`` package is used when it is installed (domain ``ringflow``, attributes prebuilt so
 the per-node cost is one push and one pop); without it, torch's own NVTX binding on a CUDA
 build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
-``RINGFLOW_NVTX=0`` turns ranges off.
+``RINGFLOW_NVTX=0`` (or ``off``, ``false``, ``no``) turns ranges off.
 
 .. note::
     Ranges are host-side. Under a CUDA graph they appear once, at capture, not at replay; a
@@ -13,7 +13,7 @@ build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
 
 from __future__ import annotations
 
-import os
+from ringflow import envs
 from collections.abc import Callable
 
 import torch
@@ -62,8 +62,9 @@ class _TorchNvtx:
         torch.cuda.nvtx.range_pop()
 
 
-def _select():
-    if os.environ.get("RINGFLOW_NVTX", "1") == "0":
+def select_backend():
+    """The NVTX backend the switches and the installed packages give (chosen once, at import)."""
+    if not envs.flag("RINGFLOW_NVTX"):
         return _Null()
     try:
         import nvtx
@@ -72,7 +73,7 @@ def _select():
     return _NvtxPackage(nvtx)
 
 
-backend = _select()
+backend = select_backend()
 
 
 def handle(message: str) -> object:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from ringflow.errors import PlanError
 from ringflow.graphs.executor import DagExecutor
+from ringflow.graphs.slots import poison
 from ringflow.orchestrator.dag import NodeKind
 
 log = logging.getLogger("ringflow")
@@ -82,9 +83,8 @@ class LayerStepper:
                             f"must call both around every layer")
         if self.poison:
             lease = self.lease(layer)
-            if lease is not None:  # bytes 0xFF read as NaN in every float format
-                lease.tensor.fill_(255 if not lease.tensor.dtype.is_floating_point
-                                   else float("nan"))
+            if lease is not None:
+                poison(lease.tensor)
         self._issue(self._next.get(layer, self._end))
         if self._cursor == self._end:
             self._reset(abandon=False)

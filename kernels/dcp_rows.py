@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ringflow.kernels.row_gather import _flat_rows, triton
+from ringflow.kernels.row_gather import flat_rows, triton
 
 BLOCK_R = 16  # rows per program
 
@@ -102,7 +102,7 @@ def write_own_rows_fused(cache_rows: torch.Tensor, per_block: int, block_size: i
     """The kernel of Note [Own rows in one launch], where it can run (CUDA, Triton, rows whose
     elements are contiguous, a contiguous block table); False when the caller must use the
     torch path. ``cache_rows`` is the cache as one row axis (``gathers.row_view``)."""
-    layouts = (_flat_rows(cache_rows), _flat_rows(out))
+    layouts = (flat_rows(cache_rows), flat_rows(out))
     requests = block_table.shape[0]
     if (triton is None or not out.is_cuda or cache_rows.device != out.device
             or None in layouts or layouts[0][1] != layouts[1][1] or cache_rows.dtype != out.dtype
@@ -129,7 +129,7 @@ def restore_order_fused(staging: torch.Tensor, starts: torch.Tensor, seq_lens: t
     the torch path."""
     size, part_rows = staging.shape[:2]
     flat = staging.view(size * part_rows, *staging.shape[2:])
-    layouts = (_flat_rows(flat), _flat_rows(out))
+    layouts = (flat_rows(flat), flat_rows(out))
     requests = starts.shape[0]
     if (triton is None or not out.is_cuda or staging.device != out.device or None in layouts
             or layouts[0][1] != layouts[1][1] or staging.dtype != out.dtype or requests == 0

@@ -25,10 +25,13 @@ Note [DCP layout]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from ringflow.errors import KernelError
+from ringflow.timing import interleaved_ms
 from ringflow.kernels.gathers import check_paged_args, packed_positions, paged_gather, row_view
 from ringflow.kernels.dcp_rows import restore_order_fused, write_own_rows_fused
 from ringflow.kernels.row_gather import gather_rows
@@ -131,7 +134,7 @@ def _check_dcp(out: torch.Tensor, staging: torch.Tensor | None, staged: bool, si
                           f"(the slot's rows / size)")
 
 
-def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.Tensor,
+def restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.Tensor,
                    out: torch.Tensor, interleave: int, *, fused: bool = True) -> torch.Tensor:
     """Every rank's part of ``staging`` (its local rows, request after request) into ``out`` in
     the slot's order: one index gather (Note [DCP layout]), in one launch where Triton runs
@@ -149,7 +152,7 @@ def _restore_order(staging: torch.Tensor, local: torch.Tensor, seq_lens: torch.T
     return gather_rows(staging.view(-1, *staging.shape[2:]), source, valid, out)
 
 
-def _write_own_rows(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def write_own_rows(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     out: torch.Tensor, size: int, rank: int, interleave: int, *,
                     fused: bool = True) -> torch.Tensor:
     """This rank's tokens into their rows of ``out`` (the rows ``(p // I) % N == rank``; padding
@@ -224,13 +227,13 @@ def dcp_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.T
         return out.zero_()
     if exchange.in_place:
         check_paged_args(cache, 2, block_table, seq_lens, out)
-        _write_own_rows(cache, block_table, seq_lens, out, size, rank, interleave)
+        write_own_rows(cache, block_table, seq_lens, out, size, rank, interleave)
         exchange.exchange(out, None, interleave)
         return out
     local = dcp_local_lens(seq_lens, size, interleave)                      # [R, N]
     paged_gather(cache, block_table, local[:, rank], staging[rank])
     exchange.exchange(out, staging, interleave)
-    return _restore_order(staging, local, seq_lens, out, interleave)
+    return restore_order(staging, local, seq_lens, out, interleave)
 
 
 def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -244,20 +247,10 @@ def dcp_all_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
 def time_exchanges(out: torch.Tensor, staging: torch.Tensor | None, exchanges: dict, group, *,
                    interleave: int = 1, rounds: int = 5) -> dict[str, float]:
     """Median ms of each of ``exchanges`` moving a slot's bytes between the ranks (``out`` for
-    an exchange in place, ``staging`` otherwise), the slowest rank's (collective: every rank of
-    ``group`` calls it; host-syncs)."""
-    ms = []
-    for exchange in exchanges.values():
-        times = []
-        for i in range(rounds + 2):  # two warm-up rounds
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            exchange.exchange(out, staging, interleave)
-            end.record()
-            end.synchronize()
-            if i >= 2:
-                times.append(start.elapsed_time(end))
-        ms.append(sorted(times)[len(times) // 2])
-    slowest = torch.tensor(ms, device=out.device)
+    an exchange in place, ``staging`` otherwise), interleaved round by round, the slowest
+    rank's (collective: every rank of ``group`` calls it; host-syncs)."""
+    ms = interleaved_ms({name: functools.partial(exchange.exchange, out, staging, interleave)
+                         for name, exchange in exchanges.items()}, rounds, warmup=2)
+    slowest = torch.tensor([ms[name] for name in exchanges], device=out.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(exchanges, slowest.tolist()))

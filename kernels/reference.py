@@ -2,7 +2,7 @@
 
 For tests (and ``SyntheticWorkload.reference_float64``, which tests call): the runtime never
 imports it; verification mode computes what a slot must hold in its own form
-(``integrations/vllm/verification.py``).
+(``integrations/torch/verification.py``).
 """
 
 from __future__ import annotations

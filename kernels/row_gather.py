@@ -45,7 +45,7 @@ if triton is not None:
                      mask=in_range[:, None] & cols[None, :])
 
 
-def _flat_rows(t: torch.Tensor) -> tuple[int, int] | None:
+def flat_rows(t: torch.Tensor) -> tuple[int, int] | None:
     """(row stride, row width) in elements when each row's elements are contiguous."""
     width = 1
     expected = 1
@@ -68,7 +68,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
     everywhere, without repeats (the callers compute them so; unlike ``index_select``, the
     kernel does not check). No host sync, capture-safe.
     """
-    layouts = (_flat_rows(src), _flat_rows(out))
+    layouts = (flat_rows(src), flat_rows(out))
     rows = index.shape[0] if out_index is not None else out.shape[0]
     targets = (out_index,) if out_index is not None else ()
     if (triton is not None and out.is_cuda and src.device == out.device and None not in layouts

@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ringflow.errors import ProfileError
-
-MIB = 1 << 20
+from ringflow.errors import BudgetError, ConfigError
+from ringflow.units import MIB
 MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
 MAX_LAYERS = 8192  # deeper than any model; keeps every plan small enough to check in a second
 
@@ -56,28 +55,26 @@ class PoolLayout:
         """The largest ring of at most ``depth + 1`` slots that fits ``budget_bytes``.
 
         Raises:
-            ProfileError: the budget holds not even one slot.
+            ConfigError: a lane name, slot size, depth or budget that is not one.
+            BudgetError: the budget holds not even one slot (the one place this is decided:
+                a caller that took the budget from a profile names its field).
         """
         if not isinstance(lane, str) or not lane:
-            raise ProfileError("lane", f"expected a non-empty name, got {lane!r}")
+            raise ConfigError(f"lane: expected a non-empty name, got {lane!r}")
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise ProfileError("slot.shape", f"a slot must hold at least one byte, got {slot_bytes!r}")
+            raise ConfigError(f"lane '{lane}': a slot must hold at least one byte, got "
+                              f"{slot_bytes!r}")
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < MAX_LAYERS:
-            raise ProfileError("depth", f"expected an integer in 0..{MAX_LAYERS - 1} (a ring "
-                               f"holds depth + 1 slots; no plan has more layers), got {depth!r}")
+            raise ConfigError(f"lane '{lane}': depth must be an integer in 0..{MAX_LAYERS - 1} (a "
+                              f"ring holds depth + 1 slots; no plan has more layers), got {depth!r}")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) \
                 or not math.isfinite(budget_bytes) or budget_bytes <= 0:
-            raise ProfileError("workspace_mib", f"expected a positive budget in bytes, got "
-                               f"{budget_bytes!r}")
+            raise ConfigError(f"lane '{lane}': the budget must be a positive number of bytes, "
+                              f"got {budget_bytes!r}")
         budget_bytes = int(budget_bytes)
         fitting = budget_bytes // slot_bytes
         if fitting < 1:
-            raise ProfileError(
-                "workspace_mib",
-                f"budget {budget_bytes / MIB:.3f} MiB is smaller than one slot "
-                f"({slot_bytes} bytes = {slot_bytes / MIB:.3f} MiB); accepted: a budget of at least "
-                f"{math.ceil(slot_bytes / MIB * 1000) / 1000:.3f} MiB, or a smaller slot.shape",
-            )
+            raise BudgetError(lane, slot_bytes, budget_bytes)
         return cls(lane, slot_bytes, min(depth + 1, fitting), depth, budget_bytes)
 
     @property

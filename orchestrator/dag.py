@@ -115,6 +115,10 @@ class Dag:
     nodes: tuple[Node, ...]
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     prime: tuple[Node, ...] = ()  # fills the carried slots (Note [Forward boundary])
+    #: set only by :func:`~ringflow.orchestrator.hazards.check_hazards`, on the copy it returns;
+    #: a proven Dag is not checked again (executors check every Dag they are given). Not an
+    #: argument: any Dag built or ``dataclasses.replace``-d from another starts unproven.
+    proven: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for nodes in (self.nodes, self.prime):

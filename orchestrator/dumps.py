@@ -24,7 +24,8 @@ import json
 from typing import Any
 
 from ringflow.errors import PlanError
-from ringflow.orchestrator.budget import MIB, PoolLayout
+from ringflow.orchestrator.budget import PoolLayout
+from ringflow.units import MIB
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, EventRole, Node, NodeKind
 
 SCHEMA = "ringflow.dag"

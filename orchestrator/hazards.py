@@ -51,12 +51,13 @@ class _LeaseNodes:
 
 
 def check_hazards(dag: Dag) -> Dag:
-    """Prove ``dag`` safe; return it unchanged. A Dag proven once is not checked again.
+    """Prove ``dag`` safe; return it as a proven Dag (``proven=True``, same nodes). A proven Dag
+    is returned as it is: it is not checked again.
 
     Raises:
         HazardError: naming the hazard kind and the offending node ids.
     """
-    if dag.__dict__.get("_proven"):
+    if dag.proven:
         return dag
     if dag.prime:  # each part is captured or issued on its own: each must fork and join
         for part in (dag.nodes, dag.prime):
@@ -72,8 +73,9 @@ def check_hazards(dag: Dag) -> Dag:
     _check_fork_join(target)
     _check_lanes(target)
     _check_overlap(target, leases, carried={(lane, layer) for lane, layer, _ in dag.carried})
-    dag.__dict__["_proven"] = True  # a frozen Dag cannot change after its proof
-    return dag
+    proved = dataclasses.replace(dag)  # the same plan; only a copy made here is marked
+    object.__setattr__(proved, "proven", True)
+    return proved
 
 
 def _unrolled(dag: Dag) -> Dag:

@@ -31,7 +31,7 @@ Note [When a gather is issued]
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ringflow.errors import PlanError
@@ -91,6 +91,8 @@ class Planner:
             resident data and take no slot.
         ineligible: gathered layers the plan may not prefetch; they run as ``sync_gather``.
         name: carried into dumps.
+        meta: more facts to record in the plan's ``meta`` (what the caller decided around it,
+            such as a DCP lane's transport), in every dump of it.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class Planner:
         cross_forward: Iterable[str] = (),
         synchronous: bool = False,
         name: str = "plan",
+        meta: Mapping[str, object] | None = None,
     ) -> None:
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
             raise PlanError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}")
@@ -118,6 +121,7 @@ class Planner:
             raise PlanError(f"cross_forward names lanes {sorted(unknown)} the plan does not have "
                             f"({', '.join(p.lane for p in self.pools)})")
         self.synchronous = bool(synchronous)
+        self.meta = dict(meta or {})
         self.name = name
 
     @classmethod
@@ -204,7 +208,8 @@ class Planner:
         _join(prime, primed)
         dag = Dag(self.name, self.layers, self.pools, tuple(b.nodes),
                   meta={"gathered": sorted(self.gathered), "ineligible": sorted(self.ineligible),
-                        "cross_forward": sorted(primed), "synchronous": self.synchronous},
+                        "cross_forward": sorted(primed), "synchronous": self.synchronous,
+                        **self.meta},
                   prime=tuple(prime.nodes))
         return check_hazards(dag)  # every plan is proven before anyone can run it
 

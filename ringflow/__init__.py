@@ -7,9 +7,10 @@ Note [Lazy public API]
     Every subpackage imports ``ringflow.errors``, which runs this file first. So this file
     imports nothing: a name in ``__all__`` is loaded from its module the first time it is
     asked for (``from ringflow import Planner``), and importing the orchestrator (pure Python)
-    never drags in torch or the executors. Imports run one way (README, "Layout"):
-    integrations -> graphs -> orchestrator; kernels are leaves; ``ringflow.errors`` is below
-    them all. ``tests/test_import_layers.py`` checks it in fresh interpreters.
+    never drags in torch or the executors. Imports run one way (ARCHITECTURE.md, "Rooms"):
+    integrations/vllm -> integrations/torch -> graphs -> orchestrator; kernels are leaves; the
+    root's own modules (errors, envs, units, cudart, timing) are below them all.
+    ``tests/unit/test_import_layers.py`` checks every module in fresh interpreters.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    **dict.fromkeys(["CaptureError", "ExecutorError", "HazardError", "KernelError", "LeaseError",
-                     "LifecycleError", "PlanError", "ProfileError", "RingflowError",
-                     "SlotPoolExhausted"], "ringflow.errors"),
+    **dict.fromkeys(["AllocationError", "BudgetError", "CaptureError", "ConfigError",
+                     "DeviceError", "EngineError", "ExecutorError", "HazardError", "KernelError",
+                     "LeaseError", "LifecycleError", "MeasurementError", "OutputError",
+                     "PlanError", "ProfileError", "RingflowError", "SlotPoolExhausted",
+                     "UnsupportedModelError"], "ringflow.errors"),
     "CapturedExecutor": "ringflow.graphs.captured",
     "EagerExecutor": "ringflow.graphs.eager",
     "SyncExecutor": "ringflow.graphs.sync",
@@ -33,7 +36,7 @@ _EXPORTS = {
     "check_hazards": "ringflow.orchestrator.hazards",
     "Planner": "ringflow.orchestrator.planner",
     **dict.fromkeys(["Profile", "load_profile"], "ringflow.orchestrator.profile"),
-    **dict.fromkeys(["Lease", "LeaseState", "SlotPool"], "ringflow.orchestrator.slots"),
+    **dict.fromkeys(["Lease", "LeaseState", "SlotPool"], "ringflow.graphs.slots"),
 }
 
 __all__ = sorted(_EXPORTS)

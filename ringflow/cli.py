@@ -2,7 +2,7 @@
 
 ``plan`` prints or writes a profile's Dag and budget arithmetic (no GPU needed); ``run`` drives
 the built-in synthetic workload through the executors and prints a table; ``bench`` and
-``tune`` measure on a GPU (see ringflow/bench.py).
+``tune`` measure on a GPU (see ringflow/bench/scenarios.py).
 
 Bad input gets one line on stderr and exit status 2, never a traceback.
 """
@@ -15,33 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from ringflow.errors import RingflowError
+from ringflow.arguments import Parser, non_negative, positive
+from ringflow.errors import (CaptureError, ConfigError, DeviceError, OutputError, ProfileError,
+                             RingflowError)
 from ringflow.orchestrator.dumps import DOT_FULL_MAX_LAYERS
+from ringflow.units import mib
 
 log = logging.getLogger("ringflow")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def _at_least(lowest: int):
-    """An argparse type: an integer >= ``lowest``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {text!r}") \
-                from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {value}")
-        return value
-    return parse
-
-
-_positive = _at_least(1)
-_non_negative = _at_least(0)
 
 
 _DESCRIPTION = ("Plan, prove and run per-layer prefetch: while layer l computes, the data layer "
@@ -60,19 +40,19 @@ def _builtin_names() -> str:
 
 def _parser() -> argparse.ArgumentParser:
     from ringflow import __version__
-    from ringflow.bench import SCENARIOS
+    from ringflow.bench.scenarios import SCENARIOS
 
     names = _builtin_names()
-    parser = _Parser(prog="ringflow", description=_DESCRIPTION,
+    parser = Parser(prog="ringflow", description=_DESCRIPTION,
                      epilog=_EPILOG.format(names=names))
     parser.add_argument("--version", action="version", version=f"ringflow {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
                                 title="commands", metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("profile", help=f"a profile YAML path, or a built-in name ({names})")
-        p.add_argument("--layers", type=_positive, help="override the profile's layer count")
-        p.add_argument("--depth", type=_non_negative, help="override the profile's depth")
+        p.add_argument("--layers", type=positive, help="override the profile's layer count")
+        p.add_argument("--depth", type=non_negative, help="override the profile's depth")
 
     plan = sub.add_parser("plan", help="print or write a profile's plan (the Dag of gather, "
                                        "compute and event nodes) and its budget arithmetic; no "
@@ -95,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "check them against a reference (on a CPU: the "
                                      "synchronous path)")
     common(run)
-    run.add_argument("--forwards", type=_positive, default=5, help="timed forwards (default 5)")
+    run.add_argument("--forwards", type=positive, default=5, help="timed forwards (default 5)")
 
     bench = sub.add_parser("bench", help="measure ringflow against the synchronous path and a "
                                          "hand-written ring on the scenarios of profiles/bench/ "
@@ -105,16 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", type=Path, metavar="DIR",
                        help="write a timeline PNG per scenario (needs matplotlib)")
-    bench.add_argument("--replays", type=_positive, default=15, help="timed replays (default 15)")
+    bench.add_argument("--replays", type=positive, default=15, help="timed replays (default 15)")
 
     tune = sub.add_parser("tune", help="measure every depth that fits a profile's budget and "
                                        "write a copy with the fastest (needs a GPU)")
     tune.add_argument("profile", help=f"a profile YAML path, or a built-in name ({names})")
     tune.add_argument("--out", type=Path, help="where to write the tuned copy "
                                                "(default: <name>.tuned.yaml here)")
-    tune.add_argument("--replays", type=_positive, default=10,
+    tune.add_argument("--replays", type=positive, default=10,
                       help="timed replays of each depth (default 10)")
-    tune.add_argument("--max-depth", type=_non_negative, default=3,
+    tune.add_argument("--max-depth", type=non_negative, default=3,
                       help="deepest ring to try (default 3)")
     return parser
 
@@ -124,7 +104,7 @@ def _profile(args: argparse.Namespace):
 
     profile = Profile.load(args.profile)
     if profile.layers is None and args.command == "run":
-        raise RingflowError(_vllm_only(args.profile, profile))
+        raise ProfileError(None, _vllm_only(args.profile, profile), profile.source)
     profile.require_run_fields()  # `plan` explains a vLLM-only profile
     changes = {k: v for k, v in (("layers", args.layers), ("depth", args.depth)) if v is not None}
     return profile.replace(**changes) if changes else profile
@@ -132,7 +112,8 @@ def _profile(args: argparse.Namespace):
 
 def _vllm_only(ref: str, profile) -> str:
     """Why ``ringflow run`` cannot run a profile with only vLLM sections, and what can."""
-    from ringflow.orchestrator.profile import _RUN_FIELDS, Profile, builtin_profiles
+    from ringflow.orchestrator.profile import Profile, builtin_profiles
+    from ringflow.orchestrator.schema import RUN_FIELDS
 
     sections = " and ".join(f"'{name}'" for name in ("offload", "kv_prefetch")
                             if getattr(profile, name) is not None)
@@ -141,7 +122,7 @@ def _vllm_only(ref: str, profile) -> str:
     return (f"profile '{profile.name}' has only vLLM sections ({sections}), which the vLLM plugin "
             f"plans from the model it loads: use it with `RINGFLOW_PROFILE={ref} vllm serve "
             f"MODEL` (`ringflow plan {ref}` explains); `ringflow run` needs a profile with "
-            f"{_RUN_FIELDS}, such as {runnable}")
+            f"{RUN_FIELDS}, such as {runnable}")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -149,7 +130,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ringflow.orchestrator.planner import Planner
 
     if args.full and args.format != "dot":
-        raise RingflowError("--full applies to --format dot only; add --format dot or drop --full")
+        raise ConfigError("--full applies to --format dot only; add --format dot or drop --full")
     if args.cuda_graph_dot is not None:
         _require_gpu()  # before the plan is printed, not after
     profile = _profile(args)
@@ -166,7 +147,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         try:
             args.out.write_text(text)
         except OSError as exc:
-            raise RingflowError(f"cannot write {args.out}: {exc.strerror}") from None
+            raise OutputError(f"cannot write {args.out}: {exc.strerror}") from exc
         for line in dumps.budget_lines(dag, profile.kv_token_bytes):
             print(line)
         condensed = args.format == "dot" and dumps.condenses(dag, True if args.full else None)
@@ -181,7 +162,7 @@ def _require_gpu() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise RingflowError("--cuda-graph-dot captures the plan on a GPU, and no CUDA device was "
+        raise DeviceError("--cuda-graph-dot captures the plan on a GPU, and no CUDA device was "
                             "found; run it on a GPU machine, or drop the option")
 
 
@@ -190,8 +171,8 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
 
     from ringflow.graphs.captured import CapturedExecutor
     from ringflow.graphs.graph_view import read_graph, write_dot
-    from ringflow.orchestrator.slots import SlotPool
-    from ringflow.workload import SyntheticWorkload
+    from ringflow.graphs.slots import SlotPool
+    from ringflow.bench.workload import SyntheticWorkload
 
     pools = [SlotPool.for_profile(profile, lane, "cuda") for lane in profile.lanes]
     work = SyntheticWorkload(profile, "cuda")
@@ -199,11 +180,12 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
                           gather_priority=profile.gather_priority, capture=profile.capture)
     graph = ex.capture()
     if graph is None:
-        raise RingflowError("the plan could not be captured (see the log line above)")
+        raise CaptureError("the plan could not be captured (see the log line above); run "
+                           "`ringflow run` with the same profile to see the failing callable")
     try:
         write_dot(graph, str(path))
     except OSError as exc:
-        raise RingflowError(f"cannot write {path}: {exc}") from None
+        raise OutputError(f"cannot write {path}: {exc}") from exc
     view = read_graph(graph)
     counts = {}
     for node in view.nodes:
@@ -239,8 +221,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ringflow.graphs.eager import EagerExecutor
     from ringflow.graphs.sync import SyncExecutor
     from ringflow.orchestrator.planner import Planner
-    from ringflow.orchestrator.slots import SlotPool
-    from ringflow.workload import SyntheticWorkload
+    from ringflow.graphs.slots import SlotPool
+    from ringflow.bench.workload import SyntheticWorkload
 
     profile = _profile(args)
     cuda = torch.cuda.is_available()
@@ -272,7 +254,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     print(f"profile '{profile.name}': {profile.layers} layers, lanes {', '.join(profile.lanes)}, "
           f"depth {dag.pools[0].depth}, {profile.workload.gather} gather, pools "
-          f"{sum(p.reserved_bytes for p in dag.pools) / 2**20:.2f} MiB")
+          f"{mib(sum(p.reserved_bytes for p in dag.pools))}")
     header = f"{'executor':<9} {'device':<7} {'ms/forward':>11} {'vs sync':>8} " \
              f"{'max|diff| vs reference':>23} {'bit-identical':>14}"
     print(header)
@@ -284,13 +266,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ringflow.bench import bench
+    from ringflow.bench.scenarios import bench
 
     return bench(args.scenarios, json_path=args.json, plot_dir=args.plot, replays=args.replays)
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from ringflow.bench import tune
+    from ringflow.bench.tune import tune
     from ringflow.orchestrator.profile import Profile
 
     profile = Profile.load(args.profile).require_run_fields()

@@ -13,7 +13,8 @@ and when each call of a gather or compute starts and ends (:func:`stamped`, read
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +45,28 @@ def elapsed_ms(fn: Callable[[], Any], repeat: int = 1) -> float:
     """Device milliseconds of ``repeat`` back-to-back calls of ``fn()`` (waits for them)."""
     start, end = timed_run(fn, repeat)
     return start.elapsed_time(end)
+
+
+def interleaved_ms(variants: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int = 2,
+                   repeat: int = 1,
+                   before_round: Callable[[int], Any] | None = None) -> dict[str, float]:
+    """Median device ms per call of each variant, timed in turn round after round.
+
+    Interleaving puts every variant under the same conditions (clocks, temperature, whatever
+    else the machine runs), so their ratios come from one run. Each sample times ``repeat``
+    back-to-back calls and divides (steady state: an engine stepping forward after forward).
+    ``before_round(r)`` runs before round ``r`` (fresh inputs, say); the first ``warmup``
+    rounds are not counted. Host-syncs after every sample.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(warmup + rounds):
+        if before_round is not None:
+            before_round(r)
+        for name, run in variants.items():
+            ms = elapsed_ms(run, repeat=repeat)
+            if r >= warmup:
+                samples[name].append(ms / repeat)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def stamped(kind: str, fn: Callable[[int, str, Any], Any], marks: list, *,

@@ -8,12 +8,12 @@ HAS_CUDA = torch.cuda.is_available()
 
 def pytest_addoption(parser):
     parser.addoption("--mutant", default=None,
-                     help="patch the executors with a deliberate ordering bug (tests/mutants.py; "
+                     help="patch the executors with a deliberate ordering bug (tests/helpers/mutants.py; "
                           "tools/gpu-mutants runs them all) before any test runs")
 
 
 def pytest_configure(config):
-    import mutants
+    from helpers import mutants
 
     name = config.getoption("--mutant")
     if name:

@@ -38,14 +38,14 @@ def _time_ms(fn, repeat: int = 20) -> float:
 
 
 def measure(context: int, world: int) -> dict:
-    from ringflow.dcp_bench import ROW, _full_kv, _shard
+    from ringflow.testing.dcp import ROW, full_kv, shard
     from ringflow.kernels import dcp_local_lens, dcp_slot_rows, paged_gather
-    from ringflow.kernels.kv_gathers import _restore_order, _write_own_rows
+    from ringflow.kernels.kv_gathers import restore_order, write_own_rows
     from ringflow.kernels.peer_exchange import copy_strided
 
     device = torch.device("cuda")
-    full = _full_kv(1, context, 1, device)
-    cache, table = _shard(full, 1, context, 0, world)
+    full = full_kv(1, context, 1, device)
+    cache, table = shard(full, 1, context, 0, world)
     lens = torch.tensor([context], device=device)
     rows = dcp_slot_rows(context, 1, world)
     local = dcp_local_lens(lens, world)
@@ -59,8 +59,8 @@ def measure(context: int, world: int) -> dict:
         if not torch.equal(out, twin):
             raise SystemExit(f"context {context}: a fused pass differs from its torch ops")
 
-    own = lambda o, f=True: _write_own_rows(cache, table, lens, o, world, 0, 1, fused=f)  # noqa: E731
-    restore = lambda o, f=True: _restore_order(staging, local, lens, o, 1, fused=f)  # noqa: E731
+    own = lambda o, f=True: write_own_rows(cache, table, lens, o, world, 0, 1, fused=f)  # noqa: E731
+    restore = lambda o, f=True: restore_order(staging, local, lens, o, 1, fused=f)  # noqa: E731
     for pass_ in (own, restore):
         out.fill_(7.0)  # rows a pass does not write must match too (NaN never equals itself)
         twin.fill_(7.0)

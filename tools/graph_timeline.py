@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-from ringflow.bench import SCENARIOS, HandRing, _Graphed, scenario_parts
+from ringflow.bench.hand_ring import Graphed, HandRing
+from ringflow.bench.scenarios import SCENARIOS, scenario_parts
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.orchestrator.profile import Profile
 from ringflow.timing import stamped, timed_run
@@ -56,8 +57,8 @@ def main() -> None:
             hand_work.gather, hand_work.compute = wrapped.gather, wrapped.compute
             hand_work.shape, hand_work.dtype, hand_work.device = work.shape, work.dtype, \
                 work.device
-            graph = _Graphed(HandRing(hand_work, profile.layers, gathered, lane).run, pool)
-            plain = _Graphed(HandRing(work, profile.layers, gathered, lane).run, pool)
+            graph = Graphed(HandRing(hand_work, profile.layers, gathered, lane).run, pool)
+            plain = Graphed(HandRing(work, profile.layers, gathered, lane).run, pool)
         # the marks of the last recording are the ones the graph replays
         count = sum(1 for n in dag.nodes if n.kind.name in ("GATHER", "SYNC_GATHER", "COMPUTE"))
         timed[name] = (graph, wrapped.marks[-count:])

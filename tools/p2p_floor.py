@@ -9,7 +9,7 @@ GPU 0 (``cudaMemcpyPeerAsync``: a copy engine over NVLink), both directions at o
 overlap check the runtime relies on: a bf16 GEMM loop on GPU 0 alone, the copies alone, and both
 together (the GEMM's slowdown says whether the copies took SMs). Medians of interleaved rounds.
 The multi-process numbers (symmetric memory pulls vs NCCL all-gather of the same bytes) come
-from ``python -m ringflow.dcp_bench --world 2`` (its ``exchange`` rows).
+from ``python -m ringflow.bench.dcp --world 2`` (its ``exchange`` rows).
 """
 
 import argparse

@@ -29,10 +29,8 @@ contiguous blocks is left alone with one log line.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
-import itertools
 import logging
 import math
 import weakref
@@ -40,55 +38,33 @@ from collections.abc import Callable
 
 import torch
 
-from ringflow.errors import RingflowError
+from ringflow.errors import BudgetError, ConfigError, EngineError, ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.vllm import compat, verification
+from ringflow.integrations.torch.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
+                                                    check_not_after_kv)
+from ringflow.integrations.vllm import compat, mla_check
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.hooks import wrap
-from ringflow.integrations.vllm.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
-                                                    check_not_after_kv)
-from ringflow.orchestrator.budget import MIB
+from ringflow.integrations.vllm.state import STATE, PluginState
 from ringflow.orchestrator.profile import Profile
+from ringflow.units import MIB, mib
 
 log = logging.getLogger("ringflow")
-_group = contextvars.ContextVar("ringflow_model_group", default=0)
-_groups = itertools.count(1)
-
-
-def _no_record(event: str) -> None:
-    """Lifecycle events go nowhere until the plugin is imported."""
-
-
-#: where lifecycle events ("kv-ring-allocated") go: ``plugin.lifecycle``, once plugin.py is
-#: imported (it points this at its recorder; the hooks never import the plugin)
-record_lifecycle: Callable[[str], None] = _no_record
-
-
-class _Process:
-    """What this process knows: the models' lanes, and whether the KV cache is sized yet."""
-
-    def __init__(self) -> None:
-        # weak: a model's lanes live as long as its attention layers (which hold them)
-        self.models: weakref.WeakValueDictionary[int, ModelLanes] = weakref.WeakValueDictionary()
-        self.kv_sized = False
-        self.logged: set[str] = set()
-
-    def log_once(self, key: str, message: str, *args) -> None:
-        if key not in self.logged:
-            self.logged.add(key)
-            log.warning(message, *args)
-
-
-_state = _Process()
 
 
 class ModelLanes:
-    """One model's attention layers, in construction (= execution) order, and its lanes."""
+    """One model's attention layers, in construction (= execution) order, and its lanes.
 
-    def __init__(self, key: int, profile: Profile, layout: KVLayout, view, vllm_config,
-                 name: str) -> None:
+    Raises:
+        ProfileError: the profile's ``kv_prefetch`` section asks for a ring its budget cannot
+            hold (the lane's own error is the cause).
+    """
+
+    def __init__(self, state: PluginState, key: int, profile: Profile, layout: KVLayout, view,
+                 vllm_config, name: str) -> None:
         spec = profile.kv_prefetch
         scheduler, model = vllm_config.scheduler_config, vllm_config.model_config
+        self.state = state
         self.key, self.layout, self.view, self.name = key, layout, view, name
         self.max_model_len = model.max_model_len
         self.names: list[str] = []
@@ -97,15 +73,19 @@ class ModelLanes:
         ubatches = 2 if getattr(vllm_config.parallel_config, "enable_dbo", False) else 1
         device = _device(vllm_config)
         self.connector: bool | None = None  # a KV connector in use (known at the first step)
-        self.lanes = [  # each lane gathers over a DCP communicator of its own
-            KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
-                         depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
-                         device=device, dcp=_dcp_group(vllm_config, spec.dcp_transport),
-                         verify=spec.verify,
-                         capture=profile.capture,
-                         gather_priority=profile.gather_priority, poison=poison_default(),
-                         name=f"{name}/ubatch{u}", lane=f"kv{u}")
-            for u in range(ubatches)]
+        try:
+            self.lanes = [  # each lane gathers over a DCP communicator of its own
+                KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
+                             depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
+                             device=device, dcp=_dcp_group(vllm_config, spec.dcp_transport),
+                             verify=spec.verify, capture=profile.capture,
+                             gather_priority=profile.gather_priority, poison=poison_default(),
+                             name=f"{name}/ubatch{u}", lane=f"kv{u}")
+                for u in range(ubatches)]
+        except BudgetError as exc:
+            raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
+        except ConfigError as exc:
+            raise ProfileError("kv_prefetch", str(exc), profile.source) from exc
         self.attention_checked = 0
         self.attention_max_error = 0.0
 
@@ -117,14 +97,14 @@ class ModelLanes:
         ubatch = _ubatch_id()
         if ubatch < len(self.lanes):
             return self.lanes[ubatch]
-        _state.log_once(f"ubatch{ubatch}", "micro-batch %d has no full-KV lane (DBO was off when "
-                        "the model was built); it runs without prefetch", ubatch)
+        self.state.log_once(f"ubatch{ubatch}", "micro-batch %d has no full-KV lane (DBO was off "
+                            "when the model was built); it runs without prefetch", ubatch)
         return None
 
 
-def models() -> list[ModelLanes]:
+def models(state: PluginState = STATE) -> list[ModelLanes]:
     """The models of this process that have full-KV lanes."""
-    return list(_state.models.values())
+    return list(state.models.values())
 
 
 def gathered_kv(layer) -> torch.Tensor | None:
@@ -146,51 +126,39 @@ def gathered_kv(layer) -> torch.Tensor | None:
 
 # -- installation -------------------------------------------------------------------------------
 
-def install() -> None:
+def install(state: PluginState) -> None:
     """Wrap vLLM's attention classes, loader and KV-cache initialisation (the metadata builders
     of the backends in use are wrapped as layers attach)."""
     from vllm.model_executor.layers.attention import attention, mla_attention
     from vllm.model_executor.model_loader import base_loader
 
     _resolve_step_functions()
-    wrap(attention.Attention, "__init__", _after_init)
-    wrap(mla_attention.MLAAttention, "__init__", _after_init)
-    wrap(base_loader.BaseModelLoader, "load_model", _load_model_group)
+    wrap(attention.Attention, "__init__", _after_init, state)
+    wrap(mla_attention.MLAAttention, "__init__", _after_init, state)
+    wrap(base_loader.BaseModelLoader, "load_model", _load_model_group, state)
     for runner in compat.model_runner_classes():
-        wrap(runner, "initialize_kv_cache", _initialize_kv_cache)
+        wrap(runner, "initialize_kv_cache", on_initialize_kv_cache, state)
 
 
-def new_model_load() -> None:
-    """A worker starts loading: a fresh lifecycle (tests build several engines per process)."""
-    _state.kv_sized = False
-
-
-def kv_cache_sized() -> None:
-    _state.kv_sized = True
-
-
-def _load_model_group(original, loader, *args, **kwargs):
-    token = _group.set(next(_groups))
-    try:
+def _load_model_group(state: PluginState, original, loader, *args, **kwargs):
+    with state.model_load():
         return original(loader, *args, **kwargs)
-    finally:
-        _group.reset(token)
 
 
-def _hook_builder(cls: type | None) -> None:
+def _hook_builder(state: PluginState, cls: type | None) -> None:
     """Listen where every vLLM version ends up building a backend's metadata
     (integrations/vllm/compat.py)."""
     if cls is None:
         return
-    wrap(cls, "__init__", _remember_layer_names)
+    wrap(cls, "__init__", _remember_layer_names, state)
     for name in ("build", "build_for_cudagraph_capture"):
         if hasattr(cls, name):
-            wrap(cls, name, _keep_common_metadata)
+            wrap(cls, name, _keep_common_metadata, state)
     if hasattr(cls, "update_block_table"):
-        wrap(cls, "update_block_table", _keep_swapped_block_table)
+        wrap(cls, "update_block_table", _keep_swapped_block_table, state)
 
 
-def _remember_layer_names(original, builder, *args, **kwargs):
+def _remember_layer_names(state: PluginState, original, builder, *args, **kwargs):
     """Builders are made with the layers they serve (``__init__(kv_cache_spec, layer_names,
     ...)``); not every one keeps them (vLLM 0.32's MLA builder does not)."""
     original(builder, *args, **kwargs)
@@ -199,46 +167,48 @@ def _remember_layer_names(original, builder, *args, **kwargs):
         builder._ringflow_layers = names
 
 
-def _keep_common_metadata(original, builder, *args, **kwargs):
+def _keep_common_metadata(state: PluginState, original, builder, *args, **kwargs):
     """A metadata builder's ``build*``: keep the backend-neutral metadata it was given (block
     table in the kernel's block size) on what it returned, with the layers it serves."""
     result = original(builder, *args, **kwargs)
-    if not _state.models or result is None:
+    if not state.models or result is None:
         return result
     common = kwargs.get("common_attn_metadata")
     if common is None:
         common = next((a for a in args if hasattr(a, "block_table_tensor")), None)
     if common is not None:
-        _tag(result, common, builder)
+        _tag(state, result, common, builder)
     return result
 
 
-def _keep_swapped_block_table(original, builder, metadata, block_table, slot_mapping, *args,
-                              **kwargs):
+def _keep_swapped_block_table(state: PluginState, original, builder, metadata, block_table,
+                              slot_mapping, *args, **kwargs):
     """``update_block_table``: vLLM reuses one build for another KV-cache group with that
     group's block table; the kept metadata follows it."""
     result = original(builder, metadata, block_table, slot_mapping, *args, **kwargs)
     kept = getattr(metadata, "_ringflow_common", None)
     if kept is not None and result is not None:
-        _tag(result, dataclasses.replace(kept[0], block_table_tensor=block_table,
-                                         slot_mapping=slot_mapping), builder)
+        _tag(state, result, dataclasses.replace(kept[0], block_table_tensor=block_table,
+                                                slot_mapping=slot_mapping), builder)
     return result
 
 
-def _tag(metadata, common, builder) -> None:
+def _tag(state: PluginState, metadata, common, builder) -> None:
     names = getattr(builder, "layer_names", None)
     if names is None:  # a builder that does not keep them (vLLM 0.32's MLA builder)
         names = getattr(builder, "_ringflow_layers", ())
     try:  # with the layers it was built for: vLLM copies metadata across groups
         metadata._ringflow_common = (common, frozenset(names))
     except (AttributeError, TypeError) as exc:
-        _state.log_once(f"meta:{type(metadata).__name__}", "%s takes no extra attributes (%s); "
-                        "its layers run without full-KV prefetch", type(metadata).__name__, exc)
+        state.log_once(f"meta:{type(metadata).__name__}", "%s takes no extra attributes (%s); "
+                       "its layers run without full-KV prefetch", type(metadata).__name__, exc)
 
 
-def _initialize_kv_cache(original, runner, *args, **kwargs):
-    # before the old caches go: a step in flight may still have gathers reading them
-    for model in _state.models.values():
+def on_initialize_kv_cache(state: PluginState, original, runner, *args, **kwargs):
+    """The hook on a model runner's ``initialize_kv_cache`` (vLLM binds, re-binds or resizes
+    its caches): every lane of every model retires its step first, while the old caches are
+    still there (a step in flight may have gathers reading them)."""
+    for model in state.models.values():
         for lane in model.lanes:
             lane.retire("the KV cache is (re)bound")
     return original(runner, *args, **kwargs)
@@ -246,7 +216,7 @@ def _initialize_kv_cache(original, runner, *args, **kwargs):
 
 # -- attaching layers ---------------------------------------------------------------------------
 
-def _after_init(original, layer, *args, **kwargs):
+def _after_init(state: PluginState, original, layer, *args, **kwargs):
     original(layer, *args, **kwargs)
     if getattr(layer, "_ringflow_kv", None) is not None:
         return
@@ -258,34 +228,41 @@ def _after_init(original, layer, *args, **kwargs):
     if profile is None or profile.kv_prefetch is None:
         return
     try:
-        _attach(layer, profile, config)
+        attach(state, layer, profile, config)
     except RingflowError as exc:
         log.error("%s", exc)
         raise
 
 
-def _attach(layer, profile: Profile, config) -> None:
-    found = _layout_of(layer, config)
+def attach(state: PluginState, layer, profile: Profile, config) -> None:
+    """Give attention ``layer`` (just built) its model's lanes: the model's first layer
+    allocates them (before the KV cache is sized, or a LifecycleError), later ones join.
+
+    Raises:
+        LifecycleError: the model's first layer comes after the KV cache was sized.
+        ProfileError: the profile's ring does not fit its budget.
+    """
+    found = _layout_of(state, layer, config)
     if found is None:
         return
     layout, view = found
-    key = _group.get()
-    model = _state.models.get(key)
+    key = state.model_group.get()
+    model = state.models.get(key)
     if model is None:
-        check_not_after_kv(_state.kv_sized, f"model group {key}")
-        model = ModelLanes(key, profile, layout, view, config,
+        check_not_after_kv(state.kv_sized, f"model group {key}")
+        model = ModelLanes(state, key, profile, layout, view, config,
                            name=f"{profile.name}/model{key}")
-        _state.models[key] = model
-        record_lifecycle("kv-ring-allocated")
+        state.models[key] = model
+        state.record("kv-ring-allocated")
         log.info("%s; allocated when the attention implementation was built, before the KV "
-                 "cache is sized (%.2f MiB)", "; ".join(lane.describe() for lane in model.lanes),
-                 model.reserved_bytes / MIB)
+                 "cache is sized (%s)", "; ".join(lane.describe() for lane in model.lanes),
+                 mib(model.reserved_bytes))
     elif model.layout != layout:
-        _state.log_once(f"layout:{layer.layer_name}", "attention layer %s has a KV layout unlike "
-                        "its model's first layer; it runs without full-KV prefetch",
-                        layer.layer_name)
+        state.log_once(f"layout:{layer.layer_name}", "attention layer %s has a KV layout unlike "
+                       "its model's first layer; it runs without full-KV prefetch",
+                       layer.layer_name)
         return
-    _hook_builder(compat.metadata_builder_class(layer))
+    _hook_builder(state, compat.metadata_builder_class(layer))
     index = len(model.names)
     model.names.append(layer.layer_name)
     model.layers.append(weakref.ref(layer))
@@ -293,14 +270,14 @@ def _attach(layer, profile: Profile, config) -> None:
     _hook_layer(layer, model, index)
 
 
-def _layout_of(layer, config) -> tuple[KVLayout, Callable] | None:
+def _layout_of(state: PluginState, layer, config) -> tuple[KVLayout, Callable] | None:
     """MLA: token rows of ``kv_lora_rank + qk_rope_head_dim``. Any other decoder attention:
     whole pages of the size its own KV spec states (the interior is the backend's business)."""
     block_size = config.cache_config.block_size
     if hasattr(layer, "kv_lora_rank"):
         if getattr(layer, "kv_cache_dtype", "auto") != "auto":
-            _state.log_once("mla-dtype", "full-KV prefetch supports MLA caches in the model "
-                            "dtype only (kv_cache_dtype=auto); it stays off")
+            state.log_once("mla-dtype", "full-KV prefetch supports MLA caches in the model "
+                           "dtype only (kv_cache_dtype=auto); it stays off")
             return None
         row = layer.kv_lora_rank + layer.qk_rope_head_dim
         return KVLayout("rows", (row,), config.model_config.dtype, block_size), _identity
@@ -312,20 +289,21 @@ def _layout_of(layer, config) -> tuple[KVLayout, Callable] | None:
         spec = layer.get_kv_cache_spec(config)
         page_bytes, block_size = spec.page_size_bytes, spec.block_size
     except Exception as exc:  # a layer without a KV spec: say so once, change nothing
-        _state.log_once(f"spec:{type(layer).__name__}", "cannot read the KV spec of %s (%s); "
-                        "full-KV prefetch stays off for it", type(layer).__name__, exc)
+        state.log_once(f"spec:{type(layer).__name__}", "cannot read the KV spec of %s (%s); "
+                       "full-KV prefetch stays off for it", type(layer).__name__, exc)
         return None
     if page_bytes % dtype.itemsize:
         return None
     return (KVLayout("pages", (page_bytes // dtype.itemsize,), dtype, block_size),
-            _pages_view(layer, block_size))
+            _pages_view(state, layer, block_size))
 
 
 def _identity(cache: torch.Tensor) -> torch.Tensor:
     return cache
 
 
-def _pages_view(layer, block_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _pages_view(state: PluginState, layer, block_size: int
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``cache -> [blocks, *page]``, a view. Backends put the block axis where they like
     (FLASH_ATTN: ``[2, blocks, ...]``, K and V planes first); the backend's own
     ``get_kv_cache_shape`` for an odd block count says which axis it is."""
@@ -334,7 +312,11 @@ def _pages_view(layer, block_size: int) -> Callable[[torch.Tensor], torch.Tensor
         shape = layer.attn_backend.get_kv_cache_shape(probe, block_size, layer.num_kv_heads,
                                                       layer.head_size)
         axis = list(shape).index(probe)
-    except Exception:  # a backend that cannot say: blocks first, as most are
+    except Exception as exc:  # a backend that cannot say: blocks first, as most are (logged)
+        backend = getattr(layer, "attn_backend", None)
+        state.log_once(f"axis:{backend!r}", "attention backend %s cannot say where the block "
+                       "axis of its KV cache is (%s); full-KV prefetch assumes blocks first",
+                       getattr(backend, "__name__", backend), exc)
         axis = 0
     return (lambda cache: cache) if axis == 0 else (lambda cache: cache.movedim(axis, 0))
 
@@ -369,15 +351,15 @@ def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
 
 
 def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
-    if not _vllm.context_available():
+    if not steps.context_available():
         return None
-    context = _vllm.context()
+    context = steps.context()
     if context.attn_metadata is None:  # profiling and dummy runs: nothing to gather
         return None
     if model.connector is None:
         model.connector = _has_kv_connector()
         if model.connector:
-            _state.log_once("connector", "a KV connector loads KV layer by layer inside the "
+            model.state.log_once("connector", "a KV connector loads KV layer by layer inside the "
                             "attention op, after the gather was issued; full-KV prefetch "
                             "stays off")
     if model.connector:
@@ -410,7 +392,7 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
 
     def source(j: int) -> KVSource | None:
         layer = model.layers[j]()
-        common = _common(_metadata(context, model.names[j]), model.names[j])
+        common = _common(model.state, _metadata(context, model.names[j]), model.names[j])
         if layer is None or common is None:
             return None
         cache = layer.kv_cache
@@ -421,15 +403,15 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
         try:
             cache = model.view(cache)
         except RuntimeError:
-            _state.log_once(f"view:{model.key}", "the KV cache has no block axis ringflow can "
-                            "view; full-KV prefetch stays off")
+            model.state.log_once(f"view:{model.key}", "the KV cache has no block axis ringflow "
+                                 "can view; full-KV prefetch stays off")
             return None
         unit = (math.prod(cache.shape[1:]),) if model.layout.kind == "pages" \
             else tuple(cache.shape[2:])
         if unit != model.layout.unit:
-            _state.log_once(f"unit:{model.key}", "a KV cache of shape %s does not match the "
-                            "layout the rings were sized for (%s); no prefetch",
-                            tuple(cache.shape), model.layout.unit)
+            model.state.log_once(f"unit:{model.key}", "a KV cache of shape %s does not match "
+                                 "the layout the rings were sized for (%s); no prefetch",
+                                 tuple(cache.shape), model.layout.unit)
             return None
         found = lens.get(id(common))
         if found is None:
@@ -441,21 +423,21 @@ def _step_sources(model: ModelLanes, context) -> Callable[[int], KVSource | None
     return source
 
 
-def _common(meta, name: str):
+def _common(state: PluginState, meta, name: str):
     """The backend-neutral metadata kept for layer ``name``, or None (logged once)."""
     if meta is None:
         return None
     kept = getattr(meta, "_ringflow_common", None)
     if kept is None:
-        _state.log_once("no-common", "attention metadata of type %s was not built by a "
-                        "metadata builder ringflow listens to; full-KV prefetch is off for "
-                        "these steps", type(meta).__name__)
+        state.log_once("no-common", "attention metadata of type %s was not built by a "
+                       "metadata builder ringflow listens to; full-KV prefetch is off for "
+                       "these steps", type(meta).__name__)
         return None
     common, names = kept
     if name not in names:  # metadata vLLM copied from another KV-cache group's
-        _state.log_once(f"group:{name}", "layer %s reads attention metadata built for another "
-                        "KV-cache group (vLLM reuses it and swaps the block table); it runs "
-                        "without full-KV prefetch", name)
+        state.log_once(f"group:{name}", "layer %s reads attention metadata built for another "
+                       "KV-cache group (vLLM reuses it and swaps the block table); it runs "
+                       "without full-KV prefetch", name)
         return None
     return common
 
@@ -486,15 +468,16 @@ def _context_lens(common, max_model_len: int) -> tuple[torch.Tensor, int | None]
 def _check_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, kwargs) -> None:
     """Verification mode, MLA: the backend's output (``forward_impl(q, kv_c_normed, k_pe,
     kv_cache, attn_metadata, output=...)``) against a reference attention over the slot
-    (:func:`verification.check_mla_output`); eager steps only."""
+    (:func:`mla_check.check_mla_output`); eager steps only."""
     slot = lane.gathered(index)
     if slot is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
     output = kwargs.get("output")
-    common = _common(_metadata(_vllm.context(), model.names[index]), model.names[index])
+    common = _common(model.state, _metadata(steps.context(), model.names[index]),
+                     model.names[index])
     if output is None or common is None:
         return
-    worst = verification.check_mla_output(lane, index, model.layers[index](), slot, common,
+    worst = mla_check.check_mla_output(lane, index, model.layers[index](), slot, common,
                                           q=args[0], kv_cache=args[3], output=output)
     model.attention_checked += 1
     model.attention_max_error = max(model.attention_max_error, worst)
@@ -525,21 +508,21 @@ class _StepFunctions:
     ubatch = staticmethod(lambda: 0)
 
 
-_vllm = _StepFunctions()
+steps = _StepFunctions()
 
 
 def _resolve_step_functions() -> None:
     from vllm.forward_context import get_forward_context, is_forward_context_available
-    _vllm.context_available, _vllm.context = is_forward_context_available, get_forward_context
+    steps.context_available, steps.context = is_forward_context_available, get_forward_context
     try:
         from vllm.v1.worker.ubatching import dbo_current_ubatch_id
     except ImportError:  # a vLLM without dual-batch overlap: one micro-batch
         return
-    _vllm.ubatch = dbo_current_ubatch_id
+    steps.ubatch = dbo_current_ubatch_id
 
 
 def _ubatch_id() -> int:
-    return _vllm.ubatch()
+    return steps.ubatch()
 
 
 def _dcp_group(config, transport: str) -> DcpGroup | None:
@@ -558,15 +541,15 @@ def _dcp_group(config, transport: str) -> DcpGroup | None:
         groups = sorted({tuple(ranks) for ranks in everyone})
         group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="nccl")
     except Exception as exc:
-        raise RingflowError(f"full-KV prefetch under DCP needs a communicator of its own for "
-                            f"the gather lane, made over the DCP group's ranks ({exc}); this "
-                            f"needs NCCL. Remove kv_prefetch or run without DCP") from None
+        raise EngineError(f"full-KV prefetch under DCP needs a communicator of its own for "
+                          f"the gather lane, made over the DCP group's ranks ({exc}); this "
+                          f"needs NCCL. Remove kv_prefetch or run without DCP") from exc
     if dist.get_rank(group) != dcp.rank_in_group:  # the token owner rule needs vLLM's order
-        raise RingflowError(f"the gather lane's DCP communicator numbers this worker "
-                            f"{dist.get_rank(group)}, vLLM's DCP group {dcp.rank_in_group} "
-                            f"(ranks {list(dcp.ranks)} are not ascending); run without kv_prefetch")
+        raise EngineError(f"the gather lane's DCP communicator numbers this worker "
+                          f"{dist.get_rank(group)}, vLLM's DCP group {dcp.rank_in_group} "
+                          f"(ranks {list(dcp.ranks)} are not ascending); run without kv_prefetch")
     interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
     return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave, transport)
 
 
-__all__ = ["ModelLanes", "gathered_kv", "install", "kv_cache_sized", "models", "new_model_load"]
+__all__ = ["ModelLanes", "attach", "gathered_kv", "install", "models", "on_initialize_kv_cache"]

@@ -3,12 +3,9 @@ attention hooks (full-KV prefetch), so neither imports the other."""
 
 from __future__ import annotations
 
-import os
-
+from ringflow import envs
 from ringflow.errors import ProfileError
 from ringflow.orchestrator.profile import Profile
-
-ENV_PROFILE = "RINGFLOW_PROFILE"
 
 
 def profile_from(vllm_config) -> Profile | None:
@@ -22,7 +19,7 @@ def profile_from(vllm_config) -> Profile | None:
     """
     extra = getattr(vllm_config, "additional_config", None)
     section = extra.get("ringflow") if isinstance(extra, dict) else None
-    env = os.environ.get(ENV_PROFILE)
+    env = envs.text("RINGFLOW_PROFILE")
     if section is not None:
         if isinstance(section, str):
             profile = Profile.load(section)

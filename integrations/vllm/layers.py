@@ -20,15 +20,17 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ringflow.errors import RingflowError
+from ringflow.errors import UnsupportedModelError
 from ringflow.integrations.vllm.hooks import wrap
+from ringflow.integrations.vllm.state import PluginState
 
-# the stacks recorded during the current model load (None: not loading)
+# the stacks recorded during the current model load (None: not loading): a dynamic extent of
+# the worker's load_model, whichever state is recording
 _recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
 
 
-def install() -> None:
+def install(state: PluginState) -> None:
     """Wrap ``wrap_modules`` of every offloader class vLLM defines (the global instance may be
     any of them)."""
     from vllm.model_executor.offloader.base import BaseOffloader
@@ -42,10 +44,12 @@ def install() -> None:
         pending.extend(cls.__subclasses__())
         if "wrap_modules" in vars(cls) and not getattr(cls.wrap_modules, "__isabstractmethod__",
                                                          False):
-            wrap(cls, "wrap_modules", _record_stack)
+            wrap(cls, "wrap_modules", record_stack, state)
 
 
-def _record_stack(original, offloader, modules, *args, **kwargs):
+def record_stack(state: PluginState, original, offloader, modules, *args, **kwargs):
+    """The hook on an offloader's ``wrap_modules``: record the stack it was handed (when a
+    model load is recording), then let it wrap them as usual."""
     stacks = _recording.get()
     if stacks is None:
         return original(offloader, modules, *args, **kwargs)
@@ -78,20 +82,21 @@ def decoder_layers(model: nn.Module, stacks: list[list[nn.Module]]) -> list[nn.M
         stacks: what :func:`recording` collected while the worker loaded it.
 
     Raises:
-        RingflowError: no stack, or more than one, belongs to the model's language model.
+        UnsupportedModelError: no stack, or more than one, belongs to the model's language
+            model.
     """
     owner = model.get_language_model() if hasattr(model, "get_language_model") else model
     inside = {id(m) for m in owner.modules()}
     mine = [stack for stack in stacks if stack and all(id(m) in inside for m in stack)]
     name = type(model).__name__
     if not mine:
-        raise RingflowError(
+        raise UnsupportedModelError(
             f"cannot find the decoder layers of {name}: vLLM did not build them through "
             f"make_layers, which is where ringflow finds them; weight streaming supports models "
             f"whose decoder stack vLLM builds with make_layers (remove the offload section)")
     if len(mine) > 1:
         sizes = ", ".join(str(len(s)) for s in mine)
-        raise RingflowError(
+        raise UnsupportedModelError(
             f"{name} has {len(mine)} layer stacks built by make_layers ({sizes} layers); "
             f"ringflow cannot tell which is the decoder: weight streaming does not support this "
             f"model (remove the offload section)")

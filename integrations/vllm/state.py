@@ -1,0 +1,90 @@
+"""What the vLLM plugin knows in one process, in one object that every hook receives.
+
+vLLM calls the plugin's hooks from its own classes (workers, model runners, attention layers,
+metadata builders), so the hooks cannot be handed arguments of ringflow's; they are installed
+bound to the process's :data:`STATE` instead (``hooks.wrap``), and tests build a fresh
+:class:`PluginState` of their own rather than patching module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger("ringflow")
+
+
+@dataclass
+class PluginState:
+    """One process's plugin state.
+
+    ``lifecycle``: what happened, in order (``"kv-ring-allocated"``, ``"ring-allocated"``,
+    ``"kv-cache-initialized"``): the order is what keeps the KV budget honest, and tests assert
+    it. ``streamers``: the live weight streamers (each owned by its worker, dying with it).
+    ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
+    their attention layers). ``kv_sized``: the KV cache of the current load is sized, so no
+    ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
+    layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``).
+    """
+
+    lifecycle: list[str] = field(default_factory=list)
+    streamers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    latest_streamer: weakref.ref | None = None
+    models: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    kv_sized: bool = False
+    plain_weights: bool = False
+    logged: set[str] = field(default_factory=set)
+    #: the model load in progress (each load is its own group: a draft model never shares a
+    #: lane with its target)
+    model_group: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("ringflow_model_group", default=0))
+    _groups: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def record(self, event: str) -> None:
+        self.lifecycle.append(event)
+
+    def log_once(self, key: str, message: str, *args) -> None:
+        """A warning the first time ``key`` comes up in this process, never again."""
+        if key not in self.logged:
+            self.logged.add(key)
+            log.warning(message, *args)
+
+    def latest(self):
+        """The most recently built weight streamer that is still alive, or None."""
+        return None if self.latest_streamer is None else self.latest_streamer()
+
+    def add_streamer(self, streamer) -> None:
+        self.streamers.add(streamer)
+        self.latest_streamer = weakref.ref(streamer)
+
+    def new_model_load(self) -> None:
+        """A worker starts loading a model: rings may be allocated again until its KV cache is
+        sized (tests build several engines in one process)."""
+        self.kv_sized = False
+
+    @contextlib.contextmanager
+    def loading_with_plain_weights(self, plain: bool) -> Iterator[None]:
+        """While vLLM's loader runs, linear layers keep plain weights when ``plain``."""
+        self.plain_weights = plain
+        try:
+            yield
+        finally:
+            self.plain_weights = False
+
+    @contextlib.contextmanager
+    def model_load(self) -> Iterator[int]:
+        """One model load (vLLM's ``BaseModelLoader.load_model``) as a group of its own."""
+        token = self.model_group.set(next(self._groups))
+        try:
+            yield self.model_group.get()
+        finally:
+            self.model_group.reset(token)
+
+
+#: this process's state: the one the installed hooks are bound to
+STATE = PluginState()

@@ -1,0 +1,159 @@
+"""The sections of a profile as validated values: the slot, the synthetic workload, and the two
+vLLM sections (``offload``: weight streaming; ``kv_prefetch``: full-KV prefetch), each with the
+parser that builds it from its mapping (checked against :data:`~ringflow.orchestrator.schema.FIELDS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ringflow.errors import ProfileError
+from ringflow.orchestrator.budget import MAX_LAYERS, MAX_SLOT_BYTES
+from ringflow.orchestrator.schema import (FIELDS, LANE_NAME, field_value, int_in, layer_set,
+                                          rejected, section, section_keys)
+from ringflow.orchestrator.vocab import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """Shape and dtype of one slot."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Parameters of the synthetic workload ``ringflow run`` drives (FIELDS ``workload.*``)."""
+
+    gather: str
+    queries: int
+    store_layers: int
+    block_size: int
+    seed: int
+    compute: str
+    hidden: int
+    intermediate: int
+    heads: int
+
+    def decoder_elements(self) -> int:
+        """Elements of one decoder layer's weights: QKV, O, gate/up, down, two norms."""
+        h, i = self.hidden, self.intermediate
+        return 3 * h * h + h * h + 2 * i * h + h * i + 2 * h
+
+
+def workload_section(doc: Any, source: str | None) -> Workload:
+    doc = section("workload", doc, source)
+    return Workload(**{key: field_value(doc, f"workload.{key}", source) for key in section_keys("workload")})
+
+
+def slot_section(doc: Any, source: str | None) -> SlotShape:
+    doc = section("slot", doc, source)
+    shape, dtype = field_value(doc, "slot.shape", source), field_value(doc, "slot.dtype", source)
+    if not isinstance(shape, list) or not shape:
+        raise rejected("slot.shape", shape, source)
+    slot = SlotShape(tuple(int_in("slot.shape", d, source, FIELDS["slot.shape"].lo)
+                           for d in shape), dtype)
+    if slot.nbytes > MAX_SLOT_BYTES:
+        raise ProfileError("slot.shape", f"one slot of {slot.nbytes:,} bytes exceeds the "
+                           f"{MAX_SLOT_BYTES:,}-byte limit; accepted: a smaller shape", source)
+    return slot
+
+
+def lane_names(value: Any, source: str | None) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise rejected("lanes", value, source)
+    for lane in value:
+        if not isinstance(lane, str) or not LANE_NAME.match(lane):
+            raise rejected("lanes", lane, source)
+    if len(set(value)) != len(value):
+        raise ProfileError("lanes", f"names repeat in {value}; accepted: unique names", source)
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Which decoder layers stream their weights, how far ahead, within what budget."""
+
+    layers: str | frozenset[int] | tuple[int, int]  # "all", explicit indices, or (every, last)
+    depth: int
+    workspace_mib: float
+    synchronous: bool
+    cross_forward: bool
+
+    def resolve(self, count: int, source: str | None = None) -> list[int]:
+        """The offloaded layer indices of a model with ``count`` decoder layers.
+
+        Raises:
+            ProfileError: a listed layer does not exist in the model.
+        """
+        if self.layers == "all":
+            return list(range(count))
+        if isinstance(self.layers, tuple):
+            every, last = self.layers
+            return [i for i in range(count) if i % every >= every - last]
+        missing = sorted(i for i in self.layers if i >= count)
+        if missing:
+            raise ProfileError("offload.layers", f"layers {missing} do not exist: the model has "
+                               f"{count} decoder layers (0..{count - 1})", source)
+        return sorted(self.layers)
+
+    def to_mapping(self) -> dict:
+        layers: Any = self.layers
+        if isinstance(layers, tuple):
+            layers = {"every": layers[0], "last": layers[1]}
+        elif isinstance(layers, frozenset):
+            layers = sorted(layers)
+        return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib,
+                "synchronous": self.synchronous, "cross_forward": self.cross_forward}
+
+
+def offload_section(doc: Any, source: str | None) -> OffloadSpec:
+    doc = section("offload", doc, source)
+    values = {key: field_value(doc, f"offload.{key}", source) for key in section_keys("offload")}
+    spec = values["layers"]
+    if spec == "all":
+        layers: Any = "all"
+    elif isinstance(spec, dict):
+        group = section("offload.layers", spec, source, ["every", "last"])
+        if set(group) != {"every", "last"}:
+            raise rejected("offload.layers", spec, source, "needs both 'every' and 'last'")
+        every = int_in("offload.layers", group["every"], source, 1, MAX_LAYERS)
+        last = int_in("offload.layers", group["last"], source, 1, every)
+        layers = (every, last)
+    else:
+        layers = layer_set("offload.layers", spec, MAX_LAYERS, source)
+        if not layers:
+            raise ProfileError("offload.layers", "is empty: nothing would be offloaded; accepted: "
+                               "'all', a non-empty list, or {every: N, last: K}", source)
+    return OffloadSpec(**{**values, "layers": layers})
+
+
+@dataclass(frozen=True)
+class KVPrefetchSpec:
+    """Full-KV prefetch for vLLM attention layers: lookahead, budget, slot size, verification."""
+
+    depth: int
+    workspace_mib: float
+    capacity_tokens: int | None
+    dcp_transport: str
+    verify: bool
+
+    def to_mapping(self) -> dict:
+        out = {"depth": self.depth, "workspace_mib": self.workspace_mib, "verify": self.verify,
+               "dcp_transport": self.dcp_transport}
+        if self.capacity_tokens is not None:
+            out["capacity_tokens"] = self.capacity_tokens
+        return out
+
+
+def kv_prefetch_section(doc: Any, source: str | None) -> KVPrefetchSpec:
+    doc = section("kv_prefetch", doc, source)
+    return KVPrefetchSpec(**{key: field_value(doc, f"kv_prefetch.{key}", source)
+                             for key in section_keys("kv_prefetch")})

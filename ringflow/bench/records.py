@@ -1,0 +1,50 @@
+"""The record every benchmark writes: what ran, where, with which software, and its results.
+
+One shape for every JSON file under ``profiles/results/`` (``gpu``, ``gpus``, ``torch``, ``cuda``,
+``command``, then the benchmark's own fields), so a reader never has to guess which machine or
+command a number came from.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ringflow.errors import OutputError
+
+
+def command_line(program: str) -> str:
+    """``program`` and this process's arguments, as a user would retype them."""
+    return " ".join([program, *sys.argv[1:]])
+
+
+def environment(program: str) -> dict[str, Any]:
+    """Where a benchmark ran: the GPU (name and count), torch, CUDA, and the command."""
+    cuda = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name() if cuda else None,
+            "gpus": torch.cuda.device_count() if cuda else 0,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "command": command_line(program)}
+
+
+def record(program: str, **fields: Any) -> dict[str, Any]:
+    """:func:`environment` followed by the benchmark's ``fields``."""
+    return {**environment(program), **fields}
+
+
+def write(path: Path | str, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as indented JSON.
+
+    Raises:
+        OutputError: the file cannot be written (the OS error is the cause).
+    """
+    path = Path(path)
+    try:
+        path.write_text(json.dumps(doc, indent=1))
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror}; give a writable path") from exc
+    return path

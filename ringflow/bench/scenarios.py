@@ -1,0 +1,342 @@
+"""``ringflow bench`` and ``ringflow tune``: ringflow measured side by side with what a user
+would otherwise run, on one GPU, in one process.
+
+Each scenario is a profile under ``profiles/bench/``. For one scenario, interleaved replay by
+replay, with CUDA events and fresh inputs before every replay:
+
+* ``sync``      the plan's synchronous path (gather, then compute) captured in a CUDA graph;
+* ``eager``     ringflow's EagerExecutor (Python issues every node each forward);
+* ``captured``  ringflow's CapturedExecutor (one graph launch per forward);
+* ``hand``      :class:`HandRing`, the two-slot ring a user would write, captured the same way;
+* ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal;
+* ``cross``     ringflow captured with every lane cross-forward (Note [Forward boundary]): the
+  next forward's first slots filled during this forward's last layers.
+
+Single forwards are timed one by one (events around each); steady state times a run of
+back-to-back forwards (the way an engine runs step after step) and divides: the ``steady``
+table holds sync, captured, cross and hand that way.
+
+Outputs of eager, captured and hand are checked bit-identical to sync. Reported: median ms,
+ratios, percent of the gather hidden = (sync - captured) / min(gather, compute), pool bytes,
+peak allocated bytes, allocator calls during the captured replays. Progress goes to stderr; the
+table is printed last.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ringflow.bench import records
+from ringflow.bench.hand_ring import Graphed, HandRing
+from ringflow.bench.workload import SyntheticWorkload
+from ringflow.errors import ConfigError, DeviceError
+from ringflow.graphs.captured import CapturedExecutor
+from ringflow.graphs.eager import EagerExecutor
+from ringflow.graphs.slots import SlotPool
+from ringflow.orchestrator.planner import Planner
+from ringflow.orchestrator.profile import Profile
+from ringflow.orchestrator.vocab import GATHER_PRIORITIES
+from ringflow.timing import interleaved_ms
+
+SCENARIOS = {
+    "h2d-balanced": "bench/h2d_balanced",
+    "weights-stream": "bench/weights_stream",
+    "weights-stream-mixed": "bench/weights_stream_mixed",
+    "compute-bound": "bench/compute_bound",
+    "device-gather": "bench/device_gather",
+    "small-layers": "bench/small_layers",
+    "depth-sweep": "bench/depth_sweep",
+    "one-slot": "bench/one_slot",
+}
+STEADY_RUN = 6  # forwards back to back per steady-state sample
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Result:
+    scenario: str
+    profile: str
+    layers: int
+    depth: int
+    ms: dict[str, float]
+    equal: dict[str, bool]
+    pool_bytes: int
+    peak_allocated_bytes: int
+    replay_allocator_calls: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ideal(self) -> float:
+        return max(self.ms["gather"], self.ms["compute"])
+
+    def ratios(self) -> dict[str, float]:
+        ms = self.ms
+        hidden = (ms["sync"] - ms["captured"]) / max(min(ms["gather"], ms["compute"]), 1e-9)
+        return {
+            "speedup_vs_sync": ms["sync"] / ms["captured"],
+            "captured_vs_ideal": ms["captured"] / self.ideal,
+            "captured_vs_hand": ms["captured"] / ms["hand"],
+            "eager_vs_captured": ms["eager"] / ms["captured"],
+            "captured_vs_sync": ms["captured"] / ms["sync"],
+            "gather_hidden_pct": 100.0 * hidden,
+        }
+
+    def to_dict(self) -> dict:
+        return {"scenario": self.scenario, "profile": self.profile, "layers": self.layers,
+                "depth": self.depth, "ms": self.ms, "ideal_ms": self.ideal,
+                "ratios": self.ratios(), "outputs_equal_to_sync": self.equal,
+                "pool_bytes": self.pool_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                "replay_allocator_calls": self.replay_allocator_calls, **self.extra}
+
+
+def _outputs(variant, work: SyntheticWorkload) -> dict[str, torch.Tensor]:
+    work.refresh(424_242, sources=False)
+    variant.run()
+    torch.cuda.synchronize()
+    return work.outputs()
+
+
+def _allocations() -> int:
+    return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+
+def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str | None = None,
+                timeline_dir: Path | None = None) -> Result:
+    """Measure one scenario (see the module docstring).
+
+    Interrupted (Ctrl-C, an error), it leaves no device or pinned memory behind: the frames of
+    the measurement hold the graphs, slots and pinned sources, so they are cleared before the
+    exception travels on.
+    """
+    try:
+        return _measure(name, profile, replays=replays, priority=priority,
+                        timeline_dir=timeline_dir)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        release_memory()
+        raise
+
+
+def release_memory() -> None:
+    """Return cached device and pinned host memory once nothing refers to it any more.
+
+    .. note::
+        cuBLAS's per-stream workspaces (32 MiB each, kept by torch for the process) are not
+        released here: a live CUDA graph captured on such a stream may still use its workspace.
+    """
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host_cache is not None:
+        empty_host_cache()
+
+
+def scenario_parts(profile: Profile):
+    """What every measurement of ``profile`` starts from, on the GPU: its pools, plan,
+    synthetic workload and the set of gathered layers."""
+    pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
+    dag = Planner.from_profile(profile).plan()
+    work = SyntheticWorkload(profile, "cuda")
+    gathered = set(range(profile.layers)) if profile.gathered_layers is None \
+        else set(profile.gathered_layers)
+    return pools, dag, work, gathered
+
+
+def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
+             timeline_dir: Path | None) -> Result:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    priority = priority or profile.gather_priority
+    lane = profile.lanes[0]
+    _say(f"{name}: allocating pools and {profile.workload.store_layers} source layers")
+    pools, dag, work, gathered = scenario_parts(profile)
+    graph_pool = torch.cuda.graph_pool_handle()
+
+    def gather_only() -> None:
+        for i, layer in enumerate(sorted(gathered)):
+            work.gather(layer, lane, pools[0].storage[i % pools[0].slots])
+
+    def compute_only() -> None:
+        for layer in range(profile.layers):
+            work.compute(layer, lane, pools[0].storage[0] if layer in gathered else None)
+
+    _say(f"{name}: capturing sync, ringflow, hand ring, gather-only, compute-only")
+    variants = {
+        "sync": CapturedExecutor(dag, pools, work.gather, work.compute, capture="sync"),
+        "eager": EagerExecutor(dag, pools, work.gather, work.compute, gather_priority=priority),
+        "captured": CapturedExecutor(dag, pools, work.gather, work.compute,
+                                     gather_priority=priority),
+        "hand": Graphed(HandRing(work, profile.layers, gathered, lane).run, graph_pool),
+        "gather": Graphed(gather_only, graph_pool),
+        "compute": Graphed(compute_only, graph_pool),
+    }
+    # rings of its own: its carried slots stay leased between forwards
+    cross_pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
+    cross_dag = Planner.from_profile(profile.replace(cross_forward=list(profile.lanes))).plan()
+    variants["cross"] = CapturedExecutor(cross_dag, cross_pools, work.gather, work.compute,
+                                         gather_priority=priority)
+    for variant in variants.values():
+        if isinstance(variant, CapturedExecutor):
+            variant.run()
+    want = _outputs(variants["sync"], work)
+    equal, diff = {}, {}
+    for key in ("eager", "captured", "hand", "cross"):
+        got = _outputs(variants[key], work)
+        equal[key] = all(torch.equal(got[k], want[k]) for k in want)
+        diff[key] = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+    if not all(equal.values()):
+        _say(f"{name}: OUTPUTS DIFFER from sync: max |diff| {diff}")
+    _say(f"{name}: timing {replays} interleaved replays of each")
+    runs = {name: variant.run for name, variant in variants.items()}
+    # fresh queries every round (waits for the GPU)
+    ms = interleaved_ms(runs, replays, warmup=2,
+                        before_round=lambda r: work.refresh(10_000 + r, sources=False))
+    steady = interleaved_ms({k: runs[k] for k in ("sync", "captured", "cross", "hand")}, replays,
+                            warmup=1, repeat=STEADY_RUN,
+                            before_round=lambda r: work.refresh(20_000 + r, sources=False))
+    before = _allocations()
+    for _ in range(50):
+        variants["captured"].run()
+    torch.cuda.synchronize()
+    calls = _allocations() - before
+    noop = EagerExecutor(dag, pools, lambda *a: None, lambda *a: None, gather_priority=priority)
+    extra = {"steady_ms": steady, "carried": [list(c) for c in cross_dag.carried],
+             "steady_cross_vs_ideal": steady["cross"] / max(ms["gather"], ms["compute"]),
+             "steady_cross_hidden_pct": 100.0 * (steady["sync"] - steady["cross"]) /
+             max(min(ms["gather"], ms["compute"]), 1e-9),
+             "eager_dispatch_us_per_node": _eager_dispatch_us(noop, len(dag.nodes)),
+             "eager_issue_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
+             "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
+    if timeline_dir is not None:
+        from ringflow.bench.timeline import plot_timeline, record_timeline
+
+        spans = record_timeline(dag, pools, work)
+        path = plot_timeline(spans, timeline_dir / f"{name.replace('/', '-')}.png",
+                             title=f"{name}: one forward, ringflow eager, depth "
+                                   f"{dag.pools[0].depth}")
+        extra["timeline_png"] = path.name
+        extra["timeline"] = spans
+    result = Result(name, profile.source or profile.name, profile.layers, dag.pools[0].depth, ms,
+                    equal, sum(p.reserved_bytes for p in pools), torch.cuda.max_memory_allocated(),
+                    calls, extra)
+    for pool in pools + cross_pools:
+        pool.close()
+    del variants, work
+    return result
+
+
+def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
+    """Host time to issue one forward, per node (median of 20; the GPU is not waited for).
+
+    With no-op callables this is ringflow's own dispatch cost (leases, events, stream
+    switches, NVTX); with the workload's callables it includes their kernel launches."""
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        executor.run()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times) / nodes
+
+
+def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = None) -> list[Result]:
+    if name not in SCENARIOS:
+        raise ConfigError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
+    profile = Profile.load(SCENARIOS[name])
+    if name == "depth-sweep":
+        fitting = int(profile.workspace_bytes // profile.slot.nbytes) - 1
+        return [run_profile(f"{name}/d{d}", profile.replace(depth=d), replays=replays,
+                            timeline_dir=None) for d in range(0, fitting + 1)]
+    if name == "device-gather":
+        return [run_profile(f"{name}/{p}", profile, replays=replays, priority=p,
+                            timeline_dir=timeline_dir if p == "normal" else None)
+                for p in GATHER_PRIORITIES]
+    return [run_profile(name, profile, replays=replays, timeline_dir=timeline_dir)]
+
+
+def table(rows: list[dict]) -> str:
+    """The results table, from :meth:`Result.to_dict` rows (also read back from JSON)."""
+    head = (f"{'scenario':<26} {'sync':>8} {'eager':>8} {'captured':>9} {'hand':>8} {'ideal':>8}"
+            f" {'x sync':>7} {'/ideal':>7} {'/hand':>6} {'hidden':>7} {'us/node':>8} {'equal':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms, q, equal = r["ms"], r["ratios"], r["outputs_equal_to_sync"]
+        same = "yes" if all(equal.values()) else ",".join(k for k, v in equal.items() if not v)
+        lines.append(
+            f"{r['scenario']:<26} {ms['sync']:>8.3f} {ms['eager']:>8.3f} {ms['captured']:>9.3f}"
+            f" {ms['hand']:>8.3f} {r['ideal_ms']:>8.3f} {q['speedup_vs_sync']:>6.2f}x"
+            f" {q['captured_vs_ideal']:>7.3f} {q['captured_vs_hand']:>6.3f}"
+            f" {q['gather_hidden_pct']:>6.1f}% {r['eager_dispatch_us_per_node']:>8.2f} {same:>6}")
+    lines.append("ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
+                 "min(gather, compute); us/node: eager dispatch with no-op callables; equal: "
+                 "outputs bit-identical to sync (else the variants that differ)")
+    steady = [r for r in rows if "steady_ms" in r]
+    if steady:
+        head = (f"{'steady state':<26} {'sync':>8} {'captured':>9} {'cross':>8} {'hand':>8} "
+                f"{'ideal':>8} {'cross/ideal':>11} {'hidden':>7} {'carried':>8}")
+        lines += ["", head, "-" * len(head)]
+        for r in steady:
+            s = r["steady_ms"]
+            lines.append(f"{r['scenario']:<26} {s['sync']:>8.3f} {s['captured']:>9.3f} "
+                         f"{s['cross']:>8.3f} {s['hand']:>8.3f} {r['ideal_ms']:>8.3f} "
+                         f"{r['steady_cross_vs_ideal']:>11.3f} "
+                         f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}")
+        lines.append(f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
+                     f"cross: every lane cross-forward; carried: slots a forward starts with")
+    return "\n".join(lines)
+
+
+def merge(parts: list[Path], out: Path) -> str:
+    """Join per-scenario JSON files (one process per scenario) into one; return the table."""
+    docs = [json.loads(p.read_text()) for p in parts if p.exists()]
+    if not docs:
+        raise ConfigError(f"no bench results to merge: none of {[str(p) for p in parts]} exists")
+    merged = {k: v for k, v in docs[0].items() if k != "results"}
+    merged["command"] = "tools/gpu-bench (one `ringflow bench SCENARIO` process per scenario)"
+    merged["results"] = [r for d in docs for r in d["results"]]
+    records.write(out, merged)
+    return table(merged["results"])
+
+
+def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
+          replays: int) -> int:
+    names = names or list(SCENARIOS)
+    for name in names:
+        if name not in SCENARIOS:
+            raise ConfigError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
+    if plot_dir is not None:
+        from ringflow.bench.timeline import require_matplotlib
+
+        require_matplotlib("--plot")
+    if not torch.cuda.is_available():
+        raise DeviceError("ringflow bench measures on a GPU and no CUDA device was found; run it "
+                            "on a GPU machine")
+    if plot_dir is not None:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    for name in names:
+        results += run_scenario(name, replays=replays, timeline_dir=plot_dir)
+        _say(table([results[-1].to_dict()]).splitlines()[-2])
+    if json_path is not None:
+        records.write(json_path, records.record("ringflow", replays=replays,
+                                                results=[r.to_dict() for r in results]))
+        _say(f"wrote {json_path}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(table([r.to_dict() for r in results]))
+    return 0 if all(all(r.equal.values()) for r in results) else 1

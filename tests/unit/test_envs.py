@@ -1,0 +1,46 @@
+"""Every RINGFLOW_* switch goes through one strict parser (ringflow/envs.py)."""
+
+import pytest
+
+from ringflow import ConfigError, envs
+from ringflow.graphs import nvtx_ranges
+
+FLAGS = [name for name, s in envs.SWITCHES.items() if s.kind == "flag"]
+
+
+@pytest.mark.parametrize("name", FLAGS)
+def test_every_flag_takes_the_same_spellings_and_refuses_the_rest(monkeypatch, name):
+    for value, want in [("1", True), ("TRUE", True), (" yes ", True), ("On", True),
+                        ("0", False), ("false", False), ("No", False), ("OFF", False)]:
+        monkeypatch.setenv(name, value)
+        assert envs.flag(name) is want, value
+    monkeypatch.delenv(name, raising=False)
+    assert envs.flag(name) is bool(envs.SWITCHES[name].default)
+    monkeypatch.setenv(name, "")
+    assert envs.flag(name) is bool(envs.SWITCHES[name].default)
+    for typo in ("2", "maybe", "enable", "y"):
+        monkeypatch.setenv(name, typo)
+        with pytest.raises(ConfigError, match=rf"^{name}='{typo}' is not a flag; accepted: 1, "
+                                              r"true, yes, on \(on\), 0, false, no, off"):
+            envs.flag(name)
+
+
+def test_nvtx_turns_off_with_any_off_spelling(monkeypatch):
+    """RINGFLOW_NVTX=off used to leave NVTX on (only 0 worked)."""
+    for value in ("0", "off", "false", "no"):
+        monkeypatch.setenv("RINGFLOW_NVTX", value)
+        assert nvtx_ranges.select_backend().name == "none", value
+    monkeypatch.setenv("RINGFLOW_NVTX", "of")
+    with pytest.raises(ConfigError, match="RINGFLOW_NVTX='of'"):
+        nvtx_ranges.select_backend()
+
+
+def test_text_switches_and_unknown_names(monkeypatch):
+    monkeypatch.setenv("RINGFLOW_DUMP", "/tmp/plan")
+    assert envs.text("RINGFLOW_DUMP") == "/tmp/plan"
+    monkeypatch.setenv("RINGFLOW_DUMP", "")
+    assert envs.text("RINGFLOW_DUMP") is None
+    with pytest.raises(ConfigError, match="RINGFLOW_NOPE is not a ringflow switch"):
+        envs.flag("RINGFLOW_NOPE")
+    with pytest.raises(ConfigError, match="is a text switch, not a flag"):
+        envs.flag("RINGFLOW_DUMP")

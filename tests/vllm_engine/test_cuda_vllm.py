@@ -1,0 +1,256 @@
+"""The plugin inside vLLM's own CUDA engine (vLLM 0.26 on the H200), every graph mode.
+
+Skipped where vLLM is not installed (the GPU image has none; ``../shared/tools/vllm-gpu-pack``
+carries it, ``tools/gpu-vllm`` runs this module). For each graph mode (eager, PIECEWISE, FULL,
+vLLM's default FULL_AND_PIECEWISE), a tiny Llama (FLASH_ATTN) and a tiny DeepSeek-V2 (MLA on
+TRITON_MLA) with seeded random weights:
+
+* ``layer-ops``: ``RINGFLOW_LAYER_OPS_ONLY=1``, the layers wrapped in ringflow's ops and vLLM's
+  graph split there, nothing streamed: the same compiled partition as streaming;
+* ``streamed``: layers 0, 2, 3 streamed through a ring of two, slots poisoned, generated twice;
+* ``plain`` (Llama): vLLM alone, how far the partition change alone moves the output;
+* ``kv/off`` and ``kv/verified``: full-KV prefetch with ``verify: true`` (on the host eagerly,
+  on the device inside captured graphs).
+
+The four modes run as four processes at once (KV caches of fixed size, so no engine profiles
+memory while another changes it). The memory-credit check profiles memory, so nothing else may
+run on its GPU meanwhile: it comes first in this file (``-k memory`` runs it alone).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cuda
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here (tools/gpu-vllm installs the carried vLLM 0.26)",
+                allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+MODES = ("eager", "piecewise", "full", "default")
+MODELS = ("llama", "dsv2")
+POISON = {"RINGFLOW_POISON": "1"}
+STREAM = {"ringflow": {"name": "gpu", "offload": {"layers": [0, 2, 3], "depth": 1,
+                                                  "workspace_mib": 256}}}
+KV = {"ringflow": {"name": "gpu", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
+                                                   "verify": True}}}
+BF16_NOISE = 2e-2  # logprobs of the same kernels on the same values differ by rounding only
+OUT = Path(os.environ.get("OUT", "/tmp/ringflow-gpu"))
+
+
+def mode_cases(mode):
+    cases = []
+    for model in MODELS:
+        base = {"model": model, "mode": mode, "max_tokens": 12}
+        if model == "llama":  # what the partition change alone does to vLLM's output
+            cases.append({"name": f"{model}/{mode}/plain", **base})
+        cases += [
+            {"name": f"{model}/{mode}/layer-ops", **base,
+             "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"}},
+            {"name": f"{model}/{mode}/streamed", **base, "env": POISON,
+             "additional_config": STREAM, "repeat": True},
+            {"name": f"{model}/{mode}/kv/off", **base, "long_prompt": True},
+            {"name": f"{model}/{mode}/kv/verified", **base, "long_prompt": True,
+             "env": POISON, "additional_config": KV},
+        ]
+    return cases
+
+
+def run(cases, tag, timeout=1500):
+    """Start one process running ``cases`` in order (tests/helpers/vllm_e2e.py); logs under $OUT."""
+    work = OUT / "vllm" / tag
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    with open(work / "log.txt", "w") as log:  # the child keeps its own handle
+        proc = subprocess.Popen([sys.executable, str(HERE.parent / "helpers" / "vllm_e2e.py"),
+                                 str(work / "cases.json"), str(work / "results.json")],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, work, timeout
+
+
+def collect(started):
+    results = {}
+    for proc, work, timeout in started:
+        code = proc.wait(timeout=timeout)
+        assert code == 0, (work / "log.txt").read_text()[-4000:]
+        results.update({r["name"]: r for r in json.loads((work / "results.json").read_text())})
+    return results
+
+
+RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER: 0.26 defaults to V2
+
+
+@pytest.fixture(scope="module")
+def memory():
+    """Sequential engines, each alone on the GPU, vLLM sizing its own KV cache, per runner."""
+    mid = {"model": "llama_mid", "profile_memory": True, "gpu_memory_utilization": 0.3,
+           "mode": "eager", "dummy": True, "max_tokens": 4}
+    streamed = {"additional_config": {"ringflow": {
+        "name": "mem", "offload": {"layers": {"every": 2, "last": 1}, "depth": 1,
+                                   "workspace_mib": 4096}}}}
+    results = {}
+    for runner, flag in RUNNERS.items():
+        env = {"VLLM_USE_V2_MODEL_RUNNER": flag}
+        for name, extra in (("resident", {}), ("streamed", streamed)):
+            case = {"name": f"{runner}/{name}", **mid, **extra, "env": env}
+            # one after the other: an engine profiling memory must be alone on its GPU
+            results.update(collect([run([case], f"memory-{runner}-{name}")]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    return collect([run(mode_cases(mode), mode) for mode in MODES])
+
+
+def ok(run):
+    assert "error" not in run, run["error"]
+    return run
+
+
+def assert_same_output(run, baseline):
+    """Greedy tokens identical, top-5 logprobs within bf16 noise."""
+    assert run["tokens"] == baseline["tokens"]
+    assert logprob_gap(run, baseline) <= BF16_NOISE
+
+
+def logprob_gap(a, b):
+    return max(abs(x[1] - y[1]) for pa, pb in zip(a["top5"], b["top5"])
+               for sa, sb in zip(pa, pb) for x, y in zip(sa, sb) if x[0] == y[0])
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_memory_streaming_frees_its_weights_into_vllms_kv_budget(memory, runner):
+    """vLLM's KV cache grows by what streaming saved (offloaded weights minus the ring), under
+    both model runners, and the log states the gain from vLLM's own sizing."""
+    resident, streamed = ok(memory[f"{runner}/resident"]), ok(memory[f"{runner}/streamed"])
+    line = next(l for l in streamed["log"] if "device memory fell by" in l)
+    saved_mib = float(line.split("device memory fell by ")[1].split(" MiB")[0])
+    per_token = 8 * 2 * 8 * 128 * 2  # llama_mid: 8 layers x K,V x 8 heads x 128 x bf16
+    gained = (streamed["kv_blocks"] - resident["kv_blocks"]) * resident["kv_block_size"]
+    expected = saved_mib * (1 << 20) / per_token
+    assert expected > 5000
+    assert abs(gained - expected) <= 0.05 * expected, (gained, expected)
+    assert any("without ringflow's measured saving" in l for l in streamed["log"])
+
+
+def test_the_memory_check_ran_under_two_different_model_runners(memory):
+    def runner(run):
+        line = next(l for l in ok(run)["log"] if "credited to " in l)
+        return line.split("credited to ")[1].split("'s weights memory")[0]
+    v1, v2 = runner(memory["v1/streamed"]), runner(memory["v2/streamed"])
+    assert v1 != v2, (v1, v2)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_streaming_matches_the_same_partition_with_nothing_streamed(matrix, mode, model):
+    ops, streamed = ok(matrix[f"{model}/{mode}/layer-ops"]), ok(matrix[f"{model}/{mode}/streamed"])
+    assert_same_output(streamed, ops)
+    assert streamed["repeat_same"], "a second run of the same engine differs (poison is on)"
+    assert not any("runs the synchronous path" in l for l in streamed["log"]), \
+        "the plan did not join vLLM's capture"
+    assert any(f"vLLM runs cudagraph_mode={streamed['cudagraph_mode']}" in l
+               for l in streamed["log"])
+
+
+@pytest.mark.parametrize("mode", ["full", "default"])
+def test_full_graphs_are_not_silently_downgraded_for_the_llama(matrix, mode):
+    streamed = ok(matrix[f"llama/{mode}/streamed"])
+    assert "FULL" in streamed["cudagraph_mode"], streamed["cudagraph_mode"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_full_kv_prefetch_verifies_every_slot_in_every_graph_mode(matrix, mode, model):
+    off, run_ = ok(matrix[f"{model}/{mode}/kv/off"]), ok(matrix[f"{model}/{mode}/kv/verified"])
+    assert_same_output(run_, off)
+    [stats] = run_["kv"]
+    assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
+    assert stats["checked"] + stats["captured_checked"] >= stats["layers"] * 4, stats
+    if mode in ("full", "default"):  # attention inside the graph: checked on the device
+        assert stats["captured_checked"] > 0, "no captured step was verified"
+
+
+# -- two GPUs: tensor parallel 2, decode context parallel 2 ---------------------------------------
+
+TWO = {"tensor_parallel_size": 2}
+DCP2 = {**TWO, "decode_context_parallel_size": 2}
+# eager: `auto` measures both exchanges and picks; FULL graphs: the copy engines, asked for
+DCP_TRANSPORT = {"eager": "auto", "full": "peer"}
+
+
+def kv_dcp(transport: str) -> dict:
+    return {"ringflow": {"name": "dcp", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
+                                                        "verify": True,
+                                                        "dcp_transport": transport}}}
+WORKER_RPC = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # kv stats come back from the workers
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs of one host (device kind nvidia-h200-x2)")
+    cases = []
+    for mode in ("eager", "full"):
+        base = {"model": "dsv2", "mode": mode, "max_tokens": 12, "long_prompt": True,
+                "engine": DCP2, "env": WORKER_RPC}
+        cases += [{"name": f"dcp/{mode}/off", **base},
+                  {"name": f"dcp/{mode}/verified", **base, "env": {**WORKER_RPC, **POISON},
+                   "additional_config": kv_dcp(DCP_TRANSPORT[mode])}]
+    base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
+    cases += [{"name": "tp2/layer-ops", **base, "env": {**WORKER_RPC,
+                                                        "RINGFLOW_LAYER_OPS_ONLY": "1"}},
+              {"name": "tp2/streamed", **base, "env": {**WORKER_RPC, **POISON},
+               "additional_config": STREAM, "repeat": True}]
+    return _Engines(cases)
+
+
+class _Engines(dict):
+    """Each case's engine, run the first time a test reads it (each takes both GPUs: one after
+    the other), so `-k` selects the engines that run too."""
+
+    def __init__(self, cases) -> None:
+        super().__init__()
+        self.cases = {case["name"]: case for case in cases}
+
+    def __missing__(self, name):
+        case = self.cases[name]
+        self.update(collect([run([case], name.replace("/", "-"), timeout=900)]))
+        return self[name]
+
+
+@pytest.mark.parametrize("mode", ["eager", "full"])
+def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
+    """vLLM TP2 + DCP2, MLA: every slot all-gathered across the two GPUs equals the layer's
+    full KV (checked on the host each eager step), tokens equal ringflow off, and the plan
+    records which exchange ran (and, under `auto`, what both cost). FULL graphs ask for the
+    copy engines: they must run, not fall back."""
+    off, run_ = ok(two_gpus[f"dcp/{mode}/off"]), ok(two_gpus[f"dcp/{mode}/verified"])
+    assert_same_output(run_, off)
+    assert len(run_["kv"]) == 2, run_["kv"]  # one model per worker
+    assert len({s["dcp"]["transport"] for s in run_["kv"]}) == 1, "the workers disagree"
+    for stats in run_["kv"]:
+        assert stats["mismatches"] == [] and stats["captured_mismatches"] == 0, stats
+        assert stats["checked"] >= stats["layers"], stats
+        assert stats["dcp"]["size"] == 2 and stats["dcp"]["transport"] in ("nccl", "peer")
+        assert stats["dcp"]["requested"] == DCP_TRANSPORT[mode], stats["dcp"]
+        if DCP_TRANSPORT[mode] == "auto":
+            assert set(stats["dcp"]["measured_ms"]) == {"nccl", "peer"}, stats["dcp"]
+        else:
+            assert stats["dcp"]["transport"] == DCP_TRANSPORT[mode], stats["dcp"]
+
+
+def test_weight_streaming_under_tensor_parallel_2(two_gpus):
+    ops, streamed = ok(two_gpus["tp2/layer-ops"]), ok(two_gpus["tp2/streamed"])
+    assert_same_output(streamed, ops)
+    assert streamed["repeat_same"]
+    assert len(streamed["forwards"]) == 2 and all(f and f > 0 for f in streamed["forwards"]), \
+        streamed["forwards"]  # both workers streamed their shards

