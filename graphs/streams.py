@@ -4,17 +4,17 @@ Note [Dedicated streams]
     ``torch.cuda.Stream()`` does not create a stream: it hands out the next of 32 streams per
     priority that PyTorch keeps per device, round robin. Anyone else's ``torch.cuda.Stream()``
     can therefore be the very stream ringflow gathers on: ``torch.cuda.graph``'s default capture
-    stream, vLLM's graph stream, another plan's lane. On the H200 that happened in the CUDA
-    suite (the gather stream was already capturing, so ``join`` fell back to the synchronous
-    path), and in an engine it would be worse when the alias is the compute stream: every
-    prefetch serialised behind compute with nothing logged. So the executors create their own
+    stream, vLLM's graph stream, another plan's lane. A gather stream that is already part of
+    someone's capture cannot join another one (``join`` falls back to the synchronous path),
+    and a gather stream that is the compute stream serialises every prefetch behind compute
+    with nothing to show for it. So the executors create their own
     streams through the CUDA runtime (non-blocking, with the requested priority clamped to the
     device's range) and hand them to torch as ``torch.cuda.ExternalStream``.
 
     Such a stream is never destroyed: torch keeps the streams a tensor was used on (its caching
     allocator records an event on them when the tensor is freed, cuBLAS keeps a workspace per
-    stream), and on the H200 destroying ours when an executor was collected aborted the process
-    later ("invalid device context" from an event record in a tensor's destructor). Instead a
+    stream), and destroying one while torch still refers to it fails later, far from the cause
+    ("invalid device context" from an event record in a tensor's destructor). Instead a
     collected owner's streams go back to a free list per device and priority, and the next
     executor takes them: each stream belongs to one live owner at a time, the number ever
     created is the most alive at once, and work still queued on a recycled stream only runs

@@ -5,10 +5,11 @@ Note [Own rows in one launch]
     Under the aligned DCP layout (Note [DCP layout] in kv_gathers.py) a rank's rows of a slot
     are a fixed pattern, and which token each holds follows from the lengths alone. Computed
     with torch ops, that index math is some 35 small kernels per layer (a search, gathers from
-    the block table, masks): measured on the H200 inside a CUDA graph, 76 µs per layer at 64k
-    context (197 µs at 400k) for a copy whose bytes take about 25 µs. This kernel does the
+    the block table, masks), each a launch and a pass over memory, for a copy of a few bytes
+    per row: the index math, not the bytes, would set the pass's time. This kernel does the
     search (over the requests' aligned ends, two torch ops before it), the block-table lookup
-    and the copy in one launch: 30 µs (135 µs). The torch path in kv_gathers.py serves CPUs and
+    and the copy in one launch (``tools/dcp_passes.py`` times both). The torch path in
+    kv_gathers.py serves CPUs and
     machines without Triton, bit for bit the same (both clamp a block-table column past the
     table's width, which the callers' lengths never reach).
 """
@@ -53,8 +54,8 @@ if triton is not None:
                      mask=in_range[:, None] & cols[None, :])
 
     # small ints that may be 1 stay runtime values: Triton specialises an argument equal to 1
-    # into a constant, and a search loop of one constant step failed to compile on the H200
-    # (Triton 3.x, "mask type matches ptr type"); a runtime step count compiles once
+    # into a constant, and Triton 3.x fails to compile a search loop of one constant step
+    # ("mask type matches ptr type"); a runtime step count compiles once
     @triton.jit(do_not_specialize=["requests", "search_steps", "table_width", "size", "rank",
                                    "interleave"])
     def _own_rows_kernel(cache, table, lens, ends, out, n_rows, requests, search_steps, width,

@@ -1,8 +1,8 @@
 """Copy-engine exchange for the DCP gather: every rank's ring in memory the others map.
 
 Note [Peer exchange]
-    NCCL's all-gather runs on the SMs, which the attention it should hide behind needs
-    (measured on 2 x H200: about a quarter of the compute hid). Copy engines move bytes between
+    NCCL's all-gather runs on the SMs, which the attention it should hide behind needs. Copy
+    engines move bytes between
     GPUs over NVLink without SMs. So the DCP lane's ring is allocated in symmetric memory
     (``torch.distributed._symmetric_memory``: the same allocation size on every rank, each
     mapped into every other's address space), and every rank's rows of a slot lie in one fixed
@@ -11,12 +11,10 @@ Note [Peer exchange]
     the same rows of the peer's slot with one 2-D device-to-device copy (``cudaMemcpy2DAsync``:
     a chunk of ``interleave`` rows every ``N * interleave`` rows), which the driver issues on a
     copy engine, straight into sequence order. A slot's rows of rank ``s`` are written only by
-    rank ``s`` (in its own slot) and by the pulls of the others (in theirs).
-
-    (The first version pulled packed parts into a staging buffer and restored the order with
-    an index gather: on 2 x H200 the pack and restore passes took longer than the NVLink copy
-    and competed with the attention for the SMs and HBM. The aligned layout removes the
-    restore pass and the staging buffer, half the slot.)
+    rank ``s`` (in its own slot) and by the pulls of the others (in theirs). The aligned
+    layout is what makes this possible: packed parts would need a staging buffer (as big as
+    the slot) and an order-restoring pass on the SMs, the work the copy engines are meant to
+    take off them.
 
     Ordering across processes is two barriers per gather, on the gather stream (tiny kernels on
     each rank's signal pad): after the own rows are written (no one pulls rows before their

@@ -3,10 +3,9 @@
 Note [One-pass row gather]
     Every full-KV gather ends in ``out[i] = src[index[i]] if valid[i] else 0``. In torch that
     is an ``index_select`` plus a ``masked_fill_``: two passes over the slot, and the
-    ``index_select`` kernel moves a 1152-byte MLA row a few bytes per thread. On the H200 the
-    DCP gather's pack and restore passes took about 330 µs of the ~460 µs per layer at 64k
-    context while the NVLink exchange itself took 124 µs: the SM passes, not the bytes between
-    GPUs, set the gather's time and steal the SMs the attention needs. This Triton kernel does
+    ``index_select`` kernel moves a 1152-byte MLA row a few bytes per thread, so such SM passes
+    can take longer than moving the same bytes between GPUs, and they take the SMs the
+    attention needs. This Triton kernel does
     it in one pass with a tile of rows per program and wide loads along each row. It runs where
     it can (CUDA tensors, Triton importable, rows whose elements are contiguous); everywhere
     else the torch pair runs, with the same result bit for bit (a copy either way).

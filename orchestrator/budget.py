@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from ringflow.errors import BudgetError, ConfigError
-from ringflow.units import MIB
+from ringflow.units import mib
 MAX_SLOT_BYTES = 1 << 40  # 1 TiB: anything larger is a typo, not a slot
 MAX_LAYERS = 8192  # deeper than any model; keeps every plan small enough to check in a second
 
@@ -101,16 +101,16 @@ class PoolLayout:
         want = (self.requested_depth + 1) * self.slot_bytes
         line = (
             f"lane '{self.lane}': slot {self.slot_bytes:,} B; depth {self.requested_depth} wants "
-            f"{self.requested_depth + 1} slot(s) = {want / MIB:.2f} MiB; budget "
-            f"{self.budget_bytes / MIB:.2f} MiB"
+            f"{self.requested_depth + 1} slot(s) = {mib(want)}; budget "
+            f"{mib(self.budget_bytes)}"
         )
         if self.reduced:
             line += (
                 f" holds {self.budget_bytes // self.slot_bytes} -> depth reduced to {self.depth} "
-                f"({self.slots} slot(s), {self.reserved_bytes / MIB:.2f} MiB reserved)"
+                f"({self.slots} slot(s), {mib(self.reserved_bytes)} reserved)"
             )
         else:
-            line += f" -> depth {self.depth}, {self.reserved_bytes / MIB:.2f} MiB reserved"
+            line += f" -> depth {self.depth}, {mib(self.reserved_bytes)} reserved"
         if self.depth == 0:
             line += " (one slot: gathers overlap only layers that gather nothing)"
         return line

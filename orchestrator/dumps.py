@@ -25,7 +25,7 @@ from typing import Any
 
 from ringflow.errors import PlanError
 from ringflow.orchestrator.budget import PoolLayout
-from ringflow.units import MIB
+from ringflow.units import mib
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, EventRole, Node, NodeKind
 
 SCHEMA = "ringflow.dag"
@@ -93,7 +93,7 @@ def from_dict(doc: dict[str, Any]) -> Dag:
         dag = Dag(doc["name"], doc["layers"], pools, nodes, meta=dict(doc.get("meta", {})),
                   prime=prime)
     except (KeyError, TypeError, ValueError) as exc:
-        raise PlanError(f"malformed Dag dump: {exc!r}") from None
+        raise PlanError(f"malformed Dag dump: {exc!r}") from exc
     edges = [{"src": e.src, "dst": e.dst, "kind": e.kind} for e in dag.edges]
     if "edges" in doc and doc["edges"] != edges:
         raise PlanError("Dag dump edges disagree with its nodes; the dump was edited by hand")
@@ -104,7 +104,7 @@ def from_json(text: str) -> Dag:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlanError(f"Dag dump is not JSON: {exc}") from None
+        raise PlanError(f"Dag dump is not JSON: {exc}") from exc
     return from_dict(doc)
 
 
@@ -204,7 +204,7 @@ def budget_lines(dag: Dag, kv_token_bytes: int | None = None) -> list[str]:
     """The budget arithmetic of every lane, the total, and (optionally) the KV tokens it costs."""
     lines = [p.arithmetic() for p in dag.pools]
     total = sum(p.reserved_bytes for p in dag.pools)
-    lines.append(f"total reserved: {total:,} B ({total / MIB:.2f} MiB) in {len(dag.pools)} "
+    lines.append(f"total reserved: {total:,} B ({mib(total)}) in {len(dag.pools)} "
                  f"allocation(s), made once before the KV cache is sized")
     if kv_token_bytes:
         tokens = total // (kv_token_bytes * dag.layers)

@@ -74,7 +74,7 @@ class Profile:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise ProfileError(None, f"cannot be read ({exc.strerror})", str(ref)) from None
+            raise ProfileError(None, f"cannot be read ({exc.strerror})", str(ref)) from exc
         return cls.from_yaml_text(data, source=str(ref), default_name=path.stem)
 
     @classmethod
@@ -85,14 +85,14 @@ class Profile:
                 data = data.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ProfileError(None, f"is not UTF-8 text (byte {exc.start}); save it as "
-                                   f"UTF-8", source) from None
+                                   f"UTF-8", source) from exc
         try:
             doc = yaml.safe_load(data)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or type(exc).__name__
-            raise ProfileError(None, f"is not valid YAML: {problem}{where}", source) from None
+            raise ProfileError(None, f"is not valid YAML: {problem}{where}", source) from exc
         if doc is None:
             raise ProfileError(None, f"is empty; required fields: {', '.join(RUN_REQUIRED)}", source)
         return cls.from_mapping(doc, source=source, default_name=default_name)

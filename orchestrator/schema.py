@@ -43,7 +43,8 @@ class ProfileField:
     ``default`` is :data:`REQUIRED`, or the value an absent field takes (None: unset, or
     derived when the profile is used). ``nullable``: an explicit null also means the default.
     ``run``: a top-level field of run profiles only (a vLLM-only profile takes its layers from
-    the model). ``words`` states the accepted values where the kind cannot.
+    the model). ``words`` states the accepted values where the kind cannot; ``shape`` states
+    them for editors (the JSON Schema of a ``list`` field), where the kind cannot.
     """
 
     meaning: str
@@ -55,6 +56,7 @@ class ProfileField:
     nullable: bool = False
     run: bool = False
     words: str = ""
+    shape: dict | None = None
 
     @property
     def accepted(self) -> str:
@@ -125,26 +127,33 @@ FIELDS: dict[str, ProfileField] = {
                       "even one slot (depth 0) prefetches behind layers that gather nothing", 0,
                       run=True),
     "synchronous": _flag("gather every layer on the compute stream, just before it computes (no "
-                         "prefetch); before, depth 0 meant this", False, run=True),
+                         "prefetch)", False, run=True),
     "cross_forward": ProfileField("lanes whose sources never change between forwards (weights): "
                                   "the next forward's first slots are filled in this forward's "
                                   "tail", "list", False, run=True,
+                                  shape={"oneOf": [{"type": "boolean"}, {"type": "array", "items": {
+                                      "type": "string"}}]},
                                   words="true (every lane), false, or a list of lane names"),
     "workspace_mib": _mib("device budget of each lane's slot ring, in MiB; depth is reduced to "
                           "fit", "at least one slot", run=True),
     "slot": ProfileField("shape and dtype of one slot (one layer's gathered data)", "mapping",
                          run=True, words="a mapping with 'shape' and 'dtype'"),
     "slot.shape": ProfileField("dimensions of one slot", "list", lo=1,
+                               shape={"type": "array", "minItems": 1,
+                                      "items": {"type": "integer", "minimum": 1}},
                                words="a non-empty list of integers >= 1"),
     "slot.dtype": _one_of("element type of a slot", DTYPE_BYTES),
     "lanes": ProfileField("independent pipelines, each with its own pool and gather stream "
                           "(micro-batches, target/draft)", "list", ["kv"],
+                          shape={"type": "array", "minItems": 1, "uniqueItems": True,
+                                 "items": {"type": "string", "pattern": LANE_NAME.pattern}},
                           words="a non-empty list of unique names [A-Za-z][A-Za-z0-9_-]*"),
     "gathered_layers": ProfileField("layers that need a gather; the others compute from "
                                     "resident data", "list", "all", run=True,
+                                    shape={"oneOf": [{"const": "all"}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True}]},
                                     words="'all' or a list of layer indices"),
     "ineligible": ProfileField("gathered layers that cannot be prefetched; they gather "
-                               "synchronously", "list", [], run=True,
+                               "synchronously", "list", [], run=True, shape={"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True},
                                words="a list of layer indices (subset of gathered_layers)"),
     "capture": _one_of("what to do when a forward runs inside a CUDA graph capture",
                        CAPTURE_POLICIES, "join"),
@@ -174,6 +183,11 @@ FIELDS: dict[str, ProfileField] = {
                             "from the model); with it, layers/depth/workspace_mib/slot may be "
                             "left out", "mapping", None, words="a mapping"),
     "offload.layers": ProfileField("decoder layers to offload", "list",
+                                   shape={"oneOf": [{"const": "all"}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True}, {
+                                       "type": "object", "additionalProperties": False,
+                                       "required": ["every", "last"], "properties": {
+                                           "every": {"type": "integer", "minimum": 1},
+                                           "last": {"type": "integer", "minimum": 1}}}]},
                                    words="'all', a list of layer indices, or {every: N, last: K} "
                                    "(the last K of every N layers)"),
     "offload.depth": _integer("layers of lookahead; the ring holds depth + 1 layer-slots (one "
@@ -285,3 +299,44 @@ def section(name: str | None, value: Any, source: str | None,
                 f"{prefix}{key}" if isinstance(key, str) else name,
                 f"unknown field {where}; accepted fields: {', '.join(allowed)}", source)
     return value
+
+
+def _json_field(name: str) -> dict:
+    spec = FIELDS[name]
+    out: dict[str, Any] = {"description": f"{spec.meaning}; accepted: {spec.accepted}"}
+    if spec.kind == "int":
+        out["type"] = "integer"
+        out.update({k: v for k, v in (("minimum", spec.lo), ("maximum", spec.hi)) if v is not None})
+    elif spec.kind == "mib":
+        out.update(type="number", exclusiveMinimum=0, maximum=spec.hi)
+    elif spec.kind == "bool":
+        out["type"] = "boolean"
+    elif spec.kind == "choice":
+        out["enum"] = list(spec.choices)
+    elif spec.kind == "str":
+        out.update(type="string", minLength=1)
+    elif spec.kind == "mapping":
+        out.update(_json_section(name))
+    elif spec.shape is not None:
+        out.update(spec.shape)
+    if spec.nullable:
+        out = {"description": out.pop("description"), "oneOf": [out, {"type": "null"}]}
+    if spec.default is not REQUIRED and spec.default is not None:
+        out["default"] = spec.default
+    return out
+
+
+def _json_section(name: str | None) -> dict:
+    prefix = f"{name}." if name else ""
+    return {"type": "object", "additionalProperties": False,
+            "properties": {key: _json_field(prefix + key) for key in section_keys(name)}}
+
+
+def json_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of a profile, derived from :data:`FIELDS`: what an
+    editor checks while a profile is written (``profiles/profile.schema.json`` is this,
+    written out). Cross-field rules (a run profile's required fields, a budget of at least
+    one slot) are ringflow's own checks, not the schema's."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": "https://ringflow.invalid/profile.schema.json", "title": "ringflow profile",
+            **_json_section(None)}

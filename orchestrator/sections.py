@@ -91,13 +91,20 @@ class OffloadSpec:
         """The offloaded layer indices of a model with ``count`` decoder layers.
 
         Raises:
-            ProfileError: a listed layer does not exist in the model.
+            ProfileError: a listed layer does not exist in the model, or the pattern selects
+                none of its layers (saying what was asked and what the model has).
         """
         if self.layers == "all":
             return list(range(count))
         if isinstance(self.layers, tuple):
             every, last = self.layers
-            return [i for i in range(count) if i % every >= every - last]
+            chosen = [i for i in range(count) if i % every >= every - last]
+            if not chosen:
+                raise ProfileError("offload.layers", f"{{every: {every}, last: {last}}} selects "
+                                   f"no layer of a model with {count} decoder layers "
+                                   f"(0..{count - 1}); accepted: an 'every' of at most {count}, "
+                                   f"a list of layer indices, or 'all'", source)
+            return chosen
         missing = sorted(i for i in self.layers if i >= count)
         if missing:
             raise ProfileError("offload.layers", f"layers {missing} do not exist: the model has "

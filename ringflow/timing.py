@@ -1,7 +1,8 @@
 """GPU time measured with CUDA timing events: the one place ringflow's measurements make them.
 
-Two uses: how long a piece of work takes on the device (:func:`elapsed_ms`, :func:`timed_run`),
-and when each call of a gather or compute starts and ends (:func:`stamped`, read back with
+Three uses: how long a piece of work takes on the device (:func:`elapsed_ms`, :func:`timed_run`,
+:func:`span_ms` over several streams), several variants timed in turn round after round
+(:func:`interleaved_ms`, :func:`interleaved_medians`), and when each call of a gather or compute starts and ends (:func:`stamped`, read back with
 :func:`spans`), relative to an origin event so that every stream shares one clock.
 
 .. note::
@@ -47,26 +48,54 @@ def elapsed_ms(fn: Callable[[], Any], repeat: int = 1) -> float:
     return start.elapsed_time(end)
 
 
-def interleaved_ms(variants: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int = 2,
-                   repeat: int = 1,
-                   before_round: Callable[[int], Any] | None = None) -> dict[str, float]:
-    """Median device ms per call of each variant, timed in turn round after round.
+def interleaved_medians(samplers: Mapping[str, Callable[[], float]], rounds: int, *,
+                        warmup: int = 2,
+                        before_round: Callable[[int], Any] | None = None) -> dict[str, float]:
+    """Median of each sampler's measurement, the samplers run in turn round after round.
 
-    Interleaving puts every variant under the same conditions (clocks, temperature, whatever
-    else the machine runs), so their ratios come from one run. Each sample times ``repeat``
-    back-to-back calls and divides (steady state: an engine stepping forward after forward).
-    ``before_round(r)`` runs before round ``r`` (fresh inputs, say); the first ``warmup``
-    rounds are not counted. Host-syncs after every sample.
+    A sampler does its work once and returns the milliseconds it measured (its own timer:
+    one stream's events, several streams' spans). Interleaving puts every variant under the
+    same conditions (clocks, temperature, whatever else the machine runs), so their ratios
+    come from one run. ``before_round(r)`` runs before round ``r`` (fresh inputs, say); the
+    first ``warmup`` rounds are not counted.
     """
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    samples: dict[str, list[float]] = {name: [] for name in samplers}
     for r in range(warmup + rounds):
         if before_round is not None:
             before_round(r)
-        for name, run in variants.items():
-            ms = elapsed_ms(run, repeat=repeat)
+        for name, sample in samplers.items():
+            ms = sample()
             if r >= warmup:
-                samples[name].append(ms / repeat)
+                samples[name].append(ms)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def interleaved_ms(variants: Mapping[str, Callable[[], Any]], rounds: int, *, warmup: int = 2,
+                   repeat: int = 1,
+                   before_round: Callable[[int], Any] | None = None) -> dict[str, float]:
+    """:func:`interleaved_medians` of device ms per call of each variant on the current stream;
+    each sample times ``repeat`` back-to-back calls and divides (steady state: an engine
+    stepping forward after forward). Host-syncs after every sample."""
+    return interleaved_medians(
+        {name: (lambda run=run: elapsed_ms(run, repeat=repeat) / repeat)
+         for name, run in variants.items()}, rounds, warmup=warmup, before_round=before_round)
+
+
+def span_ms(fn: Callable[[], Any], streams) -> float:
+    """Device ms of ``fn()``, which issues work on ``streams`` (of one device or several):
+    from each stream's start event to its end event, the longest span of any device (events of
+    different devices cannot be compared). Waits for the work."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in streams]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
+    for stream, start in zip(streams, starts):
+        start.record(stream)
+    fn()
+    for stream, end in zip(streams, ends):
+        end.record(stream)
+    for end in ends:
+        end.synchronize()
+    return max(s.elapsed_time(e) for s, a in zip(starts, streams) for e, b in zip(ends, streams)
+               if a.device == b.device)
 
 
 def stamped(kind: str, fn: Callable[[int, str, Any], Any], marks: list, *,

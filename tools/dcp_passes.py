@@ -14,10 +14,13 @@ its torch twin first. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
+
+from ringflow.bench import records
+from ringflow.timing import elapsed_ms
+from ringflow.units import MIB
 
 
 def _time_ms(fn, repeat: int = 20) -> float:
@@ -29,12 +32,7 @@ def _time_ms(fn, repeat: int = 20) -> float:
         for _ in range(repeat):
             fn()
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
+    return elapsed_ms(graph.replay) / repeat
 
 
 def measure(context: int, world: int) -> dict:
@@ -69,7 +67,7 @@ def measure(context: int, world: int) -> dict:
     half = out.numel() // world * (world - 1)
     pulled = out.nbytes * (world - 1) / world
     result = {
-        "context": context, "world": world, "slot_mib": out.nbytes / 2**20,
+        "context": context, "world": world, "slot_mib": out.nbytes / MIB,
         "own_rows_us": _time_ms(lambda: own(out)) * 1e3,
         "own_rows_torch_us": _time_ms(lambda: own(out, False)) * 1e3,
         "pack_us": _time_ms(lambda: paged_gather(cache, table, local[:, 0], staging[0])) * 1e3,
@@ -104,10 +102,7 @@ def main() -> int:
               f"{r['copy_2d_us']:.1f} ({r['copy_2d_gb_per_s']:.0f} GB/s) | "
               f"{r['copy_contiguous_us']:.1f} ({r['copy_contiguous_gb_per_s']:.0f} GB/s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "command": "python3 tools/dcp_passes.py " + " ".join(sys.argv[1:]),
-                       "rows": rows}, f, indent=1)
+        records.write(args.json, records.record("python3 tools/dcp_passes.py", rows=rows))
     return 0
 
 

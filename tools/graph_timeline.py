@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 import torch
 
@@ -22,6 +21,7 @@ from ringflow.bench.hand_ring import Graphed, HandRing
 from ringflow.bench.scenarios import SCENARIOS, scenario_parts
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.orchestrator.profile import Profile
+from ringflow.bench import records
 from ringflow.timing import stamped, timed_run
 
 
@@ -91,10 +91,9 @@ def main() -> None:
     summary = {k: statistics.median(v) for k, v in totals.items()}
     print("median total ms:", json.dumps({k: round(v, 3) for k, v in summary.items()}))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "scenario": args.scenario, "command": " ".join(sys.argv),
-                       "median_total_ms": summary, "median_spans_ms": med}, f, indent=1)
+        records.write(args.out, records.record("python3 tools/graph_timeline.py",
+                                               scenario=args.scenario, median_total_ms=summary,
+                                               median_spans_ms=med))
 
 
 if __name__ == "__main__":

@@ -13,28 +13,13 @@ from ``python -m ringflow.bench.dcp --world 2`` (its ``exchange`` rows).
 """
 
 import argparse
-import json
-import statistics
 import sys
 
 import torch
 
-
-def timed(fn, streams) -> float:
-    """ms from the first stream's start to the last one's end, per device (events on every
-    stream)."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in streams]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
-    for stream, start in zip(streams, starts):
-        start.record(stream)
-    fn()
-    for stream, end in zip(streams, ends):
-        end.record(stream)
-    for end in ends:
-        end.synchronize()
-    # events of different devices cannot be compared: the span per device, the longest
-    return max(s.elapsed_time(e) for s, sa in zip(starts, streams) for e, sb in zip(ends, streams)
-               if sa.device == sb.device)
+from ringflow.bench import records
+from ringflow.timing import interleaved_medians, span_ms
+from ringflow.units import MIB
 
 
 def main() -> int:
@@ -56,7 +41,7 @@ def main() -> int:
     c = torch.empty_like(a)
     rows = []
     for mib in args.mib:
-        count = int(mib * 2**20) // 2
+        count = int(mib * MIB) // 2
         src1 = torch.randn(count, device="cuda:1").to(torch.bfloat16)
         src0 = torch.randn(count, device="cuda:0").to(torch.bfloat16)
         dst0, dst1 = torch.empty_like(src1, device="cuda:0"), torch.empty_like(src0, device="cuda:1")
@@ -89,15 +74,15 @@ def main() -> int:
 
         ways = {"pull": (pull, [s0]), "both": (both, [s0, s1]), "gemm": (gemms, [side0]),
                 "pulls": (pulls, [s0]), "gemm+pulls": (together, [side0, s0])}
-        ms = {k: [] for k in ways}
-        for round_ in range(args.rounds + 2):
-            for name, (fn, streams) in ways.items():
+        def sampler(fn, streams):
+            def sample() -> float:
                 torch.cuda.synchronize(0)
                 torch.cuda.synchronize(1)
-                t = timed(fn, streams)
-                if round_ >= 2:
-                    ms[name].append(t)
-        med = {k: statistics.median(v) for k, v in ms.items()}
+                return span_ms(fn, streams)
+            return sample
+
+        med = interleaved_medians({name: sampler(fn, streams) for name, (fn, streams)
+                                   in ways.items()}, args.rounds, warmup=2)
         assert torch.equal(dst0.cpu(), src1.cpu()), "the peer copy is wrong"
         row = {"mib": mib, "bytes": nbytes, "ms": med,
                "pull_gb_per_s": nbytes / med["pull"] / 1e6,
@@ -108,9 +93,7 @@ def main() -> int:
                "overlap_vs_max": med["gemm+pulls"] / max(med["gemm"], med["pulls"])}
         rows.append(row)
         src0 = src1 = dst0 = dst1 = None  # freed before the next size
-    doc = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-           "peer_access": can, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "command": "python3 tools/p2p_floor.py " + " ".join(sys.argv[1:]), "results": rows}
+    doc = records.record("python3 tools/p2p_floor.py", peer_access=can, results=rows)
     print(f"{'MiB':>6} {'pull GB/s':>10} {'both GB/s each':>15} {'gemm ms':>8} {'pulls ms':>9} "
           f"{'together ms':>12} {'/max':>6}")
     for r in rows:
@@ -118,8 +101,7 @@ def main() -> int:
               f"{r['gemm_alone_ms']:>8.3f} {r['pulls_alone_ms']:>9.3f} {r['together_ms']:>12.3f} "
               f"{r['overlap_vs_max']:>6.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        records.write(args.json, doc)
     return 0
 
 

@@ -73,6 +73,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from ringflow.bench import records
+
     model = Path(tempfile.mkdtemp()) / "llama8b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA_8B))
@@ -133,13 +135,11 @@ def main() -> int:
             r["prefill_vs_vllm"] = round(r["prefill_tok_s_median"] / v["prefill_tok_s_median"], 3)
             r["decode_vs_vllm"] = round(r["decode_tok_s_median"] / v["decode_tok_s_median"], 3)
             r["kv_tokens_vs_vllm"] = r["kv_tokens"] - v["kv_tokens"]
-    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "vllm": vllm.__version__, "runner": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
-           "pattern": args.pattern, "repeats": args.repeats, "model": "Llama 8B shapes, dummy",
-           "command": " ".join(["python3", "tools/vllm_bench.py", *sys.argv[1:]]),
-           "results": results}
+    doc = records.record("python3 tools/vllm_bench.py", vllm=vllm.__version__,
+                         runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)", pattern=args.pattern,
+                         repeats=args.repeats, model="Llama 8B shapes, dummy", results=results)
     if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        records.write(args.json, doc)
     print("| config | startup s | KV tokens | prefill tok/s | decode tok/s | prefill/res | "
           "decode/res | prefill/vLLM | decode/vLLM | KV vs vLLM |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -21,9 +21,9 @@ Note [Release boundary under torch.compile]
       into a buffer before the op runs, and every later reader reads the op's (re-inplaced)
       result. Inductor cannot recompute a returned value after the release from the layer's
       weights, because the recomputed value would be the pre-mutation version, which the graph
-      no longer refers to. (Anchoring only the first output let Inductor recompute a Gemma2 /
-      Gemma3 sandwich-norm residual from the streamed ``post_attention_layernorm`` weight after
-      the slot had been refilled: silent wrong tokens.)
+      no longer refers to. Every returned tensor must be anchored, not just the hidden states:
+      a sandwich-norm residual (Gemma2, Gemma3) that is recomputable from a streamed norm
+      weight would otherwise be recomputed after the slot was refilled.
     * Wait: every kernel that combines a weight with the layer's activations depends on the
       anchor's post-``begin`` version, so it runs after the wait.
 
@@ -34,10 +34,10 @@ Note [Release boundary under torch.compile]
       anchored and may be read after the release.
     * A kernel that reads *only* weights (a norm's ``1 + w`` materialized on its own) depends on
       no declared tensor, so nothing forbids running it before the wait. Inductor inlines such
-      pointwise work into its consumer and keeps graph order otherwise, so we have not seen it;
-      declaring the slot's parameters mutated by ``layer_begin`` would close it, but they alias
-      one ring storage and AOTAutograd's synthetic-base path for mutated aliased inputs failed
-      on torch 2.13 (``assert_size_stride`` on the synthetic base) for rings of several layers.
+      pointwise work into its consumer and keeps graph order otherwise; declaring the slot's
+      parameters mutated by ``layer_begin`` would close it, but they alias one ring storage and
+      AOTAutograd's synthetic-base path for mutated aliased inputs fails (torch 2.13,
+      ``assert_size_stride`` on the synthetic base) for rings of several layers.
     * Freezing (``torch._inductor.config.freezing``) would constant-fold weights; vLLM does
       not freeze.
 """

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ringflow.kernels import page_gather, paged_gather
+from ringflow.units import ceil_div
 
 if TYPE_CHECKING:
     from ringflow.integrations.torch.kv_prefetch import DcpGroup, KVPrefetcher, KVSource
@@ -83,7 +84,7 @@ def _expected_slot(source: KVSource, kind: str, block_size: int, capacity: int) 
     out = torch.zeros((capacity, *cache.shape[1 if pages else 2:]), dtype=cache.dtype)
     row = 0
     for r, n in enumerate(source.context_lens.tolist()):
-        held = cache[table[r, : -(-n // block)]]
+        held = cache[table[r, : ceil_div(n, block)]]
         part = held if pages else held.flatten(0, 1)[:n]
         out[row: row + part.shape[0]] = part
         row += part.shape[0]
@@ -135,5 +136,5 @@ def _check_own_shard(got: torch.Tensor, source: KVSource, dcp: DcpGroup) -> str 
                 p = (t // stride) * dcp.interleave + t % dcp.interleave  # position on this rank
                 if not torch.equal(got[row + t], cache[table[r, p // block_size], p % block_size]):
                     wrong += 1
-        row += -(-n // stride) * stride
+        row += ceil_div(n, stride) * stride
     return f"{wrong} own-shard row(s) differ" if wrong else None

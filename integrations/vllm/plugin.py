@@ -189,9 +189,9 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
         credited = memory.credit_weights_memory(worker, streamer.saved_bytes)
         runner = type(worker.model_runner)
         log.info("profile '%s': %s; allocated before the KV cache is sized; device memory "
-                 "%s by %.2f MiB (offloaded weights freed minus the ring)%s, worth %s",
+                 "%s by %s (offloaded weights freed minus the ring)%s, worth %s",
                  profile.name, streamer.describe(),
-                 "fell" if streamer.saved_bytes >= 0 else "grew", abs(streamer.saved_bytes) / MIB,
+                 "fell" if streamer.saved_bytes >= 0 else "grew", mib(abs(streamer.saved_bytes)),
                  f", credited to {runner.__module__}.{runner.__qualname__}'s weights memory "
                  f"before it sizes the KV cache" if credited
                  else " (vLLM's weights memory figure not found: not credited)",

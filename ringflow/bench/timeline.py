@@ -28,9 +28,9 @@ def require_matplotlib(option: str) -> None:
     measurement, so that a missing plotter never costs a whole benchmark run."""
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
         raise ConfigError(f"{option} draws timelines with matplotlib, which is not installed; "
-                          f"`pip install matplotlib`, or drop {option}") from None
+                          f"`pip install matplotlib`, or drop {option}") from exc
 
 
 def plot_timeline(spans: list[dict], path: Path, title: str) -> Path:

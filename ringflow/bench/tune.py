@@ -10,6 +10,7 @@ import yaml
 from ringflow.bench.scenarios import run_profile
 from ringflow.errors import DeviceError
 from ringflow.orchestrator.profile import Profile
+from ringflow.units import MIB
 
 
 def tune(profile: Profile, *, out: Path, replays: int, max_depth: int = 3) -> int:
@@ -27,7 +28,7 @@ def tune(profile: Profile, *, out: Path, replays: int, max_depth: int = 3) -> in
     lines = [f"# tuned by `ringflow tune` on {torch.cuda.get_device_name()}, torch "
              f"{torch.__version__}: depth {best[0]} was fastest", "#   depth  captured ms  sync ms"
              "  pool MiB"]
-    lines += [f"#   {d:>5}  {c:>11.3f}  {s:>7.3f}  {p / 2**20:>8.1f}" for d, c, s, p in rows]
+    lines += [f"#   {d:>5}  {c:>11.3f}  {s:>7.3f}  {p / MIB:>8.1f}" for d, c, s, p in rows]
     body = yaml.safe_dump(profile.replace(depth=best[0]).to_mapping(), sort_keys=False)
     out.write_text("\n".join(lines) + "\n" + body)
     print("\n".join(line[2:] for line in lines))

@@ -28,6 +28,7 @@ from ringflow.kernels import copy_host_to_device, index_gather, paged_gather
 from ringflow.orchestrator.profile import Profile
 from ringflow.graphs.slots import torch_dtype
 from ringflow.testing.models import decoder_block, decoder_weights
+from ringflow.units import ceil_div
 
 
 class SyntheticWorkload:
@@ -77,7 +78,7 @@ class SyntheticWorkload:
                                       for _ in range(n)]).to(self.device)
         else:
             bs = work.block_size
-            blocks_per_slot = -(-self.rows // bs)
+            blocks_per_slot = ceil_div(self.rows, bs)
             self.store = torch.empty((n * blocks_per_slot, bs, *self.shape[1:]), dtype=self.dtype,
                                      device=self.device)
             # two requests per slot, lengths that are not multiples of the block size

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ringflow.units import ceil_div
+
 #: bf16 elements per token (MLA: kv_lora_rank 512 + rope 64) and tokens per cache block
 ROW, BLOCK = 576, 64
 
@@ -17,8 +19,8 @@ def full_kv(batch: int, context: int, seed: int, device) -> torch.Tensor:
 
 def shard(full: torch.Tensor, batch: int, context: int, rank: int, world: int):
     """This rank's paged cache and block table: token t of a request lives on rank t % world."""
-    local = -(-context // world)
-    blocks_per = -(-local // BLOCK)
+    local = ceil_div(context, world)
+    blocks_per = ceil_div(local, BLOCK)
     cache = torch.zeros(batch * blocks_per, BLOCK, ROW, dtype=full.dtype, device=full.device)
     table = torch.arange(batch * blocks_per, device=full.device, dtype=torch.int32)
     table = table.view(batch, blocks_per).flip(1).contiguous()  # not the identity map

