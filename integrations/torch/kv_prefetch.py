@@ -446,7 +446,7 @@ class KVPrefetcher:
             if bound > self.capacity_tokens:
                 reason = ("capacity", f"a step with up to {bound:,} context tokens does not fit "
                           f"a slot of {self.capacity_tokens:,}",
-                          "raise kv_prefetch.capacity_tokens")
+                          "raise capacity_tokens (a profile's kv_prefetch.capacity_tokens)")
         self._step_ok = reason is None
         if reason is not None:
             key, what, fix = reason

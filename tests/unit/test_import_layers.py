@@ -47,8 +47,8 @@ LAYERS = {
         ".torch.verification")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
-        "", ".state", ".hooks", ".compat", ".config", ".layers", ".memory", ".mla_check",
-        ".attention")], "vllm"),
+        "", ".state", ".hooks", ".compat", ".config", ".layers", ".memory", ".metadata",
+        ".mla_check", ".attention")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (
