@@ -22,7 +22,8 @@ import torch
 from ringflow.errors import CaptureError
 from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.eager import EagerExecutor
-from ringflow.graphs.executor import ComputeFn, GatherFn, check_option, cuda_device_of, pools_by_lane
+from ringflow.graphs.executor import (ComputeFn, GatherFn, check_option, cuda_device_of,
+                                      pools_by_lane)
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.orchestrator.dag import Dag
 from ringflow.orchestrator.vocab import CAPTURE_POLICIES

@@ -511,7 +511,7 @@ class KVPrefetcher:
 def check_not_after_kv(kv_sized: bool, name: str) -> None:
     """Refuse to allocate a ring once the engine has sized its KV cache (the budget would lie)."""
     if kv_sized:
-        raise LifecycleError(f"'{name}': a full-KV ring was requested after the KV cache was sized; "
-                         f"its bytes would come out of memory the cache already counted. Build "
-                         f"rings before KV sizing (ringflow's hooks do so when the attention "
-                         f"implementation is built)")
+        raise LifecycleError(f"'{name}': a full-KV ring was requested after the KV cache was "
+                             f"sized; its bytes would come out of memory the cache already "
+                             f"counted. Build rings before KV sizing (ringflow's hooks do so when "
+                             f"the attention implementation is built)")

@@ -257,7 +257,7 @@ def _knob_rows(text: str) -> list[tuple[str, str]]:
     rows = []
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| `") and len(cells) == 3:
+        if line.startswith("| `"):
             rows.append((cells[0].strip("`"), cells[1].strip("`")))
     return rows
 

@@ -57,7 +57,7 @@ def test_an_interrupted_benchmark_leaves_no_device_or_pinned_memory(monkeypatch)
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bench, "_time", interrupt)
+    monkeypatch.setattr(bench, "interleaved_ms", interrupt)  # the timing loop, mid-measurement
     with pytest.raises(KeyboardInterrupt):
         bench.run_profile("interrupted", profile, replays=2)
     gc.collect()
