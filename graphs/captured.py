@@ -26,6 +26,7 @@ from ringflow.graphs.executor import (ComputeFn, GatherFn, check_option, cuda_de
                                       pools_by_lane)
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.orchestrator.dag import Dag
+from ringflow.orchestrator.hazards import check_hazards
 from ringflow.orchestrator.vocab import CAPTURE_POLICIES
 from ringflow.graphs.slots import SlotPool
 
@@ -55,7 +56,7 @@ class CapturedExecutor:
                  poison: bool | None = None, capture: str = "join", keep_graph: bool = False,
                  warmup: int = 1) -> None:
         check_option("capture", capture, CAPTURE_POLICIES)
-        self.dag = dag
+        self.dag = check_hazards(dag)  # once: every bucket's executor gets the proven Dag
         self.pools = pools_by_lane(pools)
         cuda_device_of(self.pools.values(), "CapturedExecutor")
         self.capture_policy = capture

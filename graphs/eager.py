@@ -79,7 +79,7 @@ class EagerExecutor(DagExecutor):
         self._current: torch.cuda.Stream | None = None
         super().__init__(dag, pools, gather, compute, poison=poison)
         # the capture-safe fallback: same plan, pools and callables, one stream
-        self.sync_path = SyncExecutor(dag, pools, gather, compute, poison=self.poison)
+        self.sync_path = SyncExecutor(self.dag, pools, gather, compute, poison=self.poison)
 
     def stream(self, name: str) -> torch.cuda.Stream:
         """The CUDA stream that runs the plan's stream ``name`` in the current forward."""

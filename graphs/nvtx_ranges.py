@@ -63,7 +63,11 @@ class _TorchNvtx:
 
 
 def select_backend():
-    """The NVTX backend the switches and the installed packages give (chosen once, at import)."""
+    """The NVTX backend the switches and the installed packages give.
+
+    Raises:
+        ConfigError: ``RINGFLOW_NVTX`` holds something that is not a flag.
+    """
     if not envs.flag("RINGFLOW_NVTX"):
         return _Null()
     try:
@@ -73,11 +77,16 @@ def select_backend():
     return _NvtxPackage(nvtx)
 
 
-backend = select_backend()
+#: chosen at the first range a plan builds, not at import: a bad ``RINGFLOW_NVTX`` is then one
+#: error where ringflow is used (an executor, the plugin's hook), not a failed import
+backend = None
 
 
 def handle(message: str) -> object:
     """Prebuild what :func:`push` needs for ``message`` (do this once, off the hot path)."""
+    global backend
+    if backend is None:
+        backend = select_backend()
     return backend.handle(message)
 
 

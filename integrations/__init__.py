@@ -1,1 +1,2 @@
-"""ringflow.integrations: shims that plug ringflow into inference engines."""
+"""ringflow.integrations: engine-neutral adapters over a stack of layers (``torch``) and the shim
+that plugs them into vLLM (``vllm``)."""

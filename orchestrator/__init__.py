@@ -1,5 +1,6 @@
-"""ringflow.orchestrator: profiles, slot pools and leases, the Dag, the Planner, the hazard proof.
+"""ringflow.orchestrator: plan and prove. The profile (schema, sections, vocabulary), the budget
+arithmetic, the Dag, the Planner, the hazard proof, the simulator and the dumps.
 
-The bottom layer: it imports none of the others, and only ``slots`` (which allocates) needs
-torch (``tests/unit/test_import_layers.py``).
+Pure Python over names and numbers: it imports no other room of ringflow and no torch
+(``tests/unit/test_import_layers.py``), so ``ringflow plan`` runs anywhere.
 """

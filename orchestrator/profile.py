@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from ringflow.errors import BudgetError, ProfileError
+from ringflow.errors import BudgetError, ConfigError, ProfileError
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.orchestrator.schema import (RUN_FIELDS, RUN_OPTIONAL, RUN_REQUIRED, field_value,
                                           layer_set, rejected, section)
@@ -123,6 +123,9 @@ class Profile:
             except BudgetError as exc:
                 raise ProfileError("workspace_mib", f"{exc}; accepted: a workspace_mib of at "
                                    f"least one slot.shape", source) from exc
+            except ConfigError as exc:  # a budget that rounds to no byte at all
+                raise ProfileError("workspace_mib", f"{exc}; accepted: a budget of at least "
+                                   f"one slot.shape", source) from exc
 
         # absent from a vLLM-only profile (refused above): the defaults need no layer count
         gathered_doc = field_value(doc, "gathered_layers", source)

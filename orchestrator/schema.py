@@ -125,6 +125,7 @@ FIELDS: dict[str, ProfileField] = {
     "layers": _integer("layers in one forward pass", 1, MAX_LAYERS, run=True),
     "depth": _integer("prefetch lookahead in layers: the ring holds depth + 1 slots (memory); "
                       "even one slot (depth 0) prefetches behind layers that gather nothing", 0,
+                      MAX_LAYERS - 1,
                       run=True),
     "synchronous": _flag("gather every layer on the compute stream, just before it computes (no "
                          "prefetch)", False, run=True),

@@ -3,7 +3,7 @@
 
     python3 tools/dcp_passes.py [--contexts 65536 409600] [--world 2] [--json FILE]
 
-For rank 0 of a ``--world`` group (dcp_bench's shards: 576 bf16 per token, interleave 1,
+For rank 0 of a ``--world`` group (ringflow.testing.dcp's shards: 576 bf16 per token, interleave 1,
 decode batch 1), each pass is captured 20 times into a CUDA graph and timed by replaying it:
 the peer transport's own rows (Triton, and the torch ops it replaced), the NCCL transport's
 pack and order restoring (Triton, and torch ops), and the 2-D copy that pulls a peer's rows,

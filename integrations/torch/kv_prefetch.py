@@ -130,7 +130,8 @@ class DcpTransport:
 
     def meta(self, dcp: DcpGroup) -> dict:
         return {"size": dcp.size, "interleave": dcp.interleave, "transport": self.name,
-                "requested": self.requested, "measured_ms": dict(self.measured_ms)}
+                "requested": self.requested, "staged": self.staged,
+                "measured_ms": dict(self.measured_ms), "fallback": self.fallback}
 
 
 def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
@@ -310,6 +311,8 @@ class KVPrefetcher:
                     self.dcp is not None and self.dcp.transport != "peer")
         self.retire("the workspace is resized")
         self.pool.close()
+        # the old peer ring's mapping goes before the new one is opened: never two at once
+        self._exchanger = self.transport = None
         layers, self.stepper, self.dag = self.layers, None, None  # no plan over a closed ring
         self._allocate(capacity_tokens, workspace_bytes)
         if layers:

@@ -1,1 +1,1 @@
-"""ringflow.integrations.vllm: the vLLM plugin (see the README section "Using ringflow with vLLM")."""
+"""ringflow.integrations.vllm: the vLLM plugin and its hooks (README, "Using ringflow with vLLM")."""

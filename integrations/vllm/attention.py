@@ -84,8 +84,8 @@ class ModelLanes:
                 for u in range(ubatches)]
         except BudgetError as exc:
             raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
-        except ConfigError as exc:
-            raise ProfileError("kv_prefetch", str(exc), profile.source) from exc
+        except ConfigError as exc:  # a slot of no token
+            raise ProfileError("kv_prefetch.capacity_tokens", str(exc), profile.source) from exc
         self.attention_checked = 0
         self.attention_max_error = 0.0
 
@@ -94,7 +94,7 @@ class ModelLanes:
         return sum(lane.reserved_bytes for lane in self.lanes)
 
     def lane(self) -> KVPrefetcher | None:
-        ubatch = _ubatch_id()
+        ubatch = self.state.steps.ubatch()
         if ubatch < len(self.lanes):
             return self.lanes[ubatch]
         self.state.log_once(f"ubatch{ubatch}", "micro-batch %d has no full-KV lane (DBO was off "
@@ -132,7 +132,7 @@ def install(state: PluginState) -> None:
     from vllm.model_executor.layers.attention import attention, mla_attention
     from vllm.model_executor.model_loader import base_loader
 
-    _resolve_step_functions()
+    _resolve_step_functions(state)
     wrap(attention.Attention, "__init__", _after_init, state)
     wrap(mla_attention.MLAAttention, "__init__", _after_init, state)
     wrap(base_loader.BaseModelLoader, "load_model", _load_model_group, state)
@@ -292,6 +292,7 @@ def _layer_hook(original, model: ModelLanes, index: int, is_attention: bool):
 
 
 def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
+    steps = model.state.steps
     if not steps.context_available():
         return None
     context = steps.context()
@@ -364,7 +365,8 @@ def _check_output(model: ModelLanes, lane: KVPrefetcher, index: int, args, kwarg
     if slot is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
     output = kwargs.get("output")
-    common = common_for(model.state, metadata_for(steps.context(), model.names[index]),
+    common = common_for(model.state, metadata_for(model.state.steps.context(),
+                                                  model.names[index]),
                      model.names[index])
     if output is None or common is None:
         return
@@ -391,29 +393,16 @@ def _has_kv_connector() -> bool:
     return has_kv_transfer_group()
 
 
-class _StepFunctions:
-    """vLLM functions every hooked layer call needs, looked up once (not per layer)."""
-
-    context_available = staticmethod(lambda: False)
-    context = staticmethod(lambda: None)
-    ubatch = staticmethod(lambda: 0)
-
-
-steps = _StepFunctions()
-
-
-def _resolve_step_functions() -> None:
+def _resolve_step_functions(state: PluginState) -> None:
+    """Look vLLM's per-step functions up once, at install (never per layer call)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
+    steps = state.steps
     steps.context_available, steps.context = is_forward_context_available, get_forward_context
     try:
         from vllm.v1.worker.ubatching import dbo_current_ubatch_id
     except ImportError:  # a vLLM without dual-batch overlap: one micro-batch
         return
     steps.ubatch = dbo_current_ubatch_id
-
-
-def _ubatch_id() -> int:
-    return steps.ubatch()
 
 
 def _dcp_group(config, transport: str) -> DcpGroup | None:

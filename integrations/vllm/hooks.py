@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from ringflow.errors import EngineError
+
 
 def wrap(cls: type, name: str, hook, state) -> None:
     """Replace ``cls.name`` by a method that calls ``hook(state, original, self, *args,
@@ -11,9 +13,17 @@ def wrap(cls: type, name: str, hook, state) -> None:
 
     Idempotent: a method ringflow already wrapped is left as it is (vLLM loads plugins in
     every process, and tests start several engines in one).
+
+    Raises:
+        EngineError: the method is already hooked for another state: a class hook serves one
+            process's state, and rebinding it would hide the first one's lanes.
     """
     original = getattr(cls, name)
     if getattr(original, "_ringflow_hook", False):
+        if original._ringflow_state is not state:
+            raise EngineError(f"{cls.__qualname__}.{name} is already hooked for another plugin "
+                              f"state; one process has one (ringflow.integrations.vllm.state."
+                              f"STATE)")
         return
 
     @functools.wraps(original)
@@ -21,4 +31,5 @@ def wrap(cls: type, name: str, hook, state) -> None:
         return hook(state, original, self, *args, **kwargs)
 
     wrapper._ringflow_hook = True
+    wrapper._ringflow_state = state
     setattr(cls, name, wrapper)

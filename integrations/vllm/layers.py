@@ -24,8 +24,9 @@ from ringflow.errors import UnsupportedModelError
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.state import PluginState
 
-# the stacks recorded during the current model load (None: not loading): a dynamic extent of
-# the worker's load_model, whichever state is recording
+# the stacks recorded during the current model load (None: not loading). A dynamic extent (the
+# worker's load_model), not process state: it lives in a ContextVar of its own, set and reset by
+# recording(), so it cannot outlive the load that set it (record_stack ignores the plugin state)
 _recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
 

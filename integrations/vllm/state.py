@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 log = logging.getLogger("ringflow")
 
 
+class StepFunctions:
+    """vLLM's per-step functions every hooked layer call needs: whether a forward context is
+    there, the context, the micro-batch id. Looked up once when the hooks are installed;
+    until then (and without vLLM) there is no context and one micro-batch."""
+
+    context_available = staticmethod(lambda: False)
+    context = staticmethod(lambda: None)
+    ubatch = staticmethod(lambda: 0)
+
+
 @dataclass
 class PluginState:
     """One process's plugin state.
@@ -29,7 +39,8 @@ class PluginState:
     ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
     their attention layers). ``kv_sized``: the KV cache of the current load is sized, so no
     ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
-    layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``).
+    layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``). ``steps``: vLLM's
+    per-step lookups (:class:`StepFunctions`).
     """
 
     lifecycle: list[str] = field(default_factory=list)
@@ -39,6 +50,7 @@ class PluginState:
     kv_sized: bool = False
     plain_weights: bool = False
     logged: set[str] = field(default_factory=set)
+    steps: StepFunctions = field(default_factory=StepFunctions)
     #: the model load in progress (each load is its own group: a draft model never shares a
     #: lane with its target)
     model_group: contextvars.ContextVar = field(

@@ -235,7 +235,7 @@ def _report(args, world: int, everyone) -> None:
                         "pool_bytes": pool, "kv_tokens_displaced": int(pool // token_bytes)}
             entry["transports"][transport] = t_entry
         results.append(entry)
-    doc = records.record("python -m ringflow.bench.dcp", world=world, replays=args.replays,
+    doc = records.record("python -m ringflow.bench.dcp", gpus=world, replays=args.replays,
                          heads=args.heads, extra_gemm=args.extra_gemm, results=results)
     print(_table(results))
     if args.json:

@@ -44,3 +44,20 @@ def test_text_switches_and_unknown_names(monkeypatch):
         envs.flag("RINGFLOW_NOPE")
     with pytest.raises(ConfigError, match="is a text switch, not a flag"):
         envs.flag("RINGFLOW_DUMP")
+
+
+def test_a_bad_nvtx_switch_fails_where_ringflow_is_used_not_at_import():
+    """The vLLM plugin imports the executors when vLLM loads plugins; a typo there must be one
+    error from ringflow's own hook, not a failed plugin import."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RINGFLOW_NVTX": "of"}
+    imported = subprocess.run([sys.executable, "-c", "import ringflow.graphs.nvtx_ranges"],
+                              env=env, capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
+    used = subprocess.run([sys.executable, "-c", "from ringflow.graphs import nvtx_ranges; "
+                           "nvtx_ranges.ranged('x', lambda: None)"], env=env,
+                          capture_output=True, text=True)
+    assert used.returncode != 0 and "ConfigError: RINGFLOW_NVTX='of' is not a flag" in used.stderr

@@ -236,7 +236,7 @@ def _wrong_staging(rank: int, world: int) -> None:
 
 
 def _bench_shards(rank: int, world: int) -> None:
-    """dcp_bench's shards (block tables not the identity) all-gather back to its full KV."""
+    """ringflow.testing.dcp's shards (block tables not the identity) all-gather back to its full KV."""
     from ringflow.testing.dcp import ROW, full_kv, shard
     batch, context = 2, 300
     full = full_kv(batch, context, 1, "cpu")

@@ -265,7 +265,8 @@ def _dcp_prefetch_rank(rank: int, world: int, depth: int, transport: str) -> Non
         ("nccl", transport, True)
     assert (pf.transport.fallback != "") == (transport != "nccl")  # why peer is not used
     assert pf.dag.meta["dcp"] == {"size": world, "interleave": 1, "transport": "nccl",
-                                  "requested": transport, "measured_ms": {}}
+                                  "requested": transport, "staged": True, "measured_ms": {},
+                                  "fallback": pf.transport.fallback}
     context = torch.tensor(lens)
     starts = pf.request_starts(context).tolist()
     assert starts == [0, -(-1 // world) * world, -(-1 // world) * world + -(-6 // world) * world]
@@ -300,7 +301,8 @@ def test_micro_batches_get_lanes_of_their_own(monkeypatch):
     from ringflow.orchestrator.profile import Profile
     profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 1}})
     layout = KVLayout("rows", (8,), torch.float32, 16)
-    lanes = attention.ModelLanes(PluginState(), 1, profile, layout, lambda c: c, _config(True),
+    state = PluginState()
+    lanes = attention.ModelLanes(state, 1, profile, layout, lambda c: c, _config(True),
                                  name="m")
     assert len(lanes.lanes) == 2
     rings = [(p.storage.data_ptr(), p.storage.data_ptr() + p.reserved_bytes)
@@ -308,7 +310,7 @@ def test_micro_batches_get_lanes_of_their_own(monkeypatch):
     assert rings[0][1] <= rings[1][0] or rings[1][1] <= rings[0][0]  # no byte in common
     running = NS(ubatch=0)
     # what vLLM's dbo_current_ubatch_id says; ringflow's own lookup runs unchanged
-    monkeypatch.setattr(attention.steps, "ubatch", lambda: running.ubatch)
+    monkeypatch.setattr(state.steps, "ubatch", lambda: running.ubatch)
     layer = NS(_ringflow_kv=(lanes, 0))          # an attention layer the hook attached
     stacks = [_dbo_stack(seed) for seed in (0, 1)]
     for ubatch, stack in enumerate(stacks):      # micro-batch 1 starts while 0 is in flight

@@ -102,8 +102,8 @@ def test_a_missing_field_is_named(field):
     ("layers", "4", "1..8192"),
     ("layers", True, "1..8192"),
     ("layers", 0, "1..8192"),
-    ("depth", -1, ">= 0"),
-    ("depth", 1.5, ">= 0"),
+    ("depth", -1, "0..8191"),
+    ("depth", 1.5, "0..8191"),
     ("workspace_mib", "big", "> 0"),
     ("workspace_mib", float("nan"), "> 0"),
     ("slot.dtype", "int4", "float32 | float16 | bfloat16"),
@@ -139,6 +139,13 @@ def test_a_budget_smaller_than_one_slot_is_rejected():
                                            "0.010 MiB is smaller than one slot") as info:
         load(with_(workspace_mib=0.01))
     assert isinstance(info.value.__cause__, BudgetError)  # the arithmetic's own error, kept
+
+
+def test_a_depth_past_any_plan_or_a_budget_of_no_byte_names_its_field():
+    with pytest.raises(ProfileError, match="field 'depth': out of range; got 9000"):
+        load(with_(depth=9000))
+    with pytest.raises(ProfileError, match="field 'workspace_mib': .*positive number of bytes"):
+        load(with_(workspace_mib=1e-9))  # a number > 0 that rounds to no byte
 
 
 def test_ineligible_layers_must_be_gathered():
