@@ -20,9 +20,13 @@ from collections.abc import Callable
 from ringflow.errors import PlanError
 from ringflow.graphs.executor import DagExecutor
 from ringflow.graphs.slots import poison
-from ringflow.orchestrator.dag import NodeKind
+from ringflow.orchestrator.dag import COMPUTE_STREAM, NodeKind
 
 log = logging.getLogger("ringflow")
+
+
+def engine_computes(layer: int, lane: str, slot) -> None:
+    """The compute callable of a stepped plan: the engine's own layer is the compute."""
 
 
 class LayerStepper:
@@ -48,6 +52,10 @@ class LayerStepper:
         self._order = [n.layer for n in computes]
         self._next = {a: self._position[b] for a, b in zip(self._order, self._order[1:])}
         self._end = len(dag.nodes)
+        first = self._order[0]
+        self._ahead = next(i for i, n in enumerate(dag.nodes)  # the first layer's own nodes
+                           if n.stream == COMPUTE_STREAM and n.layer == first and n.kind in (
+                               NodeKind.WAIT, NodeKind.SYNC_GATHER, NodeKind.COMPUTE))
         self._path: DagExecutor | None = None
         self._cursor = 0
         self._layer = -1
@@ -57,6 +65,25 @@ class LayerStepper:
     @property
     def in_forward(self) -> bool:
         return self._path is not None
+
+    def start(self) -> None:
+        """Start a forward and issue what the plan puts ahead of the first layer's wait (its
+        first gathers), so they run while the engine still does other work; ``before`` of the
+        first layer then waits for its slot.
+
+        Raises:
+            PlanError: a forward is already in flight.
+        """
+        if self._path is not None:
+            raise PlanError(f"start() of plan '{self.executor.dag.name}' with a forward in "
+                            f"flight; finish it or abandon() it first")
+        self._begin_forward()
+        self._issue(self._ahead)
+
+    def _begin_forward(self) -> None:
+        self._path = self.executor.path_for_current_stream()
+        self._path.start_forward()
+        self._cursor = 0
 
     def before(self, layer: int) -> None:
         """Issue the plan up to ``layer``'s compute; the engine runs the layer next."""
@@ -70,9 +97,7 @@ class LayerStepper:
         if self._path is None:
             if layer != self._order[0]:
                 raise PlanError(f"a forward must start at layer {self._order[0]}, not {layer}")
-            self._path = self.executor.path_for_current_stream()
-            self._path.start_forward()
-            self._cursor = 0
+            self._begin_forward()
         self._issue(self._position[layer] + 1)
         self._layer = layer
 

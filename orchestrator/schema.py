@@ -18,7 +18,8 @@ from typing import Any
 from ringflow.errors import ProfileError
 from ringflow.orchestrator.budget import MAX_LAYERS
 from ringflow.orchestrator.vocab import (CAPTURE_POLICIES, COMPUTE_KINDS, DCP_TRANSPORTS,
-                                         DTYPE_BYTES, GATHER_KINDS, GATHER_PRIORITIES)
+                                         DTYPE_BYTES, GATHER_KINDS, GATHER_PRIORITIES,
+                                         KV_CONSUMERS)
 
 LANE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 MAX_WORKSPACE_MIB = 1 << 24  # 16 TiB: anything larger is a typo, not a budget
@@ -204,14 +205,22 @@ FIELDS: dict[str, ProfileField] = {
                                 "(paged cache, or a DCP group's all-gather) into a ring slot "
                                 "layers ahead; the plugin plans it from the model", "mapping",
                                 None, words="a mapping"),
-    "kv_prefetch.depth": _integer("layers of lookahead; the ring holds depth + 1 full-KV slots",
+    "kv_prefetch.consumer": _one_of(
+        "who reads the prefetched KV: context (MLA's context-chunk gathers, read by vLLM's "
+        "attention from a ring slot one chunk ahead; other layers have no consumer and gather "
+        "nothing) or full_kv_check (every attention layer's full context KV gathered each step "
+        "and read by nothing but verify: debugging only, needs verify: true)",
+        KV_CONSUMERS, "context"),
+    "kv_prefetch.depth": _integer("units of lookahead (context: (layer, chunk) gathers; "
+                                  "full_kv_check: layers); the ring holds depth + 1 slots",
                                   0, None, 1),
     "kv_prefetch.workspace_mib": _mib("device budget of each full-KV ring (one per model and "
                                       "micro-batch), in MiB; depth is reduced to fit",
                                       "one slot"),
     "kv_prefetch.capacity_tokens": _integer(  # None: the plugin derives it from vLLM's limits
-        "context tokens one slot holds (all requests of a step); a larger step runs without "
-        "prefetch and logs it", 1, 1 << 40, None, nullable=True,
+        "full_kv_check: context tokens one slot holds (all requests of a step); a larger step "
+        "runs without prefetch and logs it. context: not used (a slot is vLLM's context "
+        "workspace)", 1, 1 << 40, None, nullable=True,
         words="an integer >= 1, or omitted for max_num_seqs x max_model_len"),
     "kv_prefetch.dcp_transport": _one_of(
         "under decode context parallelism, how the ranks' KV parts are exchanged: nccl "

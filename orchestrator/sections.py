@@ -146,6 +146,7 @@ def offload_section(doc: Any, source: str | None) -> OffloadSpec:
 class KVPrefetchSpec:
     """Full-KV prefetch for vLLM attention layers: lookahead, budget, slot size, verification."""
 
+    consumer: str
     depth: int
     workspace_mib: float
     capacity_tokens: int | None
@@ -153,7 +154,8 @@ class KVPrefetchSpec:
     verify: bool
 
     def to_mapping(self) -> dict:
-        out = {"depth": self.depth, "workspace_mib": self.workspace_mib, "verify": self.verify,
+        out = {"consumer": self.consumer, "depth": self.depth,
+               "workspace_mib": self.workspace_mib, "verify": self.verify,
                "dcp_transport": self.dcp_transport}
         if self.capacity_tokens is not None:
             out["capacity_tokens"] = self.capacity_tokens
@@ -162,5 +164,14 @@ class KVPrefetchSpec:
 
 def kv_prefetch_section(doc: Any, source: str | None) -> KVPrefetchSpec:
     doc = section("kv_prefetch", doc, source)
-    return KVPrefetchSpec(**{key: field_value(doc, f"kv_prefetch.{key}", source)
+    spec = KVPrefetchSpec(**{key: field_value(doc, f"kv_prefetch.{key}", source)
                              for key in section_keys("kv_prefetch")})
+    if spec.consumer == "full_kv_check" and not spec.verify:
+        raise ProfileError("kv_prefetch.consumer", "is full_kv_check, which gathers every "
+                           "layer's full context KV each step for nothing but verify to read; "
+                           "set verify: true with it, or use consumer: context", source)
+    if spec.consumer == "context" and spec.capacity_tokens is not None:
+        raise ProfileError("kv_prefetch.capacity_tokens", "applies to consumer: full_kv_check "
+                           "only; a context slot is vLLM's context workspace, sized by vLLM "
+                           "(drop capacity_tokens)", source)
+    return spec

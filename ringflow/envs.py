@@ -30,31 +30,36 @@ class Switch:
     default: bool | None
     meaning: str
     scope: str = "runtime"
+    #: it changes what vLLM traces, compiles or captures: vLLM's compile-cache key holds it
+    #: (``integrations/vllm/cache_key.py``)
+    compiled: bool = False
 
 
 #: name -> :class:`Switch`, in the order the README's knob table lists them
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("RINGFLOW_POISON", "flag", False,
-           "executors fill each slot with NaN after its last read, so a stale read shows (debug)"),
+           "executors fill each slot with NaN after its last read, so a stale read shows (debug)",
+           compiled=True),
     Switch("RINGFLOW_NVTX", "flag", True, "an NVTX range around every node of a plan"),
     Switch("RINGFLOW_PROFILE", "text", None,
-           "the profile the vLLM plugin enables: a path or a built-in name", "vllm"),
+           "the profile the vLLM plugin enables: a path or a built-in name", "vllm", compiled=True),
     Switch("RINGFLOW_DUMP", "text", None,
            "the vLLM plugin writes the plan that ran to PATH.json and PATH.dot after the first "
            "forward", "vllm"),
     Switch("RINGFLOW_CPU_PLAIN_GEMM", "flag", False,
            "on a CPU, linear layers keep plain F.linear without streaming (an A/B baseline "
-           "with the kernels streaming uses)", "vllm"),
+           "with the kernels streaming uses)", "vllm", compiled=True),
     Switch("RINGFLOW_LAYER_OPS_ONLY", "flag", False,
            "decoder layers run between ringflow's layer ops with nothing streamed (a baseline "
-           "with the compiled partition streaming uses)", "vllm"),
+           "with the compiled partition streaming uses)", "vllm", compiled=True),
     Switch("RINGFLOW_PLANS", "text", None,
            "how many random plans the simulator tests check (default 10000)", "tests"),
     Switch("RINGFLOW_REQUIRE_VLLM", "flag", False,
            "the vLLM end-to-end tests fail instead of skipping when vLLM is missing (CI)",
            "tests"),
     Switch("RINGFLOW_MUTANT", "text", None,
-           "the executor mutant tests/helpers/mutants.py applies in this process", "tests"),
+           "the executor mutant tests/helpers/mutants.py applies in this process", "tests",
+           compiled=True),
 )}
 
 

@@ -34,7 +34,7 @@ import torch
 from ringflow.errors import BudgetError, ConfigError, KernelError, LifecycleError
 from ringflow.graphs.eager import executor_for
 from ringflow.graphs.slots import SlotPool
-from ringflow.graphs.stepped import LayerStepper
+from ringflow.graphs.stepped import LayerStepper, engine_computes
 from ringflow.integrations.torch.verification import Verification, check_slot
 from ringflow.kernels import dcp_gather, dcp_slot_rows, dcp_slot_starts, page_gather, paged_gather
 from ringflow.kernels.kv_gathers import NcclExchange, time_exchanges
@@ -133,9 +133,6 @@ class DcpTransport:
                 "requested": self.requested, "staged": self.staged,
                 "measured_ms": dict(self.measured_ms), "fallback": self.fallback}
 
-
-def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
-    """The engine's attention is the compute."""
 
 
 class KVPrefetcher:
@@ -350,7 +347,7 @@ class KVPrefetcher:
         self.dag = Planner(layers, [self.pool.layout], gathered=range(layers), name=self.name,
                            meta=meta).plan()
         gather = self._gather if wrap_gather is None else wrap_gather(self._gather)
-        executor = executor_for(self.dag, [self.pool], gather, _noop, poison=False,
+        executor = executor_for(self.dag, [self.pool], gather, engine_computes, poison=False,
                                 **self._executor_options)
         self.stepper = LayerStepper(executor, poison=self.poison)
 

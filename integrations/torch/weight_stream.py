@@ -27,7 +27,7 @@ from torch import nn
 from ringflow.errors import (AllocationError, BudgetError, ConfigError, UnsupportedModelError)
 from ringflow.graphs.eager import executor_for
 from ringflow.graphs.slots import SlotPool
-from ringflow.graphs.stepped import LayerStepper
+from ringflow.graphs.stepped import LayerStepper, engine_computes
 from ringflow.integrations.torch import layer_ops
 from ringflow.kernels import copy_host_to_device
 from ringflow.orchestrator.dag import NodeKind
@@ -67,10 +67,6 @@ def _layout(index: int, layer: nn.Module) -> tuple[list[_Region], int]:
         raise UnsupportedModelError(f"decoder layer {index} has no parameters to offload; leave "
                                     f"it out of the offloaded layers")
     return list(regions.values()), offset
-
-
-def _noop(layer: int, lane: str, slot: torch.Tensor | None) -> None:
-    """The engine runs the layer itself (LayerStepper)."""
 
 
 class WeightStreamer:
@@ -151,7 +147,8 @@ class WeightStreamer:
             for region in regions:
                 self._point(region, slot)
 
-        self.executor = executor_for(self.dag, [self.pool], self._gather, _noop, capture=capture,
+        self.executor = executor_for(self.dag, [self.pool], self._gather, engine_computes,
+                                     capture=capture,
                                      gather_priority=gather_priority, poison=False)
         self.stepper = LayerStepper(self.executor, poison=poison)
         self.handle = layer_ops.register_stepper(self.stepper)

@@ -40,7 +40,7 @@ from ringflow.errors import BudgetError, ConfigError, EngineError, ProfileError,
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
-from ringflow.integrations.vllm import compat, mla_check
+from ringflow.integrations.vllm import compat, context_gather, mla_check
 from ringflow.integrations.vllm.metadata import (common_for, context_lens, hook_builder,
                                                  metadata_for)
 from ringflow.integrations.vllm.config import profile_from
@@ -103,7 +103,7 @@ class ModelLanes:
 
 
 def models(state: PluginState = STATE) -> list[ModelLanes]:
-    """The models of this process that have full-KV lanes."""
+    """The models of this process that have full-KV lanes (``consumer: full_kv_check``)."""
     return list(state.models.values())
 
 
@@ -133,6 +133,7 @@ def install(state: PluginState) -> None:
     from vllm.model_executor.model_loader import base_loader
 
     _resolve_step_functions(state)
+    context_gather.install(state)
     wrap(attention.Attention, "__init__", _after_init, state)
     wrap(mla_attention.MLAAttention, "__init__", _after_init, state)
     wrap(base_loader.BaseModelLoader, "load_model", _load_model_group, state)
@@ -152,6 +153,9 @@ def on_initialize_kv_cache(state: PluginState, original, runner, *args, **kwargs
     for model in state.models.values():
         for lane in model.lanes:
             lane.retire("the KV cache is (re)bound")
+    for context in state.context_models.values():
+        if context.ring.in_step:
+            context.ring.abandon("the KV cache is (re)bound")
     return original(runner, *args, **kwargs)
 
 
@@ -169,7 +173,10 @@ def _after_init(state: PluginState, original, layer, *args, **kwargs):
     if profile is None or profile.kv_prefetch is None:
         return
     try:
-        attach(state, layer, profile, config)
+        if profile.kv_prefetch.consumer == "context":
+            context_gather.attach(state, layer, profile, config)
+        else:
+            attach(state, layer, profile, config)
     except RingflowError as exc:
         log.error("%s", exc)
         raise

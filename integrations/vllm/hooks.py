@@ -33,3 +33,26 @@ def wrap(cls: type, name: str, hook, state) -> None:
     wrapper._ringflow_hook = True
     wrapper._ringflow_state = state
     setattr(cls, name, wrapper)
+
+
+def wrap_function(module, name: str, hook, state) -> None:
+    """Replace the function ``module.name`` by one that calls ``hook(state, original, *args,
+    **kwargs)``; idempotent and one state per function, as :func:`wrap`.
+
+    Raises:
+        EngineError: the function is already hooked for another state.
+    """
+    original = getattr(module, name)
+    if getattr(original, "_ringflow_hook", False):
+        if original._ringflow_state is not state:
+            raise EngineError(f"{module.__name__}.{name} is already hooked for another plugin "
+                              f"state; one process has one")
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return hook(state, original, *args, **kwargs)
+
+    wrapper._ringflow_hook = True
+    wrapper._ringflow_state = state
+    setattr(module, name, wrapper)

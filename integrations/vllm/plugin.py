@@ -16,6 +16,10 @@ do nothing unless a profile is given, by ``RINGFLOW_PROFILE`` (a path or built-i
   layers keep plain weights (``F.linear``). ``RINGFLOW_CPU_PLAIN_GEMM=1`` does the same
   without ringflow, for A/B comparisons with identical kernels.
 
+``VllmConfig.compute_hash`` also carries the profile and the switches that change the traced
+model, so vLLM's compile cache never serves a graph traced under another setting (Note
+[Compile-cache key] in ``cache_key.py``).
+
 Errors in a profile stop vLLM at start-up with one ``ringflow: ...`` line in the log.
 """
 
@@ -32,7 +36,7 @@ from ringflow.errors import BudgetError, EngineError, ProfileError, RingflowErro
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
-from ringflow.integrations.vllm import attention, compat, layers, memory
+from ringflow.integrations.vllm import attention, cache_key, compat, layers, memory
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.state import STATE, PluginState
@@ -46,6 +50,7 @@ log = logging.getLogger("ringflow")
 def register() -> None:
     """Install ringflow's hooks into vLLM. Safe to call more than once; inert until enabled."""
     try:
+        from vllm.config import VllmConfig
         from vllm.model_executor.layers import linear
         from vllm.v1.worker import gpu_worker
     except ImportError as exc:  # a vLLM this plugin does not know: say so, change nothing
@@ -54,6 +59,7 @@ def register() -> None:
         return
     _ensure_log_handler()
     compat.check_version()
+    wrap(VllmConfig, "compute_hash", cache_key.on_compute_hash, STATE)  # first: a correctness key
     try:
         attention.install(STATE)
     except (ImportError, AttributeError) as exc:
@@ -137,7 +143,8 @@ def on_initialize_from_config(state: PluginState, original, worker, *args, **kwa
     no ring may be allocated (the KV budget would lie); the log says what the rings took."""
     streamer = getattr(worker, "_ringflow_streamer", None)
     reserved = (streamer.reserved_bytes if streamer is not None else 0) + \
-        sum(model.reserved_bytes for model in attention.models(state))
+        sum(model.reserved_bytes for model in attention.models(state)) + \
+        sum(model.reserved_bytes for model in state.context_models.values())
     if reserved:
         state.record("kv-cache-initialized")
         log.info("KV cache allocated after ringflow's rings (%s reserved before sizing)",

@@ -37,7 +37,8 @@ class PluginState:
     ``"kv-cache-initialized"``): the order is what keeps the KV budget honest, and tests assert
     it. ``streamers``: the live weight streamers (each owned by its worker, dying with it).
     ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
-    their attention layers). ``kv_sized``: the KV cache of the current load is sized, so no
+    their attention layers); ``context_models``: likewise each load's MLA context-chunk ring
+    (``context_gather.py``). ``kv_sized``: the KV cache of the current load is sized, so no
     ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
     layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``). ``steps``: vLLM's
     per-step lookups (:class:`StepFunctions`).
@@ -47,6 +48,8 @@ class PluginState:
     streamers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     latest_streamer: weakref.ref | None = None
     models: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    context_models: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary)
     kv_sized: bool = False
     plain_weights: bool = False
     logged: set[str] = field(default_factory=set)
@@ -60,11 +63,12 @@ class PluginState:
     def record(self, event: str) -> None:
         self.lifecycle.append(event)
 
-    def log_once(self, key: str, message: str, *args) -> None:
-        """A warning the first time ``key`` comes up in this process, never again."""
+    def log_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
+        """A line (a warning unless ``level`` says otherwise) the first time ``key`` comes up
+        in this process, never again."""
         if key not in self.logged:
             self.logged.add(key)
-            log.warning(message, *args)
+            log.log(level, message, *args)
 
     def latest(self):
         """The most recently built weight streamer that is still alive, or None."""

