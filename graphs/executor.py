@@ -182,11 +182,13 @@ class DagExecutor:
         """The lease layer ``layer`` of ``lane`` holds in the current forward, if any."""
         return self._leases.get((lane, layer))
 
-    def abandon(self) -> None:
-        """Give back every lease of an unfinished forward (host-syncs unless capturing)."""
+    def abandon(self, reason: str | None = None) -> None:
+        """Give back every lease of an unfinished forward (host-syncs unless capturing). A
+        caller that gives a ``reason`` logs it itself (an engine's deliberate fallback); without
+        one the forward failed and this says so."""
         outstanding = sum(pool.reclaim(sync=self._may_sync()) for pool in self.pools.values())
         self._leases.clear()
-        if outstanding:
+        if outstanding and reason is None:
             log.warning("forward failed; returned %d leased slot(s) to their pools",
                         outstanding)
 

@@ -121,9 +121,10 @@ class LayerStepper:
         """The lease ``layer`` holds in the forward in flight (None outside one)."""
         return None if self._path is None else self._path.lease(self.lane, layer)
 
-    def abandon(self) -> None:
-        """Hand back every slot of the forward in flight and forget it (host-syncs)."""
-        self._reset(abandon=True)
+    def abandon(self, reason: str | None = None) -> None:
+        """Hand back every slot of the forward in flight and forget it (host-syncs); a caller
+        with a ``reason`` logs it (see ``DagExecutor.abandon``)."""
+        self._reset(abandon=True, reason=reason)
 
     def _issue(self, stop: int) -> None:
         try:
@@ -133,9 +134,9 @@ class LayerStepper:
             raise
         self._cursor = stop
 
-    def _reset(self, *, abandon: bool) -> None:
+    def _reset(self, *, abandon: bool, reason: str | None = None) -> None:
         if abandon and self._path is not None:
-            self._path.abandon()
+            self._path.abandon(reason)
         self._path = None
         self._cursor = 0
         self._layer = -1

@@ -142,6 +142,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--models", default="/tmp/mla-context-bench")
+    parser.add_argument("--trace", action="store_true",
+                        help="also profile one off and one on request over the first prefix "
+                             "(torch.profiler: top host and device ops of each)")
     args = parser.parse_args()
 
     import torch
@@ -186,6 +189,8 @@ def main() -> int:
                                                             args.suffix), on)
                 times["on" if on else "off"].append(seconds)
         gather = bench.gather_ms()
+        if args.trace and n == 0:
+            trace(bench, prefix, args.suffix)
         equal = bench.same_output(prefix + tokens(77, args.suffix), prefix + tokens(1, 16))
         rows.append(summarise(f"prefix {prefix_len // 1024}k + {args.suffix}", times, gather,
                               args.layers, args.suffix, equal, chunks=len(model.calls)))
@@ -213,6 +218,32 @@ def main() -> int:
     if args.json:
         records.write(args.json, doc)
     return 0
+
+
+def trace(bench, prefix, suffix) -> None:
+    """Where the time of one off and one on request goes (printed, not recorded)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for on in (False, True, False, True):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds, _ = bench.generate(prefix + tokens(4242 + on + 2 * int(seconds_seen(on)),
+                                                        suffix), on)
+        torch.cuda.synchronize()
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        print(f"[trace] {'on' if on else 'off'}: {seconds * 1e3:.1f} ms wall, device "
+              f"{device_us / 1e3:.1f} ms")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        print(events.table(sort_by="self_device_time_total", row_limit=8,
+                           max_name_column_width=60))
+
+
+_SEEN: dict = {}
+
+
+def seconds_seen(on: bool) -> int:
+    _SEEN[on] = _SEEN.get(on, 0) + 1
+    return _SEEN[on]
 
 
 def summarise(name, times, gather_ms, layers, new_tokens, equal, chunks, steps=1) -> dict:

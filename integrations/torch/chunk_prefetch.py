@@ -139,7 +139,7 @@ class ChunkPrefetcher:
         """Give the step in flight up (host sync: every lease back); the engine gathers itself
         until the next step. Logged the first time per reason, then every 1000th."""
         if self.stepper is not None and self.stepper.in_forward:
-            self.stepper.abandon()
+            self.stepper.abandon(reason)
         self.pool.reclaim(sync=True)
         self._fill, self._open = None, None
         count = self.abandoned[reason] = self.abandoned.get(reason, 0) + 1
