@@ -319,15 +319,19 @@ def install(state: PluginState) -> None:
 
 
 def _gather_hook(name: str):
+    signature = []  # the op's, looked up at its first call in a session
+
     def hook(state: PluginState, original, *args, **kwargs):
         session = _SESSION.get()
         if session is None:
             return original(*args, **kwargs)
+        if not signature:
+            signature.append(inspect.signature(original))
         try:
-            bound = inspect.signature(original).bind(*args, **kwargs)
+            bound = signature[0].bind(*args, **kwargs) if args else None
         except TypeError:
             return original(*args, **kwargs)
-        session.gather(name, original, dict(bound.arguments))
+        session.gather(name, original, kwargs if bound is None else dict(bound.arguments))
         return None
 
     return hook
