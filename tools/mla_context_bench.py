@@ -175,6 +175,7 @@ def main() -> int:
     startup = time.perf_counter() - began
     [model] = STATE.context_models.values()
     bench = Bench(llm, model)
+    host = host_timers()
     config = llm.llm_engine.vllm_config
     kv_tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
     per_token = args.layers * (512 + 64) * 2
@@ -213,11 +214,38 @@ def main() -> int:
                          ring_mib=round(model.reserved_bytes / 2**20, 1),
                          ring_kv_tokens=model.reserved_bytes // per_token, kv_tokens=kv_tokens,
                          consumed=model.ring.consumed, abandoned=model.ring.abandoned,
-                         rows=rows)
+                         host_ms_per_call={k: round(v[0] * 1e3 / max(v[1], 1), 4)
+                                           for k, v in host.items()},
+                         host_calls={k: v[1] for k, v in host.items()}, rows=rows)
+    print("[mla-context] host ms per call:", doc["host_ms_per_call"], doc["host_calls"])
     print(table(rows))
     if args.json:
         records.write(args.json, doc)
     return 0
+
+
+def host_timers() -> dict:
+    """Host seconds and calls of ringflow's context path, by function (both modes)."""
+    from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
+    from ringflow.integrations.vllm import context_gather as cg
+    spent: dict = {}
+    targets = [(cg.Session, "_consume"), (cg.Session, "close"),
+               (cg.Session, "__init__"), (cg.ContextModel, "fill"), (ChunkPrefetcher, "begin"),
+               (ChunkPrefetcher, "end"), (ChunkPrefetcher, "start")]
+    for owner, name in targets:
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _key=f"{getattr(owner, '__name__', owner)}.{name}",
+                  **kwargs):
+            began = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                entry = spent.setdefault(_key, [0.0, 0])
+                entry[0] += time.perf_counter() - began
+                entry[1] += 1
+        setattr(owner, name, timed)
+    return spent
 
 
 def trace(bench, prefix, suffix) -> None:
