@@ -142,6 +142,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--models", default="/tmp/mla-context-bench")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also print where ringflow's host time goes in one on request")
     parser.add_argument("--trace", action="store_true",
                         help="also profile one off and one on request over the first prefix "
                              "(torch.profiler: top host and device ops of each)")
@@ -192,6 +194,8 @@ def main() -> int:
         gather = bench.gather_ms()
         if args.trace and n == 0:
             trace(bench, prefix, args.suffix)
+        if args.cprofile and n == 0:
+            host_profile(bench, prefix, args.suffix)
         equal = bench.same_output(prefix + tokens(77, args.suffix), prefix + tokens(1, 16))
         rows.append(summarise(f"prefix {prefix_len // 1024}k + {args.suffix}", times, gather,
                               args.layers, args.suffix, equal, chunks=len(model.calls)))
@@ -208,7 +212,7 @@ def main() -> int:
                               args.layers, args.long, equal, chunks=len(model.calls),
                               # steps with context, their context growing to the last's
                               steps=(-(-args.long // 8192) - 1) / 2))
-    doc = records.record("python3 tools/mla_context_bench.py " + " ".join(sys.argv[1:]),
+    doc = records.record("python3 tools/mla_context_bench.py",
                          vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
                          layers=args.layers, backend=backend, startup_s=round(startup, 1),
                          ring_mib=round(model.reserved_bytes / 2**20, 1),
@@ -246,6 +250,21 @@ def host_timers() -> dict:
                 entry[1] += 1
         setattr(owner, name, timed)
     return spent
+
+
+def host_profile(bench, prefix, suffix) -> None:
+    """cProfile of one on request: ringflow's functions by their own time (printed)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    bench.generate(prefix + tokens(31337, suffix), on=True)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+    stats.print_stats(30)
+    print(out.getvalue()[:8000])
 
 
 def trace(bench, prefix, suffix) -> None:
