@@ -270,11 +270,19 @@ def test_kv_tokens_displaced_is_pool_bytes_over_token_bytes_times_layers():
 
 def test_a_kv_prefetch_section_is_validated_field_by_field():
     p = Profile.load("vllm_kv_prefetch")
-    assert p.kv_prefetch.depth == 1 and p.kv_prefetch.capacity_tokens and not p.kv_prefetch.verify
+    assert p.kv_prefetch.depth == 1 and p.kv_prefetch.consumer == "context"
+    assert p.kv_prefetch.capacity_tokens is None and not p.kv_prefetch.verify
     assert Profile.from_mapping(p.to_mapping()) == p
+    check = {"consumer": "full_kv_check", "verify": True, "workspace_mib": 8}
+    assert Profile.from_mapping({"kv_prefetch": {**check, "capacity_tokens": 9}}
+                                ).kv_prefetch.capacity_tokens == 9
     for doc, field in [({"workspace_mib": 8, "depth": -1}, "kv_prefetch.depth"),
                        ({"depth": 1}, "kv_prefetch.workspace_mib"),
-                       ({"workspace_mib": 8, "capacity_tokens": 0}, "kv_prefetch.capacity_tokens"),
+                       ({**check, "capacity_tokens": 0}, "kv_prefetch.capacity_tokens"),
+                       # a context slot is vLLM's workspace; the full-KV check must be read
+                       ({"workspace_mib": 8, "capacity_tokens": 9}, "kv_prefetch.capacity_tokens"),
+                       ({"workspace_mib": 8, "consumer": "full_kv_check"}, "kv_prefetch.consumer"),
+                       ({"workspace_mib": 8, "consumer": "nobody"}, "kv_prefetch.consumer"),
                        ({"workspace_mib": 8, "verify": "yes"}, "kv_prefetch.verify"),
                        ({"workspace_mib": 8, "lookahead": 2}, "kv_prefetch.lookahead")]:
         with pytest.raises(ProfileError) as err:
