@@ -189,9 +189,13 @@ FIELDS: dict[str, ProfileField] = {
                                        "type": "object", "additionalProperties": False,
                                        "required": ["every", "last"], "properties": {
                                            "every": {"type": "integer", "minimum": 1},
-                                           "last": {"type": "integer", "minimum": 1}}}]},
-                                   words="'all', a list of layer indices, or {every: N, last: K} "
-                                   "(the last K of every N layers)"),
+                                           "last": {"type": "integer", "minimum": 1}}}, {
+                                       "type": "object", "additionalProperties": False,
+                                       "required": ["count"], "properties": {
+                                           "count": {"type": "integer", "minimum": 1}}}]},
+                                   words="'all', a list of layer indices, {every: N, last: K} "
+                                   "(the last K of every N layers), or {count: N} (the planner "
+                                   "places N layers where they hide best)"),
     "offload.depth": _integer("layers of lookahead; the ring holds depth + 1 layer-slots (one "
                               "slot still prefetches behind resident layers)", 0, None, 1),
     "offload.synchronous": _flag("copy each offloaded layer's weights just before it runs, on "

@@ -13,6 +13,7 @@ from ringflow.errors import ProfileError
 from ringflow.orchestrator.budget import MAX_LAYERS, MAX_SLOT_BYTES
 from ringflow.orchestrator.schema import (FIELDS, LANE_NAME, field_value, int_in, layer_set,
                                           rejected, section, section_keys)
+from ringflow.orchestrator.placement import choose
 from ringflow.orchestrator.vocab import DTYPE_BYTES
 
 
@@ -78,17 +79,31 @@ def lane_names(value: Any, source: str | None) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """``offload.layers: {count: N}``: N layers, placed by the planner
+    (``orchestrator/placement.py``)."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class OffloadSpec:
     """Which decoder layers stream their weights, how far ahead, within what budget."""
 
-    layers: str | frozenset[int] | tuple[int, int]  # "all", explicit indices, or (every, last)
+    # "all", explicit indices, (every, last), or Placed(count)
+    layers: str | frozenset[int] | tuple[int, int] | Placed
     depth: int
     workspace_mib: float
     synchronous: bool
     cross_forward: bool
 
-    def resolve(self, count: int, source: str | None = None) -> list[int]:
+    def resolve(self, count: int, source: str | None = None, *,
+                costs: tuple[list[float], list[float]] | None = None, slots: int = 2
+                ) -> list[int]:
         """The offloaded layer indices of a model with ``count`` decoder layers.
+
+        ``costs`` (per-layer compute and copy ms) and ``slots`` place a ``{count: N}``; without
+        costs the layers count as equal (evenly spaced).
 
         Raises:
             ProfileError: a listed layer does not exist in the model, or the pattern selects
@@ -96,6 +111,14 @@ class OffloadSpec:
         """
         if self.layers == "all":
             return list(range(count))
+        if isinstance(self.layers, Placed):
+            if self.layers.count > count:
+                raise ProfileError("offload.layers", f"{{count: {self.layers.count}}} asks for "
+                                   f"more layers than the model's {count} decoder layers; "
+                                   f"accepted: a count of 1..{count}, or 'all'", source)
+            compute, copy = costs if costs is not None else ([1.0] * count, [1.0] * count)
+            return list(choose(compute, copy, self.layers.count, max(1, slots),
+                               self.cross_forward).layers)
         if isinstance(self.layers, tuple):
             every, last = self.layers
             chosen = [i for i in range(count) if i % every >= every - last]
@@ -115,6 +138,8 @@ class OffloadSpec:
         layers: Any = self.layers
         if isinstance(layers, tuple):
             layers = {"every": layers[0], "last": layers[1]}
+        elif isinstance(layers, Placed):
+            layers = {"count": layers.count}
         elif isinstance(layers, frozenset):
             layers = sorted(layers)
         return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib,
@@ -127,13 +152,16 @@ def offload_section(doc: Any, source: str | None) -> OffloadSpec:
     spec = values["layers"]
     if spec == "all":
         layers: Any = "all"
-    elif isinstance(spec, dict):
+    elif isinstance(spec, dict) and "count" not in spec:
         group = section("offload.layers", spec, source, ["every", "last"])
         if set(group) != {"every", "last"}:
             raise rejected("offload.layers", spec, source, "needs both 'every' and 'last'")
         every = int_in("offload.layers", group["every"], source, 1, MAX_LAYERS)
         last = int_in("offload.layers", group["last"], source, 1, every)
         layers = (every, last)
+    elif isinstance(spec, dict) and "count" in spec:
+        group = section("offload.layers", spec, source, ["count"])
+        layers = Placed(int_in("offload.layers", group["count"], source, 1, MAX_LAYERS))
     else:
         layers = layer_set("offload.layers", spec, MAX_LAYERS, source)
         if not layers:

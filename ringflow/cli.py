@@ -71,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
                       help="also capture the synthetic workload on the GPU and write the real "
                            "CUDA graph's DOT to FILE (needs a CUDA GPU)")
 
+    place = sub.add_parser("place", help="choose which layers to offload (a profile's "
+                                         "offload.layers: {count: N}): the placement, its "
+                                         "predicted forward time and simple patterns' for "
+                                         "comparison; no GPU needed")
+    place.add_argument("--layers", type=positive, required=True, help="decoder layers")
+    place.add_argument("--count", type=positive, required=True, help="layers to offload")
+    place.add_argument("--slots", type=positive, default=2, help="ring slots (depth + 1)")
+    place.add_argument("--compute-ms", required=True, type=_times,
+                       help="per-layer compute time: one value, or one per layer (commas)")
+    place.add_argument("--copy-ms", required=True, type=_times,
+                       help="per-layer weight copy time: one value, or one per layer (commas)")
+    place.add_argument("--no-cross-forward", action="store_true",
+                       help="copies start with their forward (offload.cross_forward: false)")
+
     run = sub.add_parser("run", help="run the synthetic workload through the executors and "
                                      "check them against a reference (on a CPU: the "
                                      "synchronous path)")
@@ -155,6 +169,51 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.format} plan ({len(dag.nodes)} nodes{note}) to {args.out}")
     if args.cuda_graph_dot is not None:
         _write_cuda_graph_dot(profile, dag, args.cuda_graph_dot)
+    return 0
+
+
+def _times(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma list of "
+                                         f"numbers (milliseconds)") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: times must be >= 0")
+    return values
+
+
+def _cmd_place(args: argparse.Namespace) -> int:
+    from ringflow.orchestrator.placement import choose, forward_ms
+
+    def per_layer(values: list[float], name: str) -> list[float]:
+        if len(values) == 1:
+            return values * args.layers
+        if len(values) != args.layers:
+            raise ConfigError(f"{name} has {len(values)} values for {args.layers} layers; give "
+                              f"one value or one per layer")
+        return values
+
+    compute = per_layer(args.compute_ms, "--compute-ms")
+    copy = per_layer(args.copy_ms, "--copy-ms")
+    cross = not args.no_cross_forward
+    placed = choose(compute, copy, args.count, args.slots, cross)
+    print(f"offload.layers {{count: {args.count}}} of {args.layers} through {args.slots} "
+          f"slot(s): layers {list(placed.layers)}")
+    print(f"predicted forward {placed.forward_ms:.3f} ms; all resident {placed.resident_ms:.3f} "
+          f"ms ({placed.ratio:.3f}x)")
+    rivals = {"the last layers": list(range(args.layers - args.count, args.layers))}
+    if args.layers % args.count == 0 and args.count > 1:
+        every = args.layers // args.count
+        rivals[f"{{every: {every}, last: 1}}"] = [i for i in range(args.layers)
+                                                  if i % every == every - 1]
+    every = 2 * args.layers // args.count  # the same count as pairs of adjacent layers
+    if args.count % 2 == 0 and every > 2 and args.layers % every == 0:
+        rivals[f"{{every: {every}, last: 2}}"] = [i for i in range(args.layers)
+                                                  if i % every >= every - 2]
+    for name, layers in rivals.items():
+        ms = forward_ms(compute, copy, layers, args.slots, cross)
+        print(f"  {name}: {ms:.3f} ms ({ms / placed.resident_ms:.3f}x)")
     return 0
 
 
@@ -284,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     args = _parser().parse_args(argv)
     try:
-        return {"plan": _cmd_plan, "run": _cmd_run, "bench": _cmd_bench,
+        return {"plan": _cmd_plan, "place": _cmd_place, "run": _cmd_run, "bench": _cmd_bench,
                 "tune": _cmd_tune}[args.command](args)
     except RingflowError as exc:
         print(f"ringflow: error: {exc}", file=sys.stderr)

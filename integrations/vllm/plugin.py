@@ -93,7 +93,10 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         log.error("%s", exc)
         raise
     state.new_model_load()
-    streaming = profile is not None and profile.offload is not None
+    streaming = profile is not None and profile.offload is not None and not layer_ops_only
+    if layer_ops_only and profile is not None and profile.offload is not None:
+        log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
+                 "(the layer ops run with nothing moved, as the switch says)", profile.name)
     with state.loading_with_plain_weights(streaming or plain), layers.recording() as stacks:
         result = original(worker, *args, **kwargs)
     try:
@@ -174,7 +177,7 @@ def _log_graph_mode(vllm_config, has_layer_ops: bool) -> None:
 def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStreamer:
     _refuse_vllm_offloader()
     decoder = layers.decoder_layers(worker.model_runner.get_model(), stacks)
-    offload = profile.offload.resolve(len(decoder), profile.source)
+    offload = _resolve_layers(profile, decoder, worker.vllm_config)
     on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in decoder[0].parameters())
     before = torch.cuda.memory_allocated() if on_gpu else 0
     try:
@@ -215,6 +218,38 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
     if dump:
         streamer.stepper.on_forward_done = _dump_once(streamer, dump, worker)
     return streamer
+
+
+#: the H200's measured rates (README): pinned host-to-device copies, bf16 matmul
+H2D_BYTES_PER_S = 55e9
+MATMUL_FLOP_PER_S = 775e12
+
+
+def _resolve_layers(profile: Profile, decoder, vllm_config) -> list[int]:
+    """The offloaded layers; ``{count: N}`` is placed by the planner from per-layer times
+    estimated from each layer's weights: copy = bytes at 55 GB/s, compute = 2 x parameters x
+    ``max_num_batched_tokens`` at 775 TFLOP/s (an estimate of a full prefill step, not a
+    measurement; logged as such)."""
+    from ringflow.orchestrator.placement import forward_ms
+    from ringflow.orchestrator.sections import Placed
+
+    spec = profile.offload
+    if not isinstance(spec.layers, Placed):
+        return spec.resolve(len(decoder), profile.source)
+    tokens = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 2048
+    sizes = [[(p.numel(), p.numel() * p.element_size()) for p in layer.parameters()]
+             for layer in decoder]
+    copy = [sum(b for _, b in layer) / H2D_BYTES_PER_S * 1e3 for layer in sizes]
+    compute = [2 * sum(n for n, _ in layer) * tokens / MATMUL_FLOP_PER_S * 1e3 for layer in sizes]
+    largest = max(sum(b for _, b in layer) for layer in sizes) or 1
+    slots = max(1, min(spec.depth + 1, int(spec.workspace_mib * MIB // largest)))
+    chosen = spec.resolve(len(decoder), profile.source, costs=(compute, copy), slots=slots)
+    predicted = forward_ms(compute, copy, chosen, slots, spec.cross_forward)
+    log.info("offload.layers {count: %d}: the planner placed layers %s (%d slot(s)); predicted "
+             "forward %.2f ms vs %.2f ms all resident, from times estimated from the weights "
+             "(copy at 55 GB/s, compute of %d tokens at 775 TFLOP/s), not measured",
+             spec.layers.count, chosen, slots, predicted, sum(compute), tokens)
+    return chosen
 
 
 def _refuse_vllm_offloader() -> None:

@@ -166,6 +166,49 @@ def test_carried_slots_survive_buckets_replayed_in_any_order_and_eager_forwards_
         trace.check(all_forwards=True)
 
 
+class LayerFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_replays_after_a_failed_forward_refill_their_carried_slots(seed):
+    """A forward fails inside a layer's compute (its executor reclaims the pool, carried leases
+    included), the slots are overwritten, and the captured graph's next replays still read
+    exactly their writes: the replay primes the carried slots first (mutant
+    skip-replay-prime: it does not, and the first layers read the overwrite)."""
+    rng = random.Random(300 + seed)
+    pools = [SlotPool("w", (512,), torch.float32, depth=rng.randint(0, 2),
+                      workspace_bytes=1 << 20, device="cuda")]
+    gathered = sorted({l for l in range(9) if rng.random() < 0.6} | {0, 2})
+    dag = Planner(10, [pools[0].layout], gathered=gathered, cross_forward=["w"]).plan()
+    assert dag.carried
+    trace = tracing(dag, ["w"], gathered, ["w"])
+    ex = CapturedExecutor(dag, pools, trace.gather, trace.compute, poison=True)
+    assert ex.capture(None) is not None, "the plan could not be captured (see the log)"
+    for _ in range(2):
+        trace.new_forward()
+        ex.run()
+    torch.cuda.synchronize()
+    trace.check(all_forwards=True)
+    other = tracing(dag, ["w"], gathered, ["w"], bucket=3)  # writes other values
+
+    def failing(layer, lane, slot):
+        if layer == 5:
+            raise LayerFailed("an exception inside layer 5")
+        other.compute(layer, lane, slot)
+
+    with pytest.raises(LayerFailed):
+        EagerExecutor(dag, pools, other.gather, failing).run()
+    assert not pools[0].carried  # the failure reclaimed every lease, carried ones too
+    torch.cuda.synchronize()
+    pools[0].storage.fill_(float("nan"))  # what the replay must not read
+    for _ in range(3):
+        trace.new_forward()
+        ex.run()
+    torch.cuda.synchronize()
+    trace.check(all_forwards=True)
+
+
 @torch.no_grad()
 def test_streamed_weights_with_delays_on_both_sides_compute_what_resident_ones_did():
     layers = decoder_stack(6, hidden=1024, intermediate=2816, heads=8, device="cuda")

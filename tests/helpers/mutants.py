@@ -82,6 +82,19 @@ def _no_replay_order() -> None:
     CapturedExecutor.run = run
 
 
+def _skip_replay_prime() -> None:
+    """A captured replay runs without first filling carried slots that are not there (after a
+    reclaim): the graph's first layers read whatever the slots hold."""
+    original = CapturedExecutor.run
+
+    def run(self, bucket=None):
+        for runner in self._runners.values():
+            runner.primed = lambda: True  # the replay believes the carried slots are filled
+        original(self, bucket)
+
+    CapturedExecutor.run = run
+
+
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -90,6 +103,7 @@ MUTANTS = {
     "retire-before-read": _retire_before_read,
     "retire-wait-on-stale-event": _retire_wait_on_a_stale_event,
     "no-replay-order": _no_replay_order,
+    "skip-replay-prime": _skip_replay_prime,
 }
 
 ENV = "RINGFLOW_MUTANT"

@@ -246,3 +246,18 @@ def test_dcp_bench_without_a_gpu_is_one_line():
     assert proc.returncode == 2 and proc.stdout == ""
     [line] = proc.stderr.strip().splitlines()
     assert "no CUDA device was found" in line
+
+
+def test_place_prints_the_planners_choice_next_to_the_patterns_a_user_would_pick(capsys):
+    assert main(["place", "--layers", "32", "--count", "8", "--slots", "1", "--compute-ms", "1",
+                 "--copy-ms", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layers [0, 4, 8, 12, 16, 20, 24, 28]" in out
+    assert "predicted forward 32.000 ms; all resident 32.000 ms (1.000x)" in out
+    assert "{every: 8, last: 2}: 44.000 ms (1.375x)" in out
+
+
+def test_place_refuses_times_that_do_not_match_the_layers(capsys):
+    assert main(["place", "--layers", "4", "--count", "2", "--compute-ms", "1,2",
+                 "--copy-ms", "3"]) == 2
+    assert "--compute-ms has 2 values for 4 layers" in capsys.readouterr().err

@@ -34,8 +34,8 @@ MODES = ("eager", "compiled")
 OFFLOAD = [0, 2, 3]
 STREAM = {"ringflow": {"name": "zoo", "offload": {"layers": OFFLOAD, "depth": 1,
                                                   "workspace_mib": 64}}}
-KV = {"ringflow": {"name": "zoo", "kv_prefetch": {"depth": 1, "workspace_mib": 64,
-                                                   "verify": True}}}
+KV = {"ringflow": {"name": "zoo", "kv_prefetch": {"consumer": "full_kv_check", "depth": 1,
+                                                   "workspace_mib": 64, "verify": True}}}
 NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # the probe re-runs the same prompts
 PLAIN = {"RINGFLOW_CPU_PLAIN_GEMM": "1"}
 

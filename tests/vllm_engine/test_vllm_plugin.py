@@ -37,6 +37,7 @@ STREAMED = {
     "all_d2": ring("all", 2),            # 4 over 3
     "some_d2": ring([0, 2], 2),          # 2 over 3, resident layers between
     "group_d0": ring({"every": 2, "last": 1}, 0),  # synchronous path
+    "count_d1": ring({"count": 2}, 1),   # the planner places 2 layers
 }
 SLOT = {"shape": [4], "dtype": "float32"}
 
@@ -64,7 +65,8 @@ BAD = {
     "no_offload": ({"ringflow": {"layers": 4, "depth": 1, "workspace_mib": 1, "slot": SLOT}},
                    "field 'offload': is missing"),
     "tiny_kv_ring": (kv(1, mib=0.5), "smaller than one full-KV slot"),
-    "unread_full_kv": ({"ringflow": {"name": "t", "kv_prefetch": {"consumer": "full_kv_check"}}},
+    "unread_full_kv": ({"ringflow": {"name": "t", "kv_prefetch": {"consumer": "full_kv_check",
+                                                              "workspace_mib": 8}}},
                        "set verify: true with it"),
 }
 
@@ -73,7 +75,7 @@ def cases_for(model, dump):
     cases = [{"name": f"{model}/off", "model": model},
              {"name": f"{model}/plain", "model": model, "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}}]
     for name, config in STREAMED.items():
-        if model == "dsv2" and name in ("some_d2", "group_d0"):
+        if model == "dsv2" and name in ("some_d2", "group_d0", "count_d1"):
             continue
         env = dict(POISON)
         if name == "odd_d1":
@@ -95,6 +97,9 @@ def cases_for(model, dump):
         cases.append({"name": "llama/spec/off", "model": model, "engine": draft})
         cases.append({"name": "llama/spec/kv", "model": model, "engine": draft,
                       "env": dict(POISON), "additional_config": kv(1)})
+        cases.append({"name": "llama/layer_ops_only_with_offload", "model": model,
+                      "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"},
+                      "additional_config": ring([1, 2, 3], 1)})
         for name, (config, _) in BAD.items():
             cases.append({"name": f"llama/bad/{name}", "model": model,
                           "additional_config": config})
@@ -164,6 +169,16 @@ def test_the_ring_exists_before_vllm_allocates_the_kv_cache_and_the_log_states_i
     assert "KV tokens (9,216 B/token)" in mla
 
 
+def test_a_count_of_layers_is_placed_by_the_planner_and_logged(eager):
+    results, _ = eager
+    line = next(l for l in results["llama/count_d1"]["log"] if "the planner placed layers" in l)
+    placed = json.loads(line.split("placed layers ")[1].split(" (")[0])
+    assert len(placed) == 2 and placed == sorted(set(placed))
+    assert "estimated from the weights" in line and "not measured" in line
+    assert "streaming the weights of 2 of 4 decoder layers" in " ".join(
+        results["llama/count_d1"]["log"])
+
+
 def test_ringflow_dump_writes_the_plan_that_ran(eager):
     results, tmp = eager
     assert "error" not in results["llama/odd_d1"]
@@ -192,6 +207,16 @@ def test_the_plugin_loads_in_vllms_worker_process_with_multiprocessing_on(tmp_pa
                                                  "RINGFLOW_PROFILE": str(profile)})
     assert mp["mp"]["tokens"] == results["llama/plain"]["tokens"]
     assert "ringflow: profile 'mp': streaming the weights of 3 of 4 decoder layers" in stderr
+
+
+def test_layer_ops_only_streams_nothing_even_with_an_offload_section(eager):
+    results, _ = eager
+    run, off = results["llama/layer_ops_only_with_offload"], results["llama/off"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"] and max_logprob_diff(run, off) < 1e-5
+    assert "ring-allocated" not in run["lifecycle"] and run["forwards"] == []
+    assert sum("offload section is not streamed" in l for l in run["log"]) == 1, run["log"]
+    assert any("decoder layers run between ringflow's layer ops" in l for l in run["log"])
 
 
 def test_the_plugin_is_inert_without_a_profile(eager):

@@ -1,0 +1,122 @@
+"""Which layers to offload: the placement of N streamed layers that hides the most copy time.
+
+Note [Placement model]
+    One copy engine and one compute stream. Layer ``i`` computes for ``compute_ms[i]``; an
+    offloaded layer's weights copy for ``copy_ms[i]``. As the plan issues them (Note [When a
+    gather is issued] in planner.py), the copy into a slot starts once the copy before it is
+    done and the slot's previous reader has finished; a layer computes once the layer before it
+    is done and, if offloaded, its copy has landed. With ``cross_forward`` the next forward's
+    first copies run in this forward's tail (only the slot rule holds them back); without it a
+    forward's copies start when the forward does. The steady state is a forward among
+    forwards: three are simulated and the last one's time is the prediction. Adjacent
+    offloaded layers behind one slot are the bad case this model shows: the second copy cannot
+    start before the first layer has computed.
+
+The search is deterministic given the times: the best evenly spaced placement (over every
+offset; ties: the lexicographically smaller set), then the best single-layer move while one
+shortens the prediction, so equal layers stay evenly spaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ringflow.errors import ConfigError
+
+FORWARDS = 3
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen layers and what the model predicts for them."""
+
+    layers: tuple[int, ...]
+    forward_ms: float   # predicted steady-state forward time
+    resident_ms: float  # the same forward with every layer resident (the ideal)
+
+    @property
+    def ratio(self) -> float:
+        return self.forward_ms / self.resident_ms if self.resident_ms else float("inf")
+
+
+def _check(compute_ms: Sequence[float], copy_ms: Sequence[float], slots: int) -> None:
+    if len(compute_ms) != len(copy_ms) or not compute_ms:
+        raise ConfigError(f"placement needs one compute and one copy time per layer; got "
+                          f"{len(compute_ms)} and {len(copy_ms)}")
+    if slots < 1:
+        raise ConfigError(f"placement needs a ring of at least one slot, got {slots}")
+    if any(t < 0 for t in (*compute_ms, *copy_ms)):
+        raise ConfigError("placement times must be >= 0 ms")
+
+
+def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],
+               offloaded: Sequence[int], slots: int, cross_forward: bool = True) -> float:
+    """The steady-state forward time of offloading ``offloaded`` through ``slots`` slots
+    (Note [Placement model])."""
+    _check(compute_ms, copy_ms, slots)
+    layers, chosen = len(compute_ms), set(offloaded)
+    if not chosen:
+        return float(sum(compute_ms))
+    reader_end: list[float] = []  # per copy, when the layer that reads it finished computing
+    copy_end = 0.0
+    done = 0.0  # when the previous layer finished
+    ends = []
+    for _ in range(FORWARDS):
+        forward_start = done
+        for layer in range(layers):
+            ready = done
+            if layer in chosen:
+                j = len(reader_end)
+                start = max(copy_end, reader_end[j - slots] if j >= slots else 0.0)
+                if not cross_forward:
+                    start = max(start, forward_start)
+                copy_end = start + copy_ms[layer]
+                ready = max(ready, copy_end)
+                reader_end.append(0.0)
+            done = ready + compute_ms[layer]
+            if layer in chosen:
+                reader_end[-1] = done
+        ends.append(done)
+    return ends[-1] - ends[-2]
+
+
+def _spaced(layers: int, count: int) -> list[tuple[int, ...]]:
+    """Every evenly spaced placement of ``count`` of ``layers`` (one per offset)."""
+    stride = layers / count
+    found = []
+    for offset in range(max(1, int(stride))):
+        chosen = tuple(sorted({min(layers - 1, int(offset + k * stride)) for k in range(count)}))
+        if len(chosen) == count and chosen not in found:
+            found.append(chosen)
+    return found or [tuple(range(count))]
+
+
+def choose(compute_ms: Sequence[float], copy_ms: Sequence[float], count: int, slots: int,
+           cross_forward: bool = True) -> Placement:
+    """The ``count`` layers whose offload the model predicts fastest.
+
+    Raises:
+        ConfigError: ``count`` is not in 1..layers, or the times are malformed.
+    """
+    _check(compute_ms, copy_ms, slots)
+    layers = len(compute_ms)
+    if not 1 <= count <= layers:
+        raise ConfigError(f"cannot offload {count} of {layers} layers; ask for 1..{layers}")
+
+    def cost(chosen: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        return forward_ms(compute_ms, copy_ms, chosen, slots, cross_forward), chosen
+
+    best = min(cost(c) for c in _spaced(layers, count))
+    improved = True
+    while improved:
+        improved = False
+        current = set(best[1])
+        for out in sorted(current):
+            for into in range(layers):
+                if into in current:
+                    continue
+                candidate = cost(tuple(sorted(current - {out} | {into})))
+                if candidate[0] < best[0] - 1e-9:  # only a real gain moves a layer
+                    best, improved = candidate, True
+    return Placement(best[1], best[0], float(sum(compute_ms)))

@@ -1,0 +1,89 @@
+"""The placement planner (orchestrator/placement.py, Note [Placement model]): its forward-time
+model on cases worked by hand, and the placements it chooses (deterministic given the times)."""
+
+import itertools
+import random
+
+import pytest
+
+from ringflow.errors import ConfigError, ProfileError
+from ringflow.orchestrator.placement import choose, forward_ms
+from ringflow.orchestrator.profile import Profile
+
+EVERY_8_LAST_2 = [i for i in range(32) if i % 8 >= 6]
+
+
+def test_nothing_offloaded_is_the_sum_of_the_layers():
+    assert forward_ms([1.0, 2.0, 3.0], [9.0] * 3, [], 1) == 6.0
+
+
+def test_a_copy_hides_behind_the_compute_before_it_and_shows_when_it_cannot():
+    # one slot, layer 1 offloaded: its copy (2 ms) starts once layer 1 of the last forward
+    # computed, and has layers 2, 0 (4 ms) to hide behind: nothing exposed
+    assert forward_ms([2.0, 1.0, 2.0], [2.0] * 3, [1], 1) == 5.0
+    # a 7 ms copy: exposed by 7 - 4 = 3 ms per forward
+    assert forward_ms([2.0, 1.0, 2.0], [7.0] * 3, [1], 1) == 8.0
+
+
+def test_without_cross_forward_the_first_copy_waits_for_its_forward():
+    # copy of layer 0 (5 ms) cannot start in the previous forward's tail: all of it is exposed
+    assert forward_ms([1.0, 1.0], [5.0, 5.0], [0], 1, cross_forward=False) == 7.0
+    assert forward_ms([1.0, 1.0], [5.0, 5.0], [0], 1, cross_forward=True) == 6.0
+
+
+def test_adjacent_layers_behind_one_slot_expose_a_copy_that_spacing_hides():
+    """The issue's case: last 2 of every 8 through one slot is slower than its ideal; 8 layers
+    one every four, placed by the planner, hide behind the resident layers between them."""
+    compute, copy = [1.0] * 32, [3.0] * 32
+    grouped = forward_ms(compute, copy, EVERY_8_LAST_2, 1)
+    placed = choose(compute, copy, 8, 1)
+    assert grouped > 1.2 * 32
+    assert placed.layers == (0, 4, 8, 12, 16, 20, 24, 28)
+    assert placed.forward_ms == placed.resident_ms == 32.0 and placed.ratio == 1.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_choice_is_never_worse_than_the_patterns_a_user_would_pick(seed):
+    rng = random.Random(seed)
+    layers = rng.randint(8, 40)
+    compute = [rng.uniform(0.2, 3.0) for _ in range(layers)]
+    copy = [rng.uniform(0.5, 6.0) for _ in range(layers)]
+    count, slots = rng.randint(1, layers // 2), rng.randint(1, 3)
+    placed = choose(compute, copy, count, slots)
+    assert len(placed.layers) == count == len(set(placed.layers))
+    assert placed.forward_ms == forward_ms(compute, copy, placed.layers, slots)
+    for rival in (list(range(count)), list(range(layers - count, layers)),
+                  sorted(rng.sample(range(layers), count))):
+        assert placed.forward_ms <= forward_ms(compute, copy, rival, slots) + 1e-9
+    assert choose(compute, copy, count, slots) == placed  # deterministic
+
+
+def test_uneven_layers_reach_the_best_placement_an_exhaustive_search_finds():
+    # layers 4..7 compute 4 ms, the rest 0.5: a 4 ms copy hides only behind a long layer
+    compute, copy = [0.5] * 4 + [4.0] * 4 + [0.5] * 8, [4.0] * 16
+    placed = choose(compute, copy, 3, 1)
+    best = min(forward_ms(compute, copy, c, 1) for c in itertools.combinations(range(16), 3))
+    assert placed.forward_ms == best < forward_ms(compute, copy, [0, 5, 10], 1)
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ConfigError, match="cannot offload 5 of 4"):
+        choose([1.0] * 4, [1.0] * 4, 5, 1)
+    with pytest.raises(ConfigError, match="one compute and one copy time per layer"):
+        forward_ms([1.0] * 4, [1.0] * 3, [0], 1)
+    with pytest.raises(ConfigError, match="at least one slot"):
+        choose([1.0] * 4, [1.0] * 4, 1, 0)
+
+
+def test_a_profile_asks_for_a_count_and_the_model_decides_the_layers():
+    spec = Profile.from_mapping({"name": "p", "offload": {"layers": {"count": 3},
+                                                           "workspace_mib": 64}}).offload
+    assert spec.resolve(12) == [0, 4, 8]  # equal layers: evenly spaced
+    compute = [0.5] * 6 + [4.0] * 6
+    assert spec.resolve(12, costs=(compute, [4.0] * 12), slots=1) == \
+        list(choose(compute, [4.0] * 12, 3, 1).layers)
+    with pytest.raises(ProfileError, match=r"\{count: 3\} asks for more layers than the "
+                                           r"model's 2"):
+        spec.resolve(2)
+    with pytest.raises(ProfileError, match="offload.layers"):
+        Profile.from_mapping({"offload": {"layers": {"count": 0}, "workspace_mib": 64}})
