@@ -142,6 +142,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--models", default="/tmp/mla-context-bench")
+    parser.add_argument("--probe", action="store_true",
+                        help="also time small Python and torch calls inside vLLM's forward and "
+                             "outside it, and say what is active there (threads, modes)")
     parser.add_argument("--cprofile", action="store_true",
                         help="also print where ringflow's host time goes in one on request")
     parser.add_argument("--trace", action="store_true",
@@ -178,6 +181,7 @@ def main() -> int:
     [model] = STATE.context_models.values()
     bench = Bench(llm, model)
     host = host_timers()
+    probed = probe_inside() if args.probe else None
     config = llm.llm_engine.vllm_config
     kv_tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
     per_token = args.layers * (512 + 64) * 2
@@ -222,10 +226,60 @@ def main() -> int:
                                            for k, v in host.items()},
                          host_calls={k: v[1] for k, v in host.items()}, rows=rows)
     print("[mla-context] host ms per call:", doc["host_ms_per_call"], doc["host_calls"])
+    if probed is not None:
+        probed["outside"] = micro_us()
+        print("[mla-context] probe:", json.dumps(probed, default=str))
     print(table(rows))
     if args.json:
         records.write(args.json, doc)
     return 0
+
+
+def micro_us() -> dict:
+    """Microseconds per call of small torch and Python operations, here."""
+    import torch
+    t = torch.empty(64, 8, device="cuda")
+    event = torch.cuda.Event()
+    began = time.perf_counter()
+    for _ in range(2000):
+        t.data_ptr()
+        t[:4]
+    torch_us = (time.perf_counter() - began) / 2000 * 1e6
+    began = time.perf_counter()
+    for _ in range(2000):
+        event.record()
+    event_us = (time.perf_counter() - began) / 2000 * 1e6
+    began = time.perf_counter()
+    for _ in range(2000):
+        {"a": 1}.get("a")
+        [x for x in range(5)]
+    python_us = (time.perf_counter() - began) / 2000 * 1e6
+    return {"torch_us": round(torch_us, 2), "event_record_us": round(event_us, 2),
+            "python_us": round(python_us, 2)}
+
+
+def probe_inside() -> dict:
+    """At the first context session inside vLLM's forward: micro_us and what is active."""
+    import threading
+
+    import torch
+    from ringflow.integrations.vllm import context_gather as cg
+    found: dict = {}
+    original = cg.Session.__init__
+
+    def init(self, *args, **kwargs):
+        if "inside" not in found:
+            found["inside"] = micro_us()
+            found["state"] = {
+                "torch_function_modes": torch._C._len_torch_function_stack(),
+                "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+                "trace": str(sys.gettrace()), "profile": str(sys.getprofile()),
+                "threads": [t.name for t in threading.enumerate()],
+                "switch_interval_s": sys.getswitchinterval()}
+        original(self, *args, **kwargs)
+
+    cg.Session.__init__ = init
+    return found
 
 
 def host_timers() -> dict:
