@@ -152,6 +152,12 @@ class CapturedExecutor:
         self._replayed.record(current)
         self._last_stream = current
 
+    def sources_changed(self, lane: str) -> None:
+        """What ``lane`` gathers has changed: the next replay (or eager run) of every bucket
+        re-fills the carried slots first (``DagExecutor.sources_changed``)."""
+        for runner in self._runners.values():
+            runner.sources_changed(lane)
+
     def reset(self) -> None:
         """Drop every captured graph (after the caller synchronized); pools stay allocated."""
         for graph in self._graphs.values():

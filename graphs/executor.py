@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ringflow import envs
-from ringflow.errors import ExecutorError
+from ringflow.errors import ConfigError, ExecutorError, LifecycleError
 from ringflow.graphs import nvtx_ranges
 from ringflow.orchestrator.dag import Dag, EventRole, Node, NodeKind
 from ringflow.orchestrator.hazards import check_hazards
@@ -149,6 +149,24 @@ class DagExecutor:
             lease = self.pools[lane].carried.pop((lane, layer))
             lease.mark_ready(None)  # ordered by the previous forward's (or prime's) join
             self._leases[(lane, layer)] = lease
+
+    def sources_changed(self, lane: str) -> None:
+        """What ``lane``'s gathers read has changed (an engine rewrote its weights): no slot
+        filled from the old data is read again. Between forwards only; the next forward
+        re-gathers every slot it reads, the carried ones too (it primes, Note [Forward
+        boundary]: the path the hazard proof unrolls).
+
+        Raises:
+            ConfigError: the plan has no such lane.
+            LifecycleError: a forward is in flight.
+        """
+        if lane not in self.pools:
+            raise ConfigError(f"plan '{self.dag.name}' has no lane {lane!r}; lanes: "
+                              f"{list(self.pools)}")
+        if self._leases:
+            raise LifecycleError(f"'{self.dag.name}': lane {lane!r}'s sources changed in the "
+                                 f"middle of a forward; change them between forwards")
+        self.pools[lane].forget_carried()
 
     def primed(self) -> bool:
         """Whether every carried lease of the plan is leased and filled (or being filled)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ringflow.errors import PlanError
+from ringflow.errors import LifecycleError, PlanError
 from ringflow.graphs.executor import DagExecutor
 from ringflow.graphs.slots import poison
 from ringflow.orchestrator.dag import COMPUTE_STREAM, NodeKind
@@ -116,6 +116,19 @@ class LayerStepper:
             self.forwards += 1
             if self.on_forward_done is not None:
                 self.on_forward_done()
+
+    def sources_changed(self, lane: str) -> None:
+        """What ``lane`` gathers has changed: the next forward re-gathers every slot
+        (``DagExecutor.sources_changed``).
+
+        Raises:
+            LifecycleError: a forward is in flight.
+        """
+        if self._path is not None:
+            raise LifecycleError(f"'{self.executor.dag.name}': lane {lane!r}'s sources changed "
+                                 f"while layer {self._layer} was running; change them between "
+                                 f"forwards")
+        self.executor.sources_changed(lane)
 
     def lease(self, layer: int):
         """The lease ``layer`` holds in the forward in flight (None outside one)."""

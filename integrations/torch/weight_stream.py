@@ -13,10 +13,20 @@ Note [Weight slots]
     once, here, with its original shape, strides and offset; what changes per forward is only
     what the slot holds. The device copies of offloaded weights are dropped before the ring is
     allocated, and both happen before the engine sizes its KV cache.
+
+Note [Weights that change]
+    An engine that rewrites weights after load (a reload from disk or an iterator, an in-place
+    ``load_weights``) writes into whatever ``param.data`` is: for an offloaded layer, a slot the
+    next gather overwrites. :meth:`WeightStreamer.writing_weights` points the offloaded
+    parameters at their host copies for the write (a loader that assigns ``param.data`` instead
+    is followed: its values are copied into the host copy), then back at their slots, and tells
+    the plan its sources changed, so no slot filled from the old weights, carried into the next
+    forward or not, is read again. Resident layers are written where they live, as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ringflow.errors import (AllocationError, BudgetError, ConfigError, UnsupportedModelError)
+from ringflow.errors import (AllocationError, BudgetError, ConfigError, LifecycleError,
+                             UnsupportedModelError)
 from ringflow.graphs.eager import executor_for
 from ringflow.graphs.slots import SlotPool
 from ringflow.graphs.stepped import LayerStepper, engine_computes
@@ -140,6 +151,8 @@ class WeightStreamer:
 
         self._regions = {i: regions for i, (regions, _) in layouts.items()}
         self.saved_bytes: int | None = None  # device bytes streaming freed (the plugin measures)
+        self._writing = 0  # writing_weights depth
+        self.weight_updates = 0
 
         # 3. every offloaded parameter now views its layer's slot (Note [Weight slots])
         for i, (regions, _) in layouts.items():
@@ -196,6 +209,65 @@ class WeightStreamer:
                               f"{self.offloaded}")
         return {name: _view(region, self.host[layer], param, offset)
                 for region in self._regions[layer] for name, param, offset in region.params}
+
+    @contextlib.contextmanager
+    def writing_weights(self, what: str = "a weight update"):
+        """While an engine writes new weights (a reload, ``load_weights``): the offloaded
+        layers' parameters view their host copies, so every write lands where the gathers
+        read; afterwards they view their slots again and every slot is re-gathered by the next
+        forward, carried ones too (Note [Weights that change]). Re-entrant; between forwards.
+
+        Raises:
+            LifecycleError: a forward is in flight.
+            UnsupportedModelError: the write changed a streamed parameter's shape or dtype.
+        """
+        if self._writing:
+            self._writing += 1
+            try:
+                yield
+            finally:
+                self._writing -= 1
+            return
+        if self.stepper.in_forward:
+            raise LifecycleError(f"{what} arrived in the middle of a forward of the streamed "
+                                 f"layers; write weights between forwards")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy still reads the host copies
+        views = {}
+        for i, regions in self._regions.items():
+            for region in regions:
+                self._point(region, self.host[i])
+                views.update({id(param): param.data for _, param, _ in region.params})
+        self._writing = 1
+        try:
+            yield
+        finally:
+            self._writing = 0
+            self._follow_replaced(views, what)
+            for i, regions in self._regions.items():
+                slot = self.pool.storage[self.slot_of[i]]
+                for region in regions:
+                    self._point(region, slot)
+            self.stepper.sources_changed(LANE)
+            self.weight_updates += 1
+
+    def _follow_replaced(self, views: dict, what: str) -> None:
+        """A loader that assigned ``param.data`` instead of copying into it: its values go
+        into the host copy (same shape and dtype), or the write cannot be followed."""
+        for i, regions in self._regions.items():
+            for region in regions:
+                for name, param, offset in region.params:
+                    view = views[id(param)]
+                    if param.data.data_ptr() == view.data_ptr():
+                        continue
+                    if param.shape != view.shape or param.dtype != view.dtype:
+                        raise UnsupportedModelError(
+                            f"{what} gave streamed parameter '{name}' of layer {i} a new "
+                            f"{'shape' if param.shape != view.shape else 'dtype'} "
+                            f"({tuple(view.shape)} {view.dtype} -> {tuple(param.shape)} "
+                            f"{param.dtype}); ringflow cannot follow it: leave layer {i} "
+                            f"resident")
+                    view.copy_(param.data)
 
     #: called before each gather on the copy stream (tests inject a sleep kernel here)
     gather_hook = None

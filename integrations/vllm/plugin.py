@@ -67,6 +67,12 @@ def register() -> None:
                     "full-KV prefetch stays off", exc)
     layers.install(STATE)
     wrap(gpu_worker.Worker, "load_model", on_load_model, STATE)
+    for runner in compat.model_runner_classes():
+        if hasattr(runner, "reload_weights"):
+            wrap(runner, "reload_weights", on_reload_weights, STATE)
+    for verb in REFUSED_WHILE_STREAMING:
+        if hasattr(gpu_worker.Worker, verb):
+            wrap(gpu_worker.Worker, verb, _refused_while_streaming(verb), STATE)
     wrap(gpu_worker.Worker, "initialize_from_config", on_initialize_from_config, STATE)
     wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights,
          STATE)
@@ -189,6 +195,8 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
     except BudgetError as exc:  # the profile's budget: name its field
         raise ProfileError("offload.workspace_mib", str(exc), profile.source) from exc
     worker._ringflow_streamer = streamer  # the worker owns it: it lives and dies with the model
+    worker.model_runner._ringflow_streamer = streamer  # reload_weights is the runner's
+    _follow_load_weights(streamer, worker.model_runner.get_model())
     state.add_streamer(streamer)
     state.record("ring-allocated")
     per_token = memory.kv_bytes_per_token(worker)
@@ -250,6 +258,52 @@ def _resolve_layers(profile: Profile, decoder, vllm_config) -> list[int]:
              "(copy at 55 GB/s, compute of %d tokens at 775 TFLOP/s), not measured",
              spec.layers.count, chosen, slots, predicted, sum(compute), tokens)
     return chosen
+
+
+#: worker calls that move or replace weights in ways streaming does not follow (yet): refused
+#: with one line while the worker streams (Note [Weights that change] in weight_stream.py)
+REFUSED_WHILE_STREAMING = ("sleep", "wake_up", "init_weight_transfer_engine",
+                           "start_weight_update", "update_weights")
+
+
+def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):
+    """The hook on a model runner's ``reload_weights`` (``LLM.collective_rpc("reload_weights",
+    ...)``): the streamed layers' host copies take the new weights and every slot is
+    re-gathered by the next forward."""
+    streamer = getattr(runner, "_ringflow_streamer", None)
+    if streamer is None:
+        return original(runner, *args, **kwargs)
+    with streamer.writing_weights("vLLM's reload_weights"):
+        result = original(runner, *args, **kwargs)
+    log.info("reload_weights: the %d streamed layers' host copies hold the new weights; the "
+             "next forward gathers every slot again", len(streamer.offloaded))
+    return result
+
+
+def _follow_load_weights(streamer: WeightStreamer, model) -> None:
+    """An in-place ``model.load_weights(iterator)`` (vLLM's reload calls it too) writes where
+    the streamed layers' gathers read (an instance-level wrapper; the class is untouched)."""
+    original = model.load_weights
+
+    def load_weights(*args, **kwargs):
+        with streamer.writing_weights("the model's load_weights"):
+            return original(*args, **kwargs)
+
+    model.load_weights = load_weights
+
+
+def _refused_while_streaming(verb: str):
+    def hook(state: PluginState, original, worker, *args, **kwargs):
+        if getattr(worker, "_ringflow_streamer", None) is not None:
+            exc = EngineError(f"{verb} is not supported while ringflow streams weights (the "
+                              f"ring and the pinned host copies would not follow it); use "
+                              f"reload_weights to change weights, or drop the profile's "
+                              f"offload section")
+            log.error("%s", exc)
+            raise exc
+        return original(worker, *args, **kwargs)
+
+    return hook
 
 
 def _refuse_vllm_offloader() -> None:

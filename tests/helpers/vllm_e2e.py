@@ -183,14 +183,15 @@ def worker_kv_stats(worker=None) -> list[dict]:
     return [kv_stats(model) for model in attention.models()]
 
 
-def write_model(root: Path, name: str, weights: bool = True) -> str:
+def write_model(root: Path, name: str, weights: bool = True, seed: int = 0) -> str:
     """config.json plus seeded random weights (vLLM's dummy weights give flat logits; they do
-    for memory accounting, where ``weights=False`` writes the config only)."""
+    for memory accounting, where ``weights=False`` writes the config only); another ``seed``
+    is another checkpoint of the same model."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = root / name
+    path = root / (name if seed == 0 else f"{name}-seed{seed}")
     cfg = MODELS[name]
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -201,7 +202,7 @@ def write_model(root: Path, name: str, weights: bool = True) -> str:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
         shapes = {k: v.shape for k, v in model.named_parameters()}  # tied weights once
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     weights = {}
     for key, shape in sorted(shapes.items()):
         if len(shape) == 1 and key.endswith("bias"):
@@ -298,6 +299,21 @@ def engine_kwargs(case: dict) -> dict:
     return kwargs
 
 
+def reload_rounds(llm, root: Path, model: str, generate) -> dict:
+    """vLLM's in-place reloads, each followed by a generate: checkpoint B from its path, then
+    A and B again as weight iterators (``model.load_weights``)."""
+    from safetensors.torch import load_file
+    a, b = write_model(root, model), write_model(root, model, seed=1)
+    out = {}
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": b})
+    out["path_b"] = generate()
+    for name, path in (("iter_a", a), ("iter_b", b)):
+        weights = list(load_file(str(Path(path) / "model.safetensors")).items())
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        out[name] = generate()
+    return out
+
+
 def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
     """Greedy tokens and top-5 logprobs of ``prompts`` (token-id lists), in one batch."""
     from vllm import SamplingParams
@@ -337,7 +353,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     try:
         if case.get("dummy"):
             kwargs["load_format"] = "dummy"
-        llm = LLM(model=write_model(root, case["model"], not case.get("dummy")), **kwargs)
+        llm = LLM(model=write_model(root, case["model"], not case.get("dummy"),
+                                    case.get("seed", 0)), **kwargs)
         result["startup_s"] = round(time.perf_counter() - started, 1)
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
 
@@ -356,6 +373,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
             result["top5"] = [t for r in rounds for t in r[1]]
         else:
             result["tokens"], result["top5"] = generate()
+        if case.get("reload"):  # checkpoint B by path, A by iterator, B by iterator
+            result["reloads"] = reload_rounds(llm, root, case["model"], generate)
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
         config = llm.llm_engine.vllm_config

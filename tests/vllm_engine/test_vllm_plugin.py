@@ -97,6 +97,13 @@ def cases_for(model, dump):
         cases.append({"name": "llama/spec/off", "model": model, "engine": draft})
         cases.append({"name": "llama/spec/kv", "model": model, "engine": draft,
                       "env": dict(POISON), "additional_config": kv(1)})
+        # weights changed in place: checkpoint B by path, then A and B as iterators
+        cases += [{"name": "llama/reload/plain_b", "model": model, "seed": 1,
+                   "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}},
+                  {"name": "llama/reload/plain", "model": model, "reload": True,
+                   "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}},
+                  {"name": "llama/reload/streamed", "model": model, "reload": True,
+                   "env": dict(POISON), "additional_config": ring([1, 2, 3], 1)}]
         cases.append({"name": "llama/layer_ops_only_with_offload", "model": model,
                       "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"},
                       "additional_config": ring([1, 2, 3], 1)})
@@ -207,6 +214,41 @@ def test_the_plugin_loads_in_vllms_worker_process_with_multiprocessing_on(tmp_pa
                                                  "RINGFLOW_PROFILE": str(profile)})
     assert mp["mp"]["tokens"] == results["llama/plain"]["tokens"]
     assert "ringflow: profile 'mp': streaming the weights of 3 of 4 decoder layers" in stderr
+
+
+@pytest.mark.parametrize("run", ["plain", "streamed"])
+def test_reloaded_weights_reach_every_layer_streamed_or_resident(eager, run):
+    """vLLM's reload_weights (from a path, and as an iterator through model.load_weights) on
+    a model whose layers 1-3 stream with cross-forward prefetch: each generate after a reload
+    equals a fresh engine on that checkpoint, token for token and logprob for logprob."""
+    results, _ = eager
+    a, b = results["llama/plain"], results["llama/reload/plain_b"]
+    got = results[f"llama/reload/{run}"]
+    same(got, a)
+    assert a["tokens"] != b["tokens"]  # the two checkpoints are told apart
+    for name, want in (("path_b", b), ("iter_a", a), ("iter_b", b)):
+        tokens, top5 = got["reloads"][name]
+        assert tokens == want["tokens"] and top5 == want["top5"], name
+    if run == "streamed":
+        assert sum("host copies hold the new weights" in l for l in got["log"]) == 3
+
+
+def test_weight_calls_streaming_cannot_follow_are_refused_with_one_line(caplog):
+    from types import SimpleNamespace
+
+    from ringflow import EngineError
+    from ringflow.integrations.vllm import plugin
+    from ringflow.integrations.vllm.state import PluginState
+
+    calls = []
+    hook = plugin._refused_while_streaming("sleep")
+    assert hook(PluginState(), lambda w, level: calls.append(level), SimpleNamespace(), 1) is None
+    assert calls == [1]  # not streaming: vLLM's own call
+    with pytest.raises(EngineError, match="sleep is not supported while ringflow streams"):
+        hook(PluginState(), lambda w, level: calls.append(level),
+             SimpleNamespace(_ringflow_streamer=object()), 1)
+    assert calls == [1] and set(plugin.REFUSED_WHILE_STREAMING) >= {"sleep", "wake_up",
+                                                                      "update_weights"}
 
 
 def test_layer_ops_only_streams_nothing_even_with_an_offload_section(eager):
