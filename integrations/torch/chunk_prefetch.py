@@ -76,6 +76,8 @@ class ChunkPrefetcher:
         self.steps = 0  # steps whose units were prefetched
         self.consumed = 0  # units the engine read from a slot
         self.abandoned: dict[str, int] = {}  # steps given up part-way, by reason
+        #: called with each new plan once it is proven (the vLLM plugin's RINGFLOW_DUMP)
+        self.on_plan: Callable | None = None
 
     @property
     def reserved_bytes(self) -> int:
@@ -109,6 +111,8 @@ class ChunkPrefetcher:
             executor = executor_for(dag, [self.pool], self._gather, engine_computes,
                                     poison=False, **self._options)
             self.stepper = self._steppers[units] = LayerStepper(executor, poison=self.poison)
+            if self.on_plan is not None:
+                self.on_plan(executor.dag)
         self.dag = self.stepper.executor.dag
         self._fill, self._chunks, self._open = fill, chunks, None
         self.steps += 1

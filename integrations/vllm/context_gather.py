@@ -33,6 +33,7 @@ all-gather, a reorder); it has no consumer here and says so at start-up.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import weakref
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringflow import envs
 from ringflow.errors import BudgetError, ProfileError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
@@ -57,6 +59,24 @@ GATHER_OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache",
 _PER_LAYER = ("src_cache", "dst", "scale")
 _SESSION: contextvars.ContextVar = contextvars.ContextVar("ringflow_context_session",
                                                           default=None)
+
+
+def _dump_plan(base: str, dag) -> None:
+    """RINGFLOW_DUMP: each (layers x chunks) plan, once, as PATH.context-LxC.json and .dot."""
+    from pathlib import Path
+
+    from ringflow.orchestrator import dumps
+    stem = base[:-5] if base.endswith(".json") else base
+    stem = f"{stem}.context-{dag.meta['layers']}x{dag.meta['chunks']}"
+    try:
+        Path(f"{stem}.json").write_text(dumps.to_json(dag))
+        Path(f"{stem}.dot").write_text(dumps.to_dot(dag))
+    except OSError as exc:
+        log.warning("RINGFLOW_DUMP: cannot write %s.json/.dot (%s); the plan is not dumped",
+                    stem, exc)
+        return
+    log.info("wrote the context plan of %d layers x %d chunks to %s.json and %s.dot",
+             dag.meta["layers"], dag.meta["chunks"], stem, stem)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -111,6 +131,9 @@ class ContextModel:
                                         poison=poison_default(), name=name)
         except BudgetError as exc:
             raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
+        dump = envs.text("RINGFLOW_DUMP")
+        if dump:
+            self.ring.on_plan = functools.partial(_dump_plan, dump)
         self.calls: list[GatherCall] = []
         self.step = None  # the metadata object of the step the calls were recorded in
         self.filled: dict[int, tuple] = {}  # layer -> (cache, scale) signatures its fill read

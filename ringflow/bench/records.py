@@ -8,6 +8,7 @@ command a number came from.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,32 @@ def command_line(program: str) -> str:
     return " ".join([program, *sys.argv[1:]])
 
 
+def source_commit() -> str | None:
+    """The git commit ringflow runs from (``+dirty`` with local changes); None outside a
+    checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def environment(program: str) -> dict[str, Any]:
-    """Where a benchmark ran: the GPU (name and count), torch, CUDA, and the command."""
+    """Where a benchmark ran: the GPU (name and count), torch, CUDA, ringflow (version and
+    commit), and the command."""
+    from ringflow import __version__
     cuda = torch.cuda.is_available()
     return {"gpu": torch.cuda.get_device_name() if cuda else None,
             "gpus": torch.cuda.device_count() if cuda else 0,
             "torch": torch.__version__, "cuda": torch.version.cuda,
+            "ringflow": __version__, "commit": source_commit(),
             "command": command_line(program)}
 
 

@@ -365,10 +365,13 @@ CONTEXT_CASES = [
 def context_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ctx")
     cases = [{**c, "model": "dsv2", "max_tokens": 6} for c in CONTEXT_CASES]
+    for case in cases:
+        if case["name"] == "ctx/d1":
+            case["env"] = {**case["env"], "RINGFLOW_DUMP": str(tmp / "ctx")}
     cases += [{"name": "ctx/llama/off", "model": "llama"},
               {"name": "ctx/llama/d1", "model": "llama", "additional_config": ctx(1)}]
     results, _ = run_cases(tmp, cases)
-    return results
+    return results, tmp
 
 
 @pytest.mark.parametrize("name", ["ctx/d1", "ctx/d2", "ctx/d0", "ctx/chunked/d1",
@@ -376,8 +379,9 @@ def context_runs(tmp_path_factory):
 def test_mla_reads_its_context_chunks_from_the_ring_with_identical_output(context_runs, name):
     """Prefix-cache hits over several context chunks: every layer after the first reads each
     chunk from a ring slot (poisoned after its read), and the output is identical."""
-    run = context_runs[name]
-    same(run, context_runs[name.rsplit("/", 1)[0] + "/off"])
+    runs, _ = context_runs
+    run = runs[name]
+    same(run, runs[name.rsplit("/", 1)[0] + "/off"])
     [stats] = run["context"]
     assert stats["layers"] == 4 and stats["abandoned"] == {}, stats
     assert stats["steps"] >= 1
@@ -391,22 +395,35 @@ def test_mla_reads_its_context_chunks_from_the_ring_with_identical_output(contex
 
 def test_a_corrupted_context_slot_changes_the_output(context_runs):
     """The attention reads the slot, not vLLM's own gather: +1 on every slot moves logprobs."""
-    off, bad = context_runs["ctx/off"], context_runs["ctx/corrupt"]
+    runs, _ = context_runs
+    off, bad = runs["ctx/off"], runs["ctx/corrupt"]
     assert "error" not in bad, bad["error"]
     assert bad["context"][0]["consumed"] > 0
     assert max_logprob_diff(bad, off) > 1e-2 or bad["tokens"] != off["tokens"]
 
 
 def test_verify_checks_every_consumed_context_slot_against_vllms_gather(context_runs):
-    run = context_runs["ctx/verify"]
-    same(run, context_runs["ctx/off"])
+    runs, _ = context_runs
+    run = runs["ctx/verify"]
+    same(run, runs["ctx/off"])
     [stats] = run["context"]
     assert stats["checked"] == stats["consumed"] > 0 and stats["mismatches"] == []
 
 
 def test_layers_without_a_consumer_gather_nothing_and_say_so_once(context_runs):
-    run = context_runs["ctx/llama/d1"]
-    same(run, context_runs["ctx/llama/off"])
+    runs, _ = context_runs
+    run = runs["ctx/llama/d1"]
+    same(run, runs["ctx/llama/off"])
     assert run["context"] == [] and run["kv"] == [] and run["lifecycle"] == []
     said = [l for l in run["log"] if "have no consumer of prefetched KV" in l]
     assert len(said) == 1, run["log"]
+
+
+def test_ringflow_dump_writes_each_context_plan_once(context_runs):
+    runs, tmp = context_runs
+    assert "error" not in runs["ctx/d1"]
+    doc = json.loads((tmp / "ctx.context-3x3.json").read_text())
+    assert doc["schema"] == "ringflow.dag" and doc["layers"] == 9
+    assert doc["meta"]["layers"] == 3 and doc["meta"]["chunks"] == 3
+    assert (tmp / "ctx.context-3x3.dot").read_text().startswith("digraph")
+    assert sum("wrote the context plan" in l for l in runs["ctx/d1"]["log"]) == 1
