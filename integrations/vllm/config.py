@@ -29,7 +29,16 @@ def profile_from(vllm_config) -> Profile | None:
             profile = Profile.from_mapping(section, source="additional_config.ringflow",
                                            default_name="vllm")
     elif env:
-        profile = Profile.load(env)
+        try:
+            profile = Profile.load(env)
+        except ProfileError as exc:  # say where the name came from
+            message = str(exc)
+            if exc.source and message.startswith(f"{exc.source}: "):
+                message = message[len(exc.source) + 2:]
+            if exc.field and message.startswith(f"field '{exc.field}': "):
+                message = message[len(exc.field) + 10:]
+            where = f"RINGFLOW_PROFILE={env}" + (f" ({exc.source})" if exc.source != env else "")
+            raise ProfileError(exc.field, message, where) from exc
     else:
         return None
     if profile.offload is None and profile.kv_prefetch is None:

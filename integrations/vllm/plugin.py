@@ -36,7 +36,7 @@ from ringflow.errors import BudgetError, EngineError, ProfileError, RingflowErro
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
-from ringflow.integrations.vllm import attention, cache_key, compat, layers, memory
+from ringflow.integrations.vllm import attention, cache_key, compat, frontend, layers, memory
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.state import STATE, PluginState
@@ -51,6 +51,7 @@ def register() -> None:
     """Install ringflow's hooks into vLLM. Safe to call more than once; inert until enabled."""
     try:
         from vllm.config import VllmConfig
+        from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.layers import linear
         from vllm.v1.worker import gpu_worker
     except ImportError as exc:  # a vLLM this plugin does not know: say so, change nothing
@@ -60,6 +61,7 @@ def register() -> None:
     _ensure_log_handler()
     compat.check_version()
     wrap(VllmConfig, "compute_hash", cache_key.on_compute_hash, STATE)  # first: a correctness key
+    wrap(EngineArgs, "create_engine_config", frontend.on_create_engine_config, STATE)
     try:
         attention.install(STATE)
     except (ImportError, AttributeError) as exc:

@@ -47,7 +47,8 @@ LAYERS = {
         ".torch.verification", ".torch.chunk_prefetch")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
-        "", ".state", ".hooks", ".compat", ".config", ".cache_key", ".layers", ".memory", ".metadata",
+        "", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend", ".layers",
+        ".memory", ".metadata",
         ".mla_check", ".context_gather", ".attention")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement

@@ -427,3 +427,28 @@ def test_ringflow_dump_writes_each_context_plan_once(context_runs):
     assert doc["meta"]["layers"] == 3 and doc["meta"]["chunks"] == 3
     assert (tmp / "ctx.context-3x3.dot").read_text().startswith("digraph")
     assert sum("wrote the context plan" in l for l in runs["ctx/d1"]["log"]) == 1
+
+
+FRONT_END = {  # case -> (env, additional_config, what the one line says)
+    "unknown_field": ({}, {"ringflow": {"name": "t", "bogus": 1,
+                                        "offload": {"layers": [1], "workspace_mib": 64}}},
+                      "additional_config.ringflow: field 'bogus': unknown field 'bogus'"),
+    "no_such_profile": ({"RINGFLOW_PROFILE": "no_such_profile"}, None,
+                        "RINGFLOW_PROFILE=no_such_profile: no such file, and no built-in"),
+    "bad_flag": ({"RINGFLOW_POISON": "maybe"}, None, "RINGFLOW_POISON='maybe' is not a flag"),
+}
+
+
+def test_what_needs_no_model_is_checked_in_the_front_end_before_any_worker(tmp_path):
+    """Multiprocessing on: the error comes from vLLM's front end (EngineArgs.
+    create_engine_config), in seconds, with one ringflow line, and no engine core started."""
+    cases = [{"name": name, "model": "llama", "env": env, "additional_config": extra}
+             for name, (env, extra, _) in FRONT_END.items()]
+    results, stderr = run_cases(tmp_path, cases, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    for name, (_, _, needle) in FRONT_END.items():
+        run = results[name]
+        assert needle in run.get("error", ""), run
+        assert run["error"].split(":")[0] in ("ProfileError", "ConfigError"), run["error"]
+        assert sum(needle in line for line in run["log"]) == 1, run["log"]
+        assert run["seconds"] < 20, run["seconds"]
+    assert "EngineCore" not in stderr and "Initializing a V1 LLM engine" not in stderr

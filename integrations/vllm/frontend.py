@@ -1,0 +1,46 @@
+"""What the plugin checks in vLLM's front end, before any engine process or worker starts.
+
+vLLM builds its engine config in the process the user started (``EngineArgs.
+create_engine_config``), then starts the engine core and its workers, which load the model
+(45 s and more on a real one). Everything about ringflow that does not need the model is
+checked there: the profile from ``--additional-config`` or ``RINGFLOW_PROFILE`` (syntax, fields,
+built-in names, cross-field rules) and every ``RINGFLOW_*`` flag. A bad value stops vLLM with
+one ``ringflow:`` line that names where it came from; what needs the model (layer indices,
+slot sizes) is checked where the model loads, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+from ringflow import envs
+from ringflow.errors import RingflowError
+from ringflow.integrations.vllm.config import profile_from
+from ringflow.integrations.vllm.state import PluginState
+
+log = logging.getLogger("ringflow")
+
+
+def check(additional_config) -> None:
+    """Raise the first ringflow error in ``additional_config`` and the environment.
+
+    Raises:
+        ConfigError: a ``RINGFLOW_*`` flag holds something that is not a flag value.
+        ProfileError: the profile does not load (the message names its source).
+    """
+    for name, switch in envs.SWITCHES.items():
+        if switch.kind == "flag" and switch.scope != "tests":
+            envs.flag(name)
+    extra = additional_config if isinstance(additional_config, dict) else {}
+    profile_from(SimpleNamespace(additional_config=extra))
+
+
+def on_create_engine_config(state: PluginState, original, engine_args, *args, **kwargs):
+    """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
+    try:
+        check(getattr(engine_args, "additional_config", None))
+    except RingflowError as exc:
+        log.error("%s", exc)  # one line, before vLLM starts anything
+        raise
+    return original(engine_args, *args, **kwargs)
