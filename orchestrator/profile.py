@@ -16,9 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ringflow.errors import BudgetError, ConfigError, ProfileError
+from ringflow.orchestrator import profile_yaml
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.orchestrator.schema import (RUN_FIELDS, RUN_OPTIONAL, RUN_REQUIRED, field_value,
                                           layer_set, rejected, section)
@@ -86,13 +85,7 @@ class Profile:
             except UnicodeDecodeError as exc:
                 raise ProfileError(None, f"is not UTF-8 text (byte {exc.start}); save it as "
                                    f"UTF-8", source) from exc
-        try:
-            doc = yaml.safe_load(data)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or type(exc).__name__
-            raise ProfileError(None, f"is not valid YAML: {problem}{where}", source) from exc
+        doc = profile_yaml.load(data, source)
         if doc is None:
             raise ProfileError(None, f"is empty; required fields: {', '.join(RUN_REQUIRED)}", source)
         return cls.from_mapping(doc, source=source, default_name=default_name)

@@ -31,7 +31,8 @@ LAYERS = {
     "ringflow.cudart": "device", "ringflow.timing": "device",
     # plan + prove: pure arithmetic over names, no torch
     **dict.fromkeys([f"ringflow.orchestrator{m}" for m in (
-        "", ".vocab", ".budget", ".schema", ".placement", ".sections", ".profile", ".dag", ".planner",
+        "", ".vocab", ".budget", ".schema", ".placement", ".sections", ".profile_yaml",
+        ".profile", ".dag", ".planner",
         ".hazards", ".simulate", ".dumps")], "plan"),
     # leaves: the gathers and exchanges, and the tests' CPU references
     **dict.fromkeys([f"ringflow.kernels{m}" for m in (

@@ -319,3 +319,21 @@ def test_the_json_schema_and_the_loader_agree_on_shipped_and_broken_profiles():
         assert list(validator.iter_errors(doc)), doc
         with pytest.raises(ProfileError):
             Profile.from_mapping(doc)
+
+
+def test_a_repeated_key_is_an_error_that_names_both_lines():
+    with pytest.raises(ProfileError, match=r"repeats key 'depth' \(line 2 and line 4\)"):
+        Profile.from_yaml_text("name: a\ndepth: 1\nlayers: 4\ndepth: 2\n")
+    with pytest.raises(ProfileError, match="repeats key 'depth'"):  # inside a section too
+        Profile.from_yaml_text("offload:\n  depth: 1\n  depth: 2\n")
+
+
+def test_deep_nesting_is_one_error_not_a_recursion_error():
+    deep = "a:\n" + "".join("  " * i + "b:\n" for i in range(1, 2000))
+    with pytest.raises(ProfileError, match="nests deeper than 32 levels"):
+        Profile.from_yaml_text(deep)
+
+
+def test_an_exponent_without_a_dot_is_a_number_as_in_yaml_1_2():
+    p = Profile.from_yaml_text("name: e\noffload: {layers: all, workspace_mib: 1e3}\n")
+    assert p.offload.workspace_mib == 1000.0
