@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ringflow.errors import AllocationError, ConfigError, LeaseError, SlotPoolExhausted
+from ringflow.errors import (AllocationError, ConfigError, DeviceError, LeaseError,
+                             SlotPoolExhausted)
 from ringflow.orchestrator.budget import MAX_SLOT_BYTES, PoolLayout
 from ringflow.orchestrator.vocab import DTYPE_BYTES
 
@@ -154,6 +155,7 @@ class SlotPool:
 
     Raises:
         BudgetError: the budget holds not one slot.
+        DeviceError: ``device`` is not one this torch can use (no CUDA, an unknown name).
         AllocationError: the ring cannot be allocated (the allocator's error is the cause).
     """
 
@@ -167,7 +169,7 @@ class SlotPool:
             log.warning("%s", self.layout.arithmetic())
         # The one allocation of this lane: every slot is a view of it; nothing allocates later.
         shape = (self.layout.slots, *self.slot_shape)
-        device = torch.device(device)
+        device = _device(device, lane)
         if storage is None:
             try:
                 storage = torch.empty(shape, dtype=self.dtype, device=device)
@@ -211,8 +213,13 @@ class SlotPool:
         Raises:
             ProfileError: the profile has only vLLM sections (``offload``, ``kv_prefetch``): the
                 plugin sizes those rings from the model it loads, so there is no slot to build.
+            ConfigError: the profile has no such lane.
+            DeviceError: the device is not one this torch can use (no CUDA, unknown name).
         """
         profile.require_run_fields()
+        if lane not in profile.lanes:
+            raise ConfigError(f"profile '{profile.name}' has no lane {lane!r}; its lanes: "
+                              f"{', '.join(profile.lanes)}")
         return cls(lane, profile.slot.shape, profile.slot.dtype, depth=profile.depth,
                    workspace_bytes=profile.workspace_bytes, device=device)
 
@@ -340,3 +347,16 @@ class SlotPool:
         return (f"SlotPool(lane={self.lane!r}, slots={self.slots}, depth={self.depth}, "
                 f"slot_bytes={self.slot_bytes}, reserved_bytes={self.reserved_bytes}, "
                 f"free={self.free_count})")
+
+
+def _device(device: torch.device | str, lane: str) -> torch.device:
+    """``device`` as a torch device this process can allocate on."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"lane '{lane}': {device!r} is not a device torch knows; give 'cpu' or "
+                          f"'cuda' (or 'cuda:N')") from exc
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"lane '{lane}': the ring asks for {device!r}, and this torch has no "
+                          f"CUDA device; give 'cpu' (the executors run synchronously there)")
+    return found

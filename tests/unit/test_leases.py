@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringflow import Lease, LeaseError, LeaseState, SlotPool, SlotPoolExhausted
-from ringflow.errors import BudgetError
+from ringflow.errors import BudgetError, ConfigError
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.units import MIB
 
@@ -155,3 +155,16 @@ def test_layout_fit_matches_the_pool_and_reports_slot_ranges():
     ranges = layout.slot_ranges()
     assert [(r.offset, r.end) for r in ranges] == [(0, 1000), (1000, 2000)]
     assert {r.pool for r in ranges} == {"pool/kv"}
+
+
+
+def test_a_pool_on_a_device_this_torch_cannot_use_says_so(monkeypatch):
+    from ringflow import DeviceError, Profile
+    profile = Profile.load("demo")
+    with pytest.raises(DeviceError, match="'tpu' is not a device torch knows"):
+        SlotPool.for_profile(profile, "kv", "tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="this torch has no CUDA device"):
+        SlotPool.for_profile(profile, "kv", "cuda")
+    with pytest.raises(ConfigError, match="has no lane 'weights'; its lanes: kv"):
+        SlotPool.for_profile(profile, "weights", "cpu")
