@@ -40,7 +40,7 @@ def _builtin_names() -> str:
 
 def _parser() -> argparse.ArgumentParser:
     from ringflow import __version__
-    from ringflow.bench.scenarios import SCENARIOS
+    from ringflow.bench.names import SCENARIOS
 
     names = _builtin_names()
     parser = Parser(prog="ringflow", description=_DESCRIPTION,

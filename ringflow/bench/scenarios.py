@@ -46,18 +46,9 @@ from ringflow.graphs.slots import SlotPool
 from ringflow.orchestrator.planner import Planner
 from ringflow.orchestrator.profile import Profile
 from ringflow.orchestrator.vocab import GATHER_PRIORITIES
+from ringflow.bench.names import SCENARIOS
 from ringflow.timing import interleaved_ms
 
-SCENARIOS = {
-    "h2d-balanced": "bench/h2d_balanced",
-    "weights-stream": "bench/weights_stream",
-    "weights-stream-mixed": "bench/weights_stream_mixed",
-    "compute-bound": "bench/compute_bound",
-    "device-gather": "bench/device_gather",
-    "small-layers": "bench/small_layers",
-    "depth-sweep": "bench/depth_sweep",
-    "one-slot": "bench/one_slot",
-}
 STEADY_RUN = 6  # forwards back to back per steady-state sample
 
 

@@ -261,3 +261,12 @@ def test_place_refuses_times_that_do_not_match_the_layers(capsys):
     assert main(["place", "--layers", "4", "--count", "2", "--compute-ms", "1,2",
                  "--copy-ms", "3"]) == 2
     assert "--compute-ms has 2 values for 4 layers" in capsys.readouterr().err
+
+
+def test_help_answers_without_importing_torch():
+    code = ("import sys\nfrom ringflow.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("False"), proc.stdout[-500:]

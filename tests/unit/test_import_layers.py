@@ -56,7 +56,8 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.testing{m}" for m in (
         "", ".tracing", ".races", ".models", ".spawn", ".dcp")], "testing"),
     **dict.fromkeys([f"ringflow.bench{m}" for m in (
-        "", ".records", ".workload", ".hand_ring", ".timeline", ".scenarios", ".tune", ".dcp")],
+        "", ".names", ".records", ".workload", ".hand_ring", ".timeline", ".scenarios", ".tune",
+        ".dcp")],
         "bench"),
     # the top: the command line and the scripts that run on a lent GPU
     "ringflow.cli": "cli", "ringflow.__main__": "cli",
