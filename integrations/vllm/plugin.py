@@ -80,13 +80,35 @@ def register() -> None:
          STATE)
 
 
+class _VllmLogHandler(logging.Handler):
+    """ringflow's records through vLLM's own handlers (its format: process, time, file; its
+    level and stream), each message marked ``ringflow:``; ``LEVEL ringflow: message`` on stderr
+    where vLLM has configured none."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._plain = logging.StreamHandler(sys.stderr)
+        self._plain.setFormatter(logging.Formatter("%(levelname)s ringflow: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger("vllm").handlers
+        if not handlers:
+            self._plain.handle(record)
+            return
+        marked = logging.makeLogRecord(record.__dict__)
+        marked.msg, marked.args = f"ringflow: {record.getMessage()}", None
+        for handler in handlers:
+            if marked.levelno >= handler.level:
+                handler.handle(marked)
+
+
 def _ensure_log_handler() -> None:
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s ringflow: %(message)s"))
-        log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+    if not any(isinstance(h, _VllmLogHandler) for h in log.handlers) and \
+            not logging.getLogger().handlers:
+        log.addHandler(_VllmLogHandler())
+        log.propagate = False
 
 
 def on_load_model(state: PluginState, original, worker, *args, **kwargs):
@@ -176,10 +198,16 @@ def _log_graph_mode(vllm_config, has_layer_ops: bool) -> None:
     mode = getattr(compilation, "cudagraph_mode", None)
     split = [op for op in layer_ops.OP_NAMES
              if op in (getattr(compilation, "splitting_ops", None) or [])]
-    where = ("; ringflow's layer ops split its graph into pieces" if split else
-             "; ringflow's layer ops stay inside its compiled graph") if has_layer_ops else ""
+    level = getattr(getattr(compilation, "mode", None), "name", "?")
+    if not has_layer_ops:
+        where = ""
+    elif level == "NONE":
+        where = "; nothing is compiled, ringflow's layer ops run eagerly between the layers"
+    else:
+        where = ("; ringflow's layer ops split its graph into pieces" if split else
+                 "; ringflow's layer ops stay inside its compiled graph")
     log.info("vLLM runs cudagraph_mode=%s, compilation mode %s%s", getattr(mode, "name", mode),
-             getattr(getattr(compilation, "mode", None), "name", "?"), where)
+             level, where)
 
 
 def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStreamer:
