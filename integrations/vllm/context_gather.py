@@ -33,6 +33,7 @@ all-gather, a reorder); it has no consumer here and says so at start-up.
 from __future__ import annotations
 
 import contextvars
+import math
 import functools
 import inspect
 import logging
@@ -290,6 +291,10 @@ class Session:
             bad = (ours != theirs).any(dim=-1).nonzero().flatten()
             model.mismatches.append(f"layer {self.index} chunk {self.calls}: {bad.numel()} of "
                                     f"{rows} rows differ (first {bad[:4].tolist()})")
+            log.error("verify: %s", model.mismatches[-1])
+        if math.log10(model.checked).is_integer():  # 1, 10, 100, ... checks: a summary
+            log.info("verify: %d consumed context slot(s) checked against vLLM's own gather, "
+                     "%d differed", model.checked, len(model.mismatches))
 
     def _restore(self) -> None:
         self.workspace.set_(*self.saved)

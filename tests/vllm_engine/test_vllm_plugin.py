@@ -408,6 +408,8 @@ def test_verify_checks_every_consumed_context_slot_against_vllms_gather(context_
     same(run, runs["ctx/off"])
     [stats] = run["context"]
     assert stats["checked"] == stats["consumed"] > 0 and stats["mismatches"] == []
+    assert any("verify: 1 consumed context slot(s) checked against vLLM's own gather, 0 "
+               "differed" in line for line in run["log"]), run["log"]
 
 
 def test_layers_without_a_consumer_gather_nothing_and_say_so_once(context_runs):
