@@ -74,7 +74,7 @@ def register() -> None:
             wrap(runner, "reload_weights", on_reload_weights, STATE)
     for verb in REFUSED_WHILE_STREAMING:
         if hasattr(gpu_worker.Worker, verb):
-            wrap(gpu_worker.Worker, verb, _refused_while_streaming(verb), STATE)
+            wrap(gpu_worker.Worker, verb, refused_while_streaming(verb), STATE)
     wrap(gpu_worker.Worker, "initialize_from_config", on_initialize_from_config, STATE)
     wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights,
          STATE)
@@ -322,7 +322,7 @@ def _follow_load_weights(streamer: WeightStreamer, model) -> None:
     model.load_weights = load_weights
 
 
-def _refused_while_streaming(verb: str):
+def refused_while_streaming(verb: str):
     def hook(state: PluginState, original, worker, *args, **kwargs):
         if getattr(worker, "_ringflow_streamer", None) is not None:
             exc = EngineError(f"{verb} is not supported while ringflow streams weights (the "

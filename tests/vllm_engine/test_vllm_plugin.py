@@ -128,7 +128,8 @@ def run_cases(tmp, cases, env=None, timeout=1500):
     proc = subprocess.run([sys.executable, str(HERE.parent / "helpers" / "vllm_e2e.py"), str(path_in), str(path_out)],
                           env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["name"]: r for r in json.loads(path_out.read_text())}, proc.stderr
+    # vLLM logs to stdout (VLLM_LOGGING_STREAM), ringflow's lines with it, through its handlers
+    return {r["name"]: r for r in json.loads(path_out.read_text())}, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +264,7 @@ def test_weight_calls_streaming_cannot_follow_are_refused_with_one_line(caplog):
     from ringflow.integrations.vllm.state import PluginState
 
     calls = []
-    hook = plugin._refused_while_streaming("sleep")
+    hook = plugin.refused_while_streaming("sleep")
     assert hook(PluginState(), lambda w, level: calls.append(level), SimpleNamespace(), 1) is None
     assert calls == [1]  # not streaming: vLLM's own call
     with pytest.raises(EngineError, match="sleep is not supported while ringflow streams"):
