@@ -55,14 +55,17 @@ def load(text: str, source: str | None) -> Any:
         ProfileError: not valid YAML (with the line), a repeated key, or nesting deeper than
             :data:`MAX_DEPTH`.
     """
-    loader = _Loader(text)
-    loader.source = source
+    loader = None
     try:
+        loader = _Loader(text)  # reads the text's characters already
+        loader.source = source
         return loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or \
+            type(exc).__name__
         raise ProfileError(None, f"is not valid YAML: {problem}{where}", source) from exc
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
