@@ -171,7 +171,9 @@ def _cache_of(layer) -> torch.Tensor:
 
 class Session:
     """One layer's ``_compute_prefill_context`` call: records (the step's first layer),
-    consumes slots (the others) or passes through (no step planned)."""
+    consumes slots (the others) or passes through (no step planned). ``cache`` and ``k_scale``
+    are the call's own; each gather call names its cache again (``src_cache``), and that is
+    the one checked against the fill's."""
 
     def __init__(self, model: ContextModel, index: int, attn_metadata, cache: torch.Tensor,
                  k_scale) -> None:
@@ -179,7 +181,7 @@ class Session:
         self.workspace = attn_metadata.prefill.chunked_context.workspace
         ws = self.workspace
         self.saved = (ws.untyped_storage(), ws.storage_offset(), tuple(ws.shape), ws.stride())
-        self.cache, self.k_scale = cache, k_scale
+        self.k_scale = k_scale
         self.calls = 0
         ring = model.ring
         if not model.enabled:
