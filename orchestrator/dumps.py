@@ -21,9 +21,10 @@ readers; :func:`from_json` rebuilds the Dag from the rest and checks they agree.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from ringflow.errors import PlanError
+from ringflow.errors import OutputError, PlanError
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.units import mib
 from ringflow.orchestrator.dag import COMPUTE_STREAM, Dag, EventRole, Node, NodeKind
@@ -68,6 +69,23 @@ def to_dict(dag: Dag) -> dict[str, Any]:
 
 def to_json(dag: Dag) -> str:
     return json.dumps(to_dict(dag), indent=1, sort_keys=True) + "\n"
+
+
+def write_files(dag: Dag, stem: str) -> tuple[Path, Path]:
+    """``stem.json`` (the versioned dump) and ``stem.dot`` (Graphviz): what ``RINGFLOW_DUMP``
+    writes.
+
+    Raises:
+        OutputError: either file cannot be written (the OS error is the cause).
+    """
+    paths = Path(f"{stem}.json"), Path(f"{stem}.dot")
+    try:
+        paths[0].write_text(to_json(dag))
+        paths[1].write_text(to_dot(dag))
+    except OSError as exc:
+        raise OutputError(f"cannot write {paths[0]} and {paths[1]} ({exc.strerror or exc}); "
+                          f"point RINGFLOW_DUMP at a writable path") from exc
+    return paths
 
 
 def from_dict(doc: dict[str, Any]) -> Dag:

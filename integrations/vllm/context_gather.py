@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ringflow import envs
-from ringflow.errors import BudgetError, ProfileError
+from ringflow.errors import BudgetError, OutputError, ProfileError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
 from ringflow.integrations.vllm.hooks import wrap, wrap_function
@@ -64,17 +64,13 @@ _SESSION: contextvars.ContextVar = contextvars.ContextVar("ringflow_context_sess
 
 def _dump_plan(base: str, dag) -> None:
     """RINGFLOW_DUMP: each (layers x chunks) plan, once, as PATH.context-LxC.json and .dot."""
-    from pathlib import Path
-
     from ringflow.orchestrator import dumps
     stem = base[:-5] if base.endswith(".json") else base
     stem = f"{stem}.context-{dag.meta['layers']}x{dag.meta['chunks']}"
     try:
-        Path(f"{stem}.json").write_text(dumps.to_json(dag))
-        Path(f"{stem}.dot").write_text(dumps.to_dot(dag))
-    except OSError as exc:
-        log.warning("RINGFLOW_DUMP: cannot write %s.json/.dot (%s); the plan is not dumped",
-                    stem, exc)
+        dumps.write_files(dag, stem)
+    except OutputError as exc:
+        log.warning("RINGFLOW_DUMP: %s; the plan is not dumped", exc)
         return
     log.info("wrote the context plan of %d layers x %d chunks to %s.json and %s.dot",
              dag.meta["layers"], dag.meta["chunks"], stem, stem)
@@ -171,17 +167,14 @@ def _cache_of(layer) -> torch.Tensor:
 
 class Session:
     """One layer's ``_compute_prefill_context`` call: records (the step's first layer),
-    consumes slots (the others) or passes through (no step planned). ``cache`` and ``k_scale``
-    are the call's own; each gather call names its cache again (``src_cache``), and that is
-    the one checked against the fill's."""
+    consumes slots (the others) or passes through (no step planned). Each gather call names
+    its cache and scale (``src_cache``, ``scale``): those are checked against the fill's."""
 
-    def __init__(self, model: ContextModel, index: int, attn_metadata, cache: torch.Tensor,
-                 k_scale) -> None:
+    def __init__(self, model: ContextModel, index: int, attn_metadata) -> None:
         self.model, self.index = model, index
         self.workspace = attn_metadata.prefill.chunked_context.workspace
         ws = self.workspace
         self.saved = (ws.untyped_storage(), ws.storage_offset(), tuple(ws.shape), ws.stride())
-        self.k_scale = k_scale
         self.calls = 0
         ring = model.ring
         if not model.enabled:
@@ -233,8 +226,8 @@ class Session:
 
     def _consume(self, name: str, op, args: dict) -> None:
         model, ring, chunk = self.model, self.model.ring, self.calls
-        why = self._mismatch(name, args, chunk)
         where = self._where(args["dst"])  # vLLM sliced dst from the workspace as it is now
+        why = self._mismatch(name, args, chunk, where)
         if why is not None:
             self._restore()
             ring.abandon(why)
@@ -257,28 +250,24 @@ class Session:
         offset, rows = where
         return dict(args, dst=self.workspace[offset: offset + rows])
 
-    def _mismatch(self, name: str, args: dict, chunk: int) -> str | None:
+    def _mismatch(self, name: str, args: dict, chunk: int,
+                  where: tuple[int, int] | None) -> str | None:
+        """Why this call is not the recorded one its slot was filled by (None: it is). The
+        workspace itself was checked against the slot when the step was recorded
+        (:meth:`_fits`): a consuming layer has the same step's metadata, so the same one."""
         model = self.model
         if chunk >= len(model.calls):
             return f"layer {self.index} gathers more context chunks than the step's first layer"
         call = model.calls[chunk]
-        if not call.matches(name, args) or self._where(args["dst"]) != (call.offset, call.rows):
+        if not call.matches(name, args) or where != (call.offset, call.rows):
             return (f"layer {self.index}'s context gather {chunk} differs from the step's first "
                     f"layer's (another chunking or metadata)")
-        scale = args.get("scale", self.k_scale)
-        seen = (_signature(args["src_cache"]),
-                None if scale is None or not isinstance(scale, torch.Tensor)
-                else _signature(scale))
-        if model.filled.get(self.index, (None, None))[0] != seen[0]:
+        cache, scale = model.filled.get(self.index, (None, None))
+        if cache != _signature(args["src_cache"]):
             return f"layer {self.index} reads another KV cache than its prefetch did"
-        if "scale" in args and model.filled[self.index][1] != seen[1]:
+        if "scale" in args and scale != (None if args["scale"] is None
+                                         else _signature(args["scale"])):
             return f"layer {self.index}'s KV scale is not the one its prefetch used"
-        slot_shape = model.ring.shape
-        ws = self.workspace
-        if (tuple(ws.shape) != slot_shape and ws.shape[0] > slot_shape[0]) or \
-                tuple(ws.shape[1:]) != slot_shape[1:] or ws.dtype != model.ring.dtype:
-            return (f"vLLM's context workspace {tuple(ws.shape)} {ws.dtype} does not fit the "
-                    f"slot ringflow reserved {slot_shape} {model.ring.dtype}")
         return None
 
     def _check(self, call: GatherCall, slot: torch.Tensor, args: dict) -> None:
@@ -376,7 +365,7 @@ def on_prefill_context(state: PluginState, original, impl, q, kv_c_and_k_pe_cach
             or q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return original(impl, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, *args, **kwargs)
     model, index = owner
-    session = Session(model, index, attn_metadata, kv_c_and_k_pe_cache, k_scale)
+    session = Session(model, index, attn_metadata)
     token = _SESSION.set(session)
     failed = True
     try:

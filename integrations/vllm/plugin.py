@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import torch
 
 from ringflow import envs
-from ringflow.errors import BudgetError, EngineError, ProfileError, RingflowError
+from ringflow.errors import BudgetError, EngineError, OutputError, ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
@@ -368,11 +367,9 @@ def _dump_once(streamer: WeightStreamer, base: str, worker):
         stem = base[:-5] if base.endswith(".json") else base
         stem = f"{stem}.rank{rank}" if rank else stem
         try:
-            Path(f"{stem}.json").write_text(dumps.to_json(streamer.dag))
-            Path(f"{stem}.dot").write_text(dumps.to_dot(streamer.dag))
-        except OSError as exc:
-            log.warning("RINGFLOW_DUMP: cannot write %s.json/.dot (%s); the plan is not dumped",
-                        stem, exc)
+            dumps.write_files(streamer.dag, stem)
+        except OutputError as exc:
+            log.warning("RINGFLOW_DUMP: %s; the plan is not dumped", exc)
             return
         log.info("wrote the plan that ran to %s.json and %s.dot", stem, stem)
 

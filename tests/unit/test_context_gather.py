@@ -56,7 +56,7 @@ def run_layer(model, index, layer, md, chunk_args):
     """One layer's context attention as vLLM runs it; returns its session and its reads."""
     ws = md.prefill.chunked_context.workspace
     ptr = ws.data_ptr()
-    session = cg.Session(model, index, md, layer.kv_cache, layer._k_scale)
+    session = cg.Session(model, index, md)
     token = cg._SESSION.set(session)
     reads = []
     try:
@@ -153,7 +153,7 @@ def test_the_gather_hook_binds_positional_calls_into_the_session_and_is_inert_wi
     table, cu, toks = args[0]
     hook(model.state, fake_gather, fakes[0].kv_cache, out, table, cu)  # no session: vLLM's op
     assert torch.equal(out[:toks], want(fakes[0], table, toks))
-    session = cg.Session(model, 0, md, fakes[0].kv_cache, fakes[0]._k_scale)
+    session = cg.Session(model, 0, md)
     token = cg._SESSION.set(session)
     try:
         ws = md.prefill.chunked_context.workspace
