@@ -28,6 +28,12 @@ def without(dag, node):
     return rebuild(dag, [n for n in dag.nodes if n.id != node.id])
 
 
+def changed(dag, node, **fields):
+    """The Dag with ``node``'s ``fields`` changed, every other node as it was."""
+    return rebuild(dag, [dataclasses.replace(n, **fields) if n.id == node.id else n
+                         for n in dag.nodes])
+
+
 def test_a_valid_plan_passes_and_comes_back_proven():
     dag = plan()
     assert dag.proven  # plan() proves every plan before anyone can run it
@@ -40,8 +46,7 @@ def test_a_valid_plan_passes_and_comes_back_proven():
 def test_a_wait_whose_event_was_never_recorded_is_caught():
     dag = plan()
     wait = find(dag, NodeKind.WAIT, EventRole.READY, layer=2)
-    bad = rebuild(dag, [dataclasses.replace(n, event="kv/ready/L99") if n.id == wait.id else n
-                        for n in dag.nodes])
+    bad = changed(dag, wait, event="kv/ready/L99")
     with pytest.raises(HazardError, match="wait-without-record") as info:
         check_hazards(bad)
     assert info.value.nodes == (wait.id,)
@@ -68,8 +73,7 @@ def test_a_compute_that_does_not_wait_for_its_gather_is_read_after_write():
 def test_a_compute_reading_another_slot_than_was_written_is_read_after_write():
     dag = plan()
     compute = find(dag, NodeKind.COMPUTE, layer=2)
-    bad = rebuild(dag, [dataclasses.replace(n, slot=1) if n.id == compute.id else n
-                        for n in dag.nodes])
+    bad = changed(dag, compute, slot=1)
     with pytest.raises(HazardError, match="read-after-write"):
         check_hazards(bad)
 
@@ -158,8 +162,7 @@ def test_two_lanes_sharing_a_pool_are_a_lease_overlap():
 def test_a_slot_index_outside_its_pool_is_a_lease_overlap():
     dag = plan(depth=1)
     gather = find(dag, NodeKind.GATHER, layer=0)
-    bad = rebuild(dag, [dataclasses.replace(n, slot=5) if n.id == gather.id else n
-                        for n in dag.nodes])
+    bad = changed(dag, gather, slot=5)
     with pytest.raises(HazardError, match="lease-overlap.*slot 5"):
         check_hazards(bad)
 
