@@ -173,8 +173,7 @@ class Session:
     def __init__(self, model: ContextModel, index: int, attn_metadata) -> None:
         self.model, self.index = model, index
         self.workspace = attn_metadata.prefill.chunked_context.workspace
-        ws = self.workspace
-        self.saved = (ws.untyped_storage(), ws.storage_offset(), tuple(ws.shape), ws.stride())
+        self.saved = None  # the workspace's own storage, kept where it may be re-pointed
         self.calls = 0
         ring = model.ring
         if not model.enabled:
@@ -186,6 +185,9 @@ class Session:
             self.mode = "record"
         elif ring.in_step and model.step is attn_metadata:
             self.mode = "consume"
+            ws = self.workspace
+            self.saved = (ws.untyped_storage(), ws.storage_offset(), tuple(ws.shape),
+                          ws.stride())
         else:
             self.mode = "pass"
 
@@ -288,7 +290,8 @@ class Session:
                      "%d differed", model.checked, len(model.mismatches))
 
     def _restore(self) -> None:
-        self.workspace.set_(*self.saved)
+        if self.saved is not None:  # only a consuming layer re-points the workspace
+            self.workspace.set_(*self.saved)
 
     def close(self, failed: bool) -> None:
         """The layer's context attention returned (or raised): the workspace is vLLM's again;
