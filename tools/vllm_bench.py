@@ -24,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloader is a no-op in V2
-
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -67,6 +65,7 @@ def main() -> int:
                         help="gpu_memory_utilization of each engine (default 0.17)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloader is a no-op in V2
 
     import torch
     import vllm

@@ -52,6 +52,16 @@ def model_runner_classes() -> list[type]:
     return classes + [v2.GPUModelRunner]
 
 
+def engine_core_class() -> type | None:
+    """vLLM's engine core (it pauses the scheduler, then asks the workers to sleep), or None
+    where this vLLM has none under that name."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except ImportError:
+        return None
+    return EngineCore
+
+
 def metadata_builder_class(layer) -> type | None:
     """The metadata builder class of an attention layer's backend (None if it has none)."""
     backend = getattr(layer, "attn_backend", None)

@@ -15,31 +15,52 @@ import logging
 from types import SimpleNamespace
 
 from ringflow import envs
-from ringflow.errors import RingflowError
+from ringflow.errors import ConfigError, RingflowError
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
 
 log = logging.getLogger("ringflow")
 
 
-def check(additional_config) -> None:
+def check(additional_config, enable_lora: bool = False) -> None:
     """Raise the first ringflow error in ``additional_config`` and the environment.
 
     Raises:
-        ConfigError: a ``RINGFLOW_*`` flag holds something that is not a flag value.
+        ConfigError: a ``RINGFLOW_*`` flag holds something that is not a flag value, or LoRA
+            is asked for with weight streaming.
         ProfileError: the profile does not load (the message names its source).
     """
     for name, switch in envs.SWITCHES.items():
         if switch.kind == "flag" and switch.scope != "tests":
             envs.flag(name)
     extra = additional_config if isinstance(additional_config, dict) else {}
-    profile_from(SimpleNamespace(additional_config=extra))
+    profile = profile_from(SimpleNamespace(additional_config=extra))
+    if enable_lora:
+        refuse_lora(profile)
+
+
+def streams_weights(profile) -> bool:
+    """Whether an engine started with ``profile`` streams weights (``RINGFLOW_LAYER_OPS_ONLY``
+    wraps the layers and moves nothing)."""
+    return (profile is not None and profile.offload is not None
+            and not envs.flag("RINGFLOW_LAYER_OPS_ONLY"))
+
+
+def refuse_lora(profile) -> None:
+    """LoRA adapters write next to the base weights of the linear layers that weight streaming
+    moves; that path is not followed (Note [Weights that change]), so it is refused."""
+    if streams_weights(profile):
+        raise ConfigError(f"LoRA (enable_lora) is not supported while ringflow streams weights "
+                          f"(profile '{profile.name}' from {profile.source}): the adapters on "
+                          f"streamed layers are not followed; drop --enable-lora or the "
+                          f"profile's offload section")
 
 
 def on_create_engine_config(state: PluginState, original, engine_args, *args, **kwargs):
     """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
     try:
-        check(getattr(engine_args, "additional_config", None))
+        check(getattr(engine_args, "additional_config", None),
+              bool(getattr(engine_args, "enable_lora", False)))
     except RingflowError as exc:
         log.error("%s", exc)  # one line, before vLLM starts anything
         raise

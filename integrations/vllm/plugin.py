@@ -74,6 +74,9 @@ def register() -> None:
     for verb in REFUSED_WHILE_STREAMING:
         if hasattr(gpu_worker.Worker, verb):
             wrap(gpu_worker.Worker, verb, refused_while_streaming(verb), STATE)
+    engine_core = compat.engine_core_class()
+    if engine_core is not None and hasattr(engine_core, "sleep"):
+        wrap(engine_core, "sleep", on_engine_sleep, STATE)
     wrap(gpu_worker.Worker, "initialize_from_config", on_initialize_from_config, STATE)
     wrap(linear.UnquantizedLinearMethod, "process_weights_after_loading", _keep_plain_weights,
          STATE)
@@ -123,6 +126,12 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         raise
     state.new_model_load()
     streaming = profile is not None and profile.offload is not None and not layer_ops_only
+    if streaming and getattr(worker.vllm_config, "lora_config", None) is not None:
+        try:  # the front end refuses this first; an engine built without it lands here
+            frontend.refuse_lora(profile)
+        except RingflowError as exc:
+            log.error("%s", exc)
+            raise
     if layer_ops_only and profile is not None and profile.offload is not None:
         log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
                  "(the layer ops run with nothing moved, as the switch says)", profile.name)
@@ -292,7 +301,27 @@ def _resolve_layers(profile: Profile, decoder, vllm_config) -> list[int]:
 #: worker calls that move or replace weights in ways streaming does not follow (yet): refused
 #: with one line while the worker streams (Note [Weights that change] in weight_stream.py)
 REFUSED_WHILE_STREAMING = ("sleep", "wake_up", "init_weight_transfer_engine",
-                           "start_weight_update", "update_weights")
+                           "start_weight_update", "start_draft_weight_update", "update_weights")
+
+
+def on_engine_sleep(state: PluginState, original, core, level: int = 1, *args, **kwargs):
+    """The hook on ``EngineCore.sleep``: vLLM pauses its scheduler before it asks the workers
+    to sleep, so a refusal in the worker alone would leave the engine paused. Levels 1 and 2
+    are refused here first, from the engine's config; level 0 (pause scheduling) moves no
+    memory and runs."""
+    if level >= 1:
+        try:
+            profile = profile_from(core.vllm_config)
+        except RingflowError:  # the worker already refused this profile at load
+            profile = None
+        if frontend.streams_weights(profile):
+            exc = EngineError(f"sleep(level={level}) is not supported while ringflow streams "
+                              f"weights (profile '{profile.name}'): the ring and the pinned "
+                              f"host copies would not follow it; sleep(level=0) pauses "
+                              f"scheduling, reload_weights changes weights")
+            log.error("%s", exc)
+            raise exc
+    return original(core, level, *args, **kwargs)
 
 
 def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):

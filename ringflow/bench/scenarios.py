@@ -213,6 +213,9 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
              "eager_dispatch_us_per_node": _eager_dispatch_us(noop, len(dag.nodes)),
              "eager_issue_us_per_node": _eager_dispatch_us(variants["eager"], len(dag.nodes)),
              "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
+    extra["predicted_ms"] = predicted_ms(ms, profile.layers, gathered, pools[0].slots)
+    extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
+    extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_ms"]["cross"]
     if timeline_dir is not None:
         from ringflow.bench.timeline import plot_timeline, record_timeline
 
@@ -229,6 +232,23 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         pool.close()
     del variants, work
     return result
+
+
+def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
+                 slots: int) -> dict[str, float]:
+    """What the placement model (Note [Placement model], the one ``offload: {count: N}``
+    places by) predicts for this run: its measured gather-only and compute-only times spread
+    evenly over the gathered layers and over every layer. ``captured``: one forward alone;
+    ``cross``: a forward among forwards, cross-forward on. The model assumes the gathers run
+    beside the compute (copy engines); SM gathers that cannot overlap a full GPU measure
+    slower than it says."""
+    from ringflow.orchestrator.placement import forward_ms
+
+    compute = [ms["compute"] / layers] * layers
+    copy = [ms["gather"] / len(gathered) if i in gathered else 0.0 for i in range(layers)]
+    chosen = sorted(gathered)
+    return {"captured": forward_ms(compute, copy, chosen, slots, cross_forward=False),
+            "cross": forward_ms(compute, copy, chosen, slots, cross_forward=True)}
 
 
 def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
@@ -290,6 +310,19 @@ def table(rows: list[dict]) -> str:
                          f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}")
         lines.append(f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
                      f"cross: every lane cross-forward; carried: slots a forward starts with")
+    placed = [r for r in rows if "predicted_ms" in r]
+    if placed:
+        head = (f"{'placement model':<26} {'predicted':>9} {'captured':>9} {'/pred':>6} "
+                f"{'pred cross':>10} {'steady cross':>12} {'/pred':>6}")
+        lines += ["", head, "-" * len(head)]
+        for r in placed:
+            p = r["predicted_ms"]
+            lines.append(f"{r['scenario']:<26} {p['captured']:>9.3f} {r['ms']['captured']:>9.3f}"
+                         f" {r['captured_vs_predicted']:>6.3f} {p['cross']:>10.3f} "
+                         f"{r['steady_ms']['cross']:>12.3f} {r['steady_cross_vs_predicted']:>6.3f}")
+        lines.append("predicted: the placement model (what offload {count: N} places by) from "
+                     "this run's gather-only and compute-only times spread evenly over the "
+                     "layers; it assumes gathers beside the compute (copy engines)")
     return "\n".join(lines)
 
 

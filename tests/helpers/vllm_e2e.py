@@ -314,6 +314,50 @@ def reload_rounds(llm, root: Path, model: str, generate) -> dict:
     return out
 
 
+#: vLLM's calls that move or replace weights other than reload_weights, as a user makes them
+LIFECYCLE_CALLS = {
+    "sleep_level_1": lambda llm: llm.sleep(level=1),
+    "sleep_level_2": lambda llm: llm.sleep(level=2),
+    "init_weight_transfer_engine": lambda llm: llm.collective_rpc(
+        "init_weight_transfer_engine", kwargs={"init_info": {}}),
+    "start_weight_update": lambda llm: llm.collective_rpc("start_weight_update"),
+}
+
+
+def memory_now() -> dict:
+    """Device memory (allocated by torch, free on the device) and torch's pinned host memory."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    host = torch.cuda.host_memory_stats()
+    return {"allocated": torch.cuda.memory_allocated(), "free": torch.cuda.mem_get_info()[0],
+            "pinned": host.get("allocated_bytes.current", host.get("allocated_bytes", -1))}
+
+
+def lifecycle_rounds(llm, root: Path, model: str, generate, cycles: int) -> dict:
+    """Each call of LIFECYCLE_CALLS (what it raised, or None), a generate after them; then
+    ``cycles`` rounds of reload B, generate, reload A, generate, with memory read after each
+    round (and once before the first)."""
+    out = {"calls": {}}
+    for name, call in LIFECYCLE_CALLS.items():
+        try:
+            call(llm)
+            out["calls"][name] = None
+        except Exception as exc:  # the refusal under test
+            out["calls"][name] = f"{type(exc).__name__}: {exc}"
+    out["after_calls"] = generate()
+    a, b = write_model(root, model), write_model(root, model, seed=1)
+    out["memory"] = [memory_now()]
+    for _ in range(cycles):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": b})
+        out["last_b"] = generate()
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": a})
+        out["last_a"] = generate()
+        out["memory"].append(memory_now())
+    return out
+
+
 def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
     """Greedy tokens and top-5 logprobs of ``prompts`` (token-id lists), in one batch."""
     from vllm import SamplingParams
@@ -375,6 +419,9 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
             result["tokens"], result["top5"] = generate()
         if case.get("reload"):  # checkpoint B by path, A by iterator, B by iterator
             result["reloads"] = reload_rounds(llm, root, case["model"], generate)
+        if case.get("verbs"):  # the other weight verbs, then that many reload cycles
+            result["verbs"] = lifecycle_rounds(llm, root, case["model"], generate,
+                                               case["verbs"])
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
         config = llm.llm_engine.vllm_config

@@ -87,3 +87,27 @@ def test_a_profile_asks_for_a_count_and_the_model_decides_the_layers():
         spec.resolve(2)
     with pytest.raises(ProfileError, match="offload.layers"):
         Profile.from_mapping({"offload": {"layers": {"count": 0}, "workspace_mib": 64}})
+
+
+def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
+    """``ringflow bench``'s predicted column: gather-only 6 ms over layers 0 and 2 (3 ms each),
+    compute-only 4 ms over 4 layers, two slots. Without cross-forward layer 0 waits for its
+    whole copy (3 ms) and layer 2's copy, queued behind it on the copy engine, lands 1 ms after
+    layer 1: 8 ms. With it, the copies of the next forward start in this one's tail: 6 ms."""
+    from ringflow.bench.scenarios import predicted_ms, table
+
+    ms = {"compute": 4.0, "gather": 6.0}
+    got = predicted_ms(ms, 4, {0, 2}, 2)
+    assert got == {"captured": forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, False),
+                   "cross": forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, True)}
+    assert got["captured"] == 8.0 and got["cross"] == 6.0
+    row = {"scenario": "s", "ms": {k: 1.0 for k in ("sync", "eager", "captured", "hand")},
+           "ideal_ms": 1.0, "ratios": {k: 1.0 for k in (
+               "speedup_vs_sync", "captured_vs_ideal", "captured_vs_hand",
+               "gather_hidden_pct")}, "eager_dispatch_us_per_node": 1.0,
+           "outputs_equal_to_sync": {"eager": True}, "steady_ms": {k: 2.0 for k in (
+               "sync", "captured", "cross", "hand")}, "steady_cross_vs_ideal": 2.0,
+           "steady_cross_hidden_pct": 0.0, "carried": [], "predicted_ms": got,
+           "captured_vs_predicted": 1 / 8, "steady_cross_vs_predicted": 2 / 6}
+    line = next(l for l in table([row]).splitlines() if l.startswith("s ") and "8.000" in l)
+    assert line.split()[1:] == ["8.000", "1.000", "0.125", "6.000", "2.000", "0.333"]

@@ -47,6 +47,8 @@ CHUNKED = {"prefix_caching": True, "workspace_rows": 64}
 SLOW = {**CHUNKED, "slow": 20_000_000}  # each fill ~10 ms late on the gather stream
 BF16_NOISE = 2e-2  # logprobs of the same kernels on the same values differ by rounding only
 OUT = Path(os.environ.get("OUT", "/tmp/ringflow-gpu"))
+RELOAD_MODES = ("eager", "default")  # no graphs, and vLLM's FULL_AND_PIECEWISE
+RELOAD_CYCLES = 5
 
 
 def mode_cases(mode):
@@ -64,6 +66,12 @@ def mode_cases(mode):
             {"name": f"{model}/{mode}/kv/verified", **base, "long_prompt": True,
              "env": POISON, "additional_config": KV},
         ]
+    if mode in RELOAD_MODES:  # weights changed in place, then the other weight verbs
+        base = {"model": "llama", "mode": mode, "max_tokens": 12}
+        cases += [{"name": f"llama/{mode}/reload/ops_b", **base, "seed": 1,
+                   "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"}},
+                  {"name": f"llama/{mode}/reload/streamed", **base, "reload": True,
+                   "verbs": RELOAD_CYCLES, "env": POISON, "additional_config": STREAM}]
     ctx = {"model": "dsv2", "mode": mode, "max_tokens": 6, "context": CHUNKED}
     cases += [{"name": f"dsv2/{mode}/ctx/off", **ctx},
               {"name": f"dsv2/{mode}/ctx/read", **ctx, "context": SLOW, "env": POISON,
@@ -218,6 +226,46 @@ def test_a_context_read_that_skips_its_wait_reads_poison(matrix):
     off, bad = ok(matrix["dsv2/eager/ctx/off"]), ok(matrix["dsv2/eager/ctx/skip-ready-wait"])
     assert bad["context"][0]["consumed"] > 0
     assert bad["tokens"] != off["tokens"] or logprob_gap(bad, off) > BF16_NOISE
+
+
+@pytest.mark.parametrize("mode", RELOAD_MODES)
+def test_reloaded_weights_reach_streamed_layers_on_the_gpu(matrix, mode):
+    """vLLM's reload_weights (checkpoint B by path, A and B as iterators) with layers 0, 2, 3
+    streamed and poisoned: each generate after a reload equals a fresh engine on that
+    checkpoint (the same partition, nothing streamed), captured graphs included."""
+    a, b = ok(matrix[f"llama/{mode}/layer-ops"]), ok(matrix[f"llama/{mode}/reload/ops_b"])
+    got = ok(matrix[f"llama/{mode}/reload/streamed"])
+    assert_same_output(got, a)
+    assert a["tokens"] != b["tokens"]  # the two checkpoints are told apart
+    for name, want in (("path_b", b), ("iter_a", a), ("iter_b", b)):
+        tokens, top5 = got["reloads"][name]
+        assert_same_output({"tokens": tokens, "top5": top5}, want)
+
+
+@pytest.mark.parametrize("mode", RELOAD_MODES)
+def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(matrix, mode):
+    """sleep(level=1|2) and the weight-transfer calls are refused at the call with one line
+    each, the engine goes on (same output, scheduler not left paused); five cycles of reload
+    B / reload A leave device and pinned host memory where the first cycle left them."""
+    a, b = ok(matrix[f"llama/{mode}/layer-ops"]), ok(matrix[f"llama/{mode}/reload/ops_b"])
+    got = ok(matrix[f"llama/{mode}/reload/streamed"])
+    verbs = got["verbs"]
+    for name, error in verbs["calls"].items():
+        assert error is not None and "EngineError" in error, (name, error)
+        assert "not supported while ringflow streams weights" in error, (name, error)
+    assert sum("not supported while ringflow streams weights" in l for l in got["log"]) == \
+        len(verbs["calls"])
+    tokens, top5 = verbs["after_calls"]  # B was loaded last
+    assert_same_output({"tokens": tokens, "top5": top5}, b)
+    for name, want in (("last_b", b), ("last_a", a)):
+        tokens, top5 = verbs[name]
+        assert_same_output({"tokens": tokens, "top5": top5}, want)
+    memory = verbs["memory"]
+    assert len(memory) == RELOAD_CYCLES + 1
+    for later in memory[2:]:  # the first cycle may warm vLLM's loader; none after it grows
+        assert later["allocated"] == memory[1]["allocated"], memory
+        assert later["pinned"] == memory[1]["pinned"], memory
+        assert abs(later["free"] - memory[1]["free"]) <= 64 << 20, memory
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def cases_for(model, dump):
                   {"name": "llama/reload/plain", "model": model, "reload": True,
                    "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}},
                   {"name": "llama/reload/streamed", "model": model, "reload": True,
-                   "env": dict(POISON), "additional_config": ring([1, 2, 3], 1)}]
+                   "verbs": 2, "env": dict(POISON), "additional_config": ring([1, 2, 3], 1)}]
         compiled = {"model": model, "eager": False}  # torch.compile on the CPU
         cases += [{"name": "llama/reload/compiled/plain", **compiled,
                    "env": {"RINGFLOW_CPU_PLAIN_GEMM": "1"}},
@@ -238,7 +238,8 @@ def test_reloaded_weights_reach_every_layer_streamed_or_resident(eager, run):
         tokens, top5 = got["reloads"][name]
         assert tokens == want["tokens"] and top5 == want["top5"], name
     if run == "streamed":
-        assert sum("host copies hold the new weights" in l for l in got["log"]) == 3
+        reloads = 3 + 2 * 2  # these three, then two cycles of B and A (the verbs test)
+        assert sum("host copies hold the new weights" in l for l in got["log"]) == reloads
 
 
 def test_reloaded_weights_reach_streamed_layers_under_torch_compile(eager):
@@ -254,6 +255,78 @@ def test_reloaded_weights_reach_streamed_layers_under_torch_compile(eager):
         tokens, top5 = got["reloads"][name]
         assert tokens == want["tokens"], name
         assert max_logprob_diff({"top5": top5}, want) < 1e-4, name
+
+
+def test_sleep_and_weight_transfer_are_refused_and_the_engine_goes_on(eager):
+    """After the reloads: sleep(level=1|2) and the weight-transfer calls each raise one
+    EngineError line at the call; generates after them (and after two more reload cycles)
+    equal fresh engines on the checkpoint last loaded, so sleep left no paused scheduler."""
+    results, _ = eager
+    a, b = results["llama/plain"], results["llama/reload/plain_b"]
+    got = results["llama/reload/streamed"]
+    verbs = got["verbs"]
+    assert set(verbs["calls"]) == {"sleep_level_1", "sleep_level_2",
+                                   "init_weight_transfer_engine", "start_weight_update"}
+    for name, error in verbs["calls"].items():
+        assert error is not None and error.startswith("EngineError"), (name, error)
+        assert "not supported while ringflow streams weights" in error, (name, error)
+    said = [l for l in got["log"] if "not supported while ringflow streams weights" in l]
+    assert len(said) == 4, said
+    for name, want in (("after_calls", b), ("last_b", b), ("last_a", a)):
+        tokens, top5 = verbs[name]
+        assert tokens == want["tokens"] and top5 == want["top5"], name
+
+
+def test_engine_sleep_is_refused_before_vllm_pauses_its_scheduler(monkeypatch):
+    from types import SimpleNamespace
+
+    from ringflow import EngineError
+    from ringflow.integrations.vllm import plugin
+    from ringflow.integrations.vllm.state import PluginState
+
+    calls = []
+    streamed = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"ringflow": {
+        "name": "s", "offload": {"layers": [1], "workspace_mib": 64}}}))
+    plain = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={}))
+    monkeypatch.delenv("RINGFLOW_PROFILE", raising=False)
+    monkeypatch.delenv("RINGFLOW_LAYER_OPS_ONLY", raising=False)
+
+    def sleep(core, level=1, mode="abort"):
+        calls.append(level)
+
+    plugin.on_engine_sleep(PluginState(), sleep, plain, 1)
+    plugin.on_engine_sleep(PluginState(), sleep, streamed, 0)  # level 0 moves no memory
+    with pytest.raises(EngineError, match=r"sleep\(level=2\) is not supported .*\(profile 's'\)"):
+        plugin.on_engine_sleep(PluginState(), sleep, streamed, level=2)
+    monkeypatch.setenv("RINGFLOW_LAYER_OPS_ONLY", "1")  # nothing streamed: vLLM's own sleep
+    plugin.on_engine_sleep(PluginState(), sleep, streamed, 1)
+    assert calls == [1, 0, 1]
+
+
+def test_lora_with_weight_streaming_is_refused_in_the_front_end(monkeypatch):
+    from types import SimpleNamespace
+
+    from ringflow import ConfigError
+    from ringflow.integrations.vllm import frontend
+    from ringflow.integrations.vllm.state import PluginState
+
+    monkeypatch.delenv("RINGFLOW_PROFILE", raising=False)
+    monkeypatch.delenv("RINGFLOW_LAYER_OPS_ONLY", raising=False)
+    streamed = {"ringflow": {"name": "s", "offload": {"layers": [1], "workspace_mib": 64}}}
+    kv = {"ringflow": {"name": "k", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}
+    started = []
+
+    def create(args):
+        started.append(args)
+
+    args = SimpleNamespace(additional_config=streamed, enable_lora=True)
+    with pytest.raises(ConfigError, match=r"LoRA \(enable_lora\) is not supported while "
+                                          r"ringflow streams weights \(profile 's'"):
+        frontend.on_create_engine_config(PluginState(), create, args)
+    for ok_args in (SimpleNamespace(additional_config=streamed, enable_lora=False),
+                    SimpleNamespace(additional_config=kv, enable_lora=True)):
+        frontend.on_create_engine_config(PluginState(), create, ok_args)
+    assert len(started) == 2
 
 
 def test_weight_calls_streaming_cannot_follow_are_refused_with_one_line(caplog):
