@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What ringflow's layer boundaries cost inside vLLM's engine, with nothing streamed.
 
-    python3 tools/vllm_layer_cost.py [--repeats 3] [--modes default,full] [--json FILE]
+    python3 tools/vllm_layer_cost.py [--repeats 3] [--modes default,full] [--configs ...]
+                                     [--engines default/plain,...] [--json FILE]
 
 An 8B-shaped Llama (tools/vllm_bench.py's, dummy weights: time does not depend on values) in
 vLLM's default model runner, per CUDA graph mode (``default``: vLLM's FULL_AND_PIECEWISE,
@@ -68,17 +69,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--modes", default="default,full", help="graph modes (default,full)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="plain,ops,stream")
+    parser.add_argument("--engines", default=None,
+                        help="mode/config pairs, e.g. default/plain,default/stream (default: "
+                             "every mode with every config)")
     parser.add_argument("--utilization", type=float, default=0.15,
                         help="gpu_memory_utilization of each engine (default 0.15)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    modes, names = args.modes.split(","), args.configs.split(",")
-    for mode in modes:
-        if mode not in GRAPH_MODES:
-            parser.error(f"--modes: unknown mode '{mode}' (accepted: {', '.join(GRAPH_MODES)})")
-    for name in names:
-        if name not in CONFIGS:
-            parser.error(f"--configs: unknown '{name}' (accepted: {', '.join(CONFIGS)})")
+    pairs = [tuple(e.split("/", 1)) for e in args.engines.split(",")] if args.engines else \
+        [(m, c) for m in args.modes.split(",") for c in args.configs.split(",")]
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in GRAPH_MODES or pair[1] not in CONFIGS:
+            parser.error(f"unknown engine '{'/'.join(pair)}' (modes: {', '.join(GRAPH_MODES)}; "
+                         f"configs: {', '.join(CONFIGS)})")
 
     import torch
     import vllm
@@ -91,19 +94,18 @@ def main() -> int:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA_8B))
     engines, results = {}, {}
-    for mode in modes:
-        for name in names:
-            key = f"{mode}/{name}"
-            t0 = time.perf_counter()
-            engines[key] = start(model, mode, name, args.utilization)
-            config = engines[key].llm_engine.vllm_config
-            results[key] = {"startup_s": round(time.perf_counter() - t0, 1),
-                            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-                            "kv_tokens": config.cache_config.num_gpu_blocks *
-                            config.cache_config.block_size,
-                            "prefill_s": [], "decode_s": [], "mixed_s": []}
-            print(f"[layer-cost] {key}: started in {results[key]['startup_s']} s "
-                  f"({results[key]['cudagraph_mode']})", flush=True)
+    for mode, name in pairs:
+        key = f"{mode}/{name}"
+        t0 = time.perf_counter()
+        engines[key] = start(model, mode, name, args.utilization)
+        config = engines[key].llm_engine.vllm_config
+        results[key] = {"startup_s": round(time.perf_counter() - t0, 1),
+                        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                        "kv_tokens": config.cache_config.num_gpu_blocks *
+                        config.cache_config.block_size,
+                        "prefill_s": [], "decode_s": [], "mixed_s": []}
+        print(f"[layer-cost] {key}: started in {results[key]['startup_s']} s "
+              f"({results[key]['cudagraph_mode']})", flush=True)
 
     vocab = LLAMA_8B["vocab_size"]
 

@@ -261,7 +261,7 @@ def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(ma
         tokens, top5 = verbs[name]
         assert_same_output({"tokens": tokens, "top5": top5}, want)
     memory = verbs["memory"]
-    assert len(memory) == RELOAD_CYCLES + 1
+    assert len(memory) == RELOAD_CYCLES + 1 and memory[1]["pinned"] > 0, memory
     for later in memory[2:]:  # the first cycle may warm vLLM's loader; none after it grows
         assert later["allocated"] == memory[1]["allocated"], memory
         assert later["pinned"] == memory[1]["pinned"], memory
