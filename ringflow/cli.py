@@ -99,7 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     bench.add_argument("--plot", type=Path, metavar="DIR",
                        help="write a timeline PNG per scenario (needs matplotlib)")
+    bench.add_argument("--trace", type=Path, metavar="DIR",
+                       help="write a Chrome/Perfetto trace (SCENARIO.trace.json) of one forward "
+                            "per scenario")
     bench.add_argument("--replays", type=positive, default=15, help="timed replays (default 15)")
+
+    trace = sub.add_parser("trace", help="write a Chrome/Perfetto trace of every timeline in a "
+                                         "`ringflow bench --json` file (no GPU needed)")
+    trace.add_argument("results", type=Path, metavar="FILE", help="a bench results JSON")
+    trace.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
+                       help="where the SCENARIO.trace.json files go (default: here)")
 
     tune = sub.add_parser("tune", help="measure every depth that fits a profile's budget and "
                                        "write a copy with the fastest (needs a GPU)")
@@ -257,20 +266,26 @@ def _write_cuda_graph_dot(profile, dag, path: Path) -> None:
         pool.close()
 
 
-def _time_forwards(executor, forwards: int, cuda: bool) -> float:
-    """Median milliseconds per forward."""
+#: a forward slower than this (seconds) is reported as it finishes: a large profile on a CPU
+PROGRESS_AFTER_S = 2.0
+
+
+def _time_forwards(executor, forwards: int, cuda: bool) -> list[float]:
+    """Milliseconds of each of ``forwards`` forwards, sorted; a slow one is logged as it ends."""
     from ringflow.timing import elapsed_ms
 
     times = []
-    for _ in range(forwards):
+    for i in range(forwards):
         if cuda:
             times.append(elapsed_ms(executor.run))
         else:
             t0 = time.perf_counter()
             executor.run()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+        if times[-1] > PROGRESS_AFTER_S * 1e3:
+            log.info("%s: forward %d of %d took %.1f s", executor.kind, i + 1, forwards,
+                     times[-1] / 1e3)
+    return sorted(times)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -290,9 +305,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         log.warning("no CUDA device found; running the synchronous path (SyncExecutor) on the CPU")
     pools = [SlotPool.for_profile(profile, lane, device) for lane in profile.lanes]
     dag = Planner.from_profile(profile).plan()
-    work = SyntheticWorkload(profile, device)
     gathered = set(range(profile.layers)) if profile.gathered_layers is None \
         else set(profile.gathered_layers)
+    kinds = 3 if cuda else 1
+    log.info("profile '%s': each forward gathers %s (%d layer(s) x %d lane(s) of %s); %d "
+             "executor(s) x %d forwards, plus the reference", profile.name,
+             mib(len(gathered) * len(profile.lanes) * pools[0].slot_bytes), len(gathered),
+             len(profile.lanes), mib(pools[0].slot_bytes), kinds, 1 + args.forwards)
+    work = SyntheticWorkload(profile, device)
     reference = work.reference(gathered)
 
     executors = [SyncExecutor(dag, pools, work.gather, work.compute)]
@@ -302,7 +322,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         executors.append(CapturedExecutor(dag, pools, work.gather, work.compute, **options))
     rows = []
     for ex in executors:
+        t0 = time.perf_counter()
         ex.run()  # warm-up, and the result we check
+        first = time.perf_counter() - t0
+        if first > PROGRESS_AFTER_S:
+            log.info("%s: the first forward took %.1f s; %d timed forward(s) follow (about %.0f "
+                     "s)", ex.kind, first, args.forwards, first * args.forwards)
         out = work.outputs()
         diff = max(float((out[k].float() - reference[k].float()).abs().max()) for k in out)
         same = all(torch.equal(out[k], reference[k]) for k in out)
@@ -314,20 +339,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"profile '{profile.name}': {profile.layers} layers, lanes {', '.join(profile.lanes)}, "
           f"depth {dag.pools[0].depth}, {profile.workload.gather} gather, pools "
           f"{mib(sum(p.reserved_bytes for p in dag.pools))}")
-    header = f"{'executor':<9} {'device':<7} {'ms/forward':>11} {'vs sync':>8} " \
+    header = f"{'executor':<9} {'device':<7} {'ms/forward':>11} {'min..max':>19} {'vs sync':>8} " \
              f"{'max|diff| vs reference':>23} {'bit-identical':>14}"
     print(header)
     print("-" * len(header))
-    base = rows[0][2]
-    for kind, dev, ms, diff, same in rows:
-        print(f"{kind:<9} {dev:<7} {ms:>11.3f} {base / ms:>7.2f}x {diff:>23.3g} {str(same):>14}")
+    median = [ms[len(ms) // 2] for _, _, ms, _, _ in rows]
+    for (kind, dev, ms, diff, same), mid in zip(rows, median):
+        spread = f"{ms[0]:.3f}..{ms[-1]:.3f}"
+        print(f"{kind:<9} {dev:<7} {mid:>11.3f} {spread:>19} {median[0] / mid:>7.2f}x "
+              f"{diff:>23.3g} {str(same):>14}")
+    print(f"ms/forward: median of {args.forwards} (min..max beside it); reference: the same "
+          f"workload run straight, each layer gathering into a fresh buffer and then computing, "
+          f"no plan and no ring; bit-identical: every output equal to the reference's")
     return 0 if all(r[4] for r in rows) else 1
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from ringflow.bench.scenarios import bench
 
-    return bench(args.scenarios, json_path=args.json, plot_dir=args.plot, replays=args.replays)
+    return bench(args.scenarios, json_path=args.json, plot_dir=args.plot, replays=args.replays,
+                 trace_dir=args.trace)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from ringflow.bench.timeline import traces_from_results
+
+    for path in traces_from_results(args.results, args.out):
+        print(f"wrote {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
@@ -344,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"plan": _cmd_plan, "place": _cmd_place, "run": _cmd_run, "bench": _cmd_bench,
-                "tune": _cmd_tune}[args.command](args)
+                "trace": _cmd_trace, "tune": _cmd_tune}[args.command](args)
     except RingflowError as exc:
         print(f"ringflow: error: {exc}", file=sys.stderr)
         return 2

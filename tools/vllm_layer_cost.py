@@ -141,9 +141,7 @@ def main() -> int:
             if base:
                 r[f"{phase}_vs_plain"] = round(r[f"{phase}_s_median"] /
                                                base[f"{phase}_s_median"], 4)
-    doc = records.record("python3 tools/vllm_layer_cost.py" + (" " + " ".join(sys.argv[1:])
-                                                              if sys.argv[1:] else ""),
-                         vllm=vllm.__version__, repeats=args.repeats,
+    doc = records.record("python3 tools/vllm_layer_cost.py", vllm=vllm.__version__, repeats=args.repeats,
                          runner=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "vLLM's default"),
                          model="Llama 8B shapes, dummy", results=results)
     if args.json:

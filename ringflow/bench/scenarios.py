@@ -105,7 +105,7 @@ def _allocations() -> int:
 
 
 def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str | None = None,
-                timeline_dir: Path | None = None) -> Result:
+                timeline_dir: Path | None = None, trace_dir: Path | None = None) -> Result:
     """Measure one scenario (see the module docstring).
 
     Interrupted (Ctrl-C, an error), it leaves no device or pinned memory behind: the frames of
@@ -114,7 +114,7 @@ def run_profile(name: str, profile: Profile, *, replays: int = 15, priority: str
     """
     try:
         return _measure(name, profile, replays=replays, priority=priority,
-                        timeline_dir=timeline_dir)
+                        timeline_dir=timeline_dir, trace_dir=trace_dir)
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
         release_memory()
@@ -148,7 +148,7 @@ def scenario_parts(profile: Profile):
 
 
 def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
-             timeline_dir: Path | None) -> Result:
+             timeline_dir: Path | None, trace_dir: Path | None) -> Result:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -216,14 +216,17 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     extra["predicted_ms"] = predicted_ms(ms, profile.layers, gathered, pools[0].slots)
     extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
     extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_ms"]["cross"]
-    if timeline_dir is not None:
-        from ringflow.bench.timeline import plot_timeline, record_timeline
+    if timeline_dir is not None or trace_dir is not None:
+        from ringflow.bench.timeline import plot_timeline, record_timeline, write_trace
 
         spans = record_timeline(dag, pools, work)
-        path = plot_timeline(spans, timeline_dir / f"{name.replace('/', '-')}.png",
-                             title=f"{name}: one forward, ringflow eager, depth "
-                                   f"{dag.pools[0].depth}")
-        extra["timeline_png"] = path.name
+        title = f"{name}: one forward, ringflow eager, depth {dag.pools[0].depth}"
+        stem = name.replace("/", "-")
+        if timeline_dir is not None:
+            extra["timeline_png"] = plot_timeline(spans, timeline_dir / f"{stem}.png", title).name
+        if trace_dir is not None:
+            extra["timeline_trace"] = write_trace(spans, trace_dir / f"{stem}.trace.json",
+                                                  title).name
         extra["timeline"] = spans
     result = Result(name, profile.source or profile.name, profile.layers, dag.pools[0].depth, ms,
                     equal, sum(p.reserved_bytes for p in pools), torch.cuda.max_memory_allocated(),
@@ -266,19 +269,22 @@ def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
     return 1e6 * statistics.median(times) / nodes
 
 
-def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = None) -> list[Result]:
+def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = None,
+                 trace_dir: Path | None = None) -> list[Result]:
     if name not in SCENARIOS:
         raise ConfigError(f"unknown scenario '{name}'; scenarios: {', '.join(SCENARIOS)}")
     profile = Profile.load(SCENARIOS[name])
     if name == "depth-sweep":
         fitting = int(profile.workspace_bytes // profile.slot.nbytes) - 1
-        return [run_profile(f"{name}/d{d}", profile.replace(depth=d), replays=replays,
-                            timeline_dir=None) for d in range(0, fitting + 1)]
+        return [run_profile(f"{name}/d{d}", profile.replace(depth=d), replays=replays)
+                for d in range(0, fitting + 1)]
     if name == "device-gather":
         return [run_profile(f"{name}/{p}", profile, replays=replays, priority=p,
-                            timeline_dir=timeline_dir if p == "normal" else None)
+                            timeline_dir=timeline_dir if p == "normal" else None,
+                            trace_dir=trace_dir if p == "normal" else None)
                 for p in GATHER_PRIORITIES]
-    return [run_profile(name, profile, replays=replays, timeline_dir=timeline_dir)]
+    return [run_profile(name, profile, replays=replays, timeline_dir=timeline_dir,
+                        trace_dir=trace_dir)]
 
 
 def table(rows: list[dict]) -> str:
@@ -339,7 +345,7 @@ def merge(parts: list[Path], out: Path) -> str:
 
 
 def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
-          replays: int) -> int:
+          replays: int, trace_dir: Path | None = None) -> int:
     names = names or list(SCENARIOS)
     for name in names:
         if name not in SCENARIOS:
@@ -351,11 +357,12 @@ def bench(names: list[str], *, json_path: Path | None, plot_dir: Path | None,
     if not torch.cuda.is_available():
         raise DeviceError("ringflow bench measures on a GPU and no CUDA device was found; run it "
                             "on a GPU machine")
-    if plot_dir is not None:
-        plot_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (plot_dir, trace_dir):
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     for name in names:
-        results += run_scenario(name, replays=replays, timeline_dir=plot_dir)
+        results += run_scenario(name, replays=replays, timeline_dir=plot_dir, trace_dir=trace_dir)
         _say(table([results[-1].to_dict()]).splitlines()[-2])
     if json_path is not None:
         records.write(json_path, records.record("ringflow", replays=replays,

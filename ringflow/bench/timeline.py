@@ -1,4 +1,5 @@
-"""Per-lane timeline of one forward from CUDA event timestamps, and its Gantt plot.
+"""Per-lane timeline of one forward from CUDA event timestamps: its Gantt plot, and the same
+spans as a Chrome trace (Trace Event Format) that Perfetto and chrome://tracing open.
 
 Every gather and compute of one eager forward is bracketed by timing events on the stream it
 runs on; times are read relative to an event recorded before the forward, so the gather lane
@@ -7,9 +8,10 @@ and the compute lane share one clock and overlap is visible at a glance.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ringflow.errors import ConfigError
+from ringflow.errors import ConfigError, OutputError
 from ringflow.graphs.eager import EagerExecutor
 from ringflow.orchestrator.dag import Dag
 from ringflow.timing import forward_spans, stamped
@@ -58,3 +60,69 @@ def plot_timeline(spans: list[dict], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+#: Perfetto's rows, top to bottom: the gather lane above the compute lane, as in the PNG
+_TRACE_ROWS = {"gather": 1, "compute": 2}
+
+
+def chrome_trace(spans: list[dict], title: str) -> dict:
+    """``spans`` (from :func:`record_timeline`) as a Trace Event Format document: one process
+    named ``title``, one thread per kind (gather lane, compute lane), one complete event
+    (``ph: X``) per node, microseconds since the forward started."""
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": title}}]
+    for kind, tid in _TRACE_ROWS.items():
+        events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                    "args": {"name": f"{kind} lane"}},
+                   {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid,
+                    "args": {"sort_index": tid}}]
+    for span in spans:
+        if span["kind"] not in _TRACE_ROWS:
+            raise ConfigError(f"a timeline span of kind {span['kind']!r}; expected one of "
+                              f"{sorted(_TRACE_ROWS)}")
+        events.append({"name": f"{span['kind']} L{span['layer']}", "cat": span["kind"],
+                       "ph": "X", "pid": 1, "tid": _TRACE_ROWS[span["kind"]],
+                       "ts": round(span["start_ms"] * 1e3, 3),
+                       "dur": round(max(span["end_ms"] - span["start_ms"], 0.0) * 1e3, 3),
+                       "args": {"lane": span["lane"], "layer": span["layer"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(spans: list[dict], path: Path, title: str) -> Path:
+    """Write :func:`chrome_trace` to ``path``.
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    path = Path(path)
+    try:
+        path.write_text(json.dumps(chrome_trace(spans, title)))
+    except OSError as exc:
+        raise OutputError(f"cannot write the trace {path}: {exc.strerror}; give a writable "
+                          f"directory") from exc
+    return path
+
+
+def traces_from_results(results: Path, out_dir: Path) -> list[Path]:
+    """One trace per scenario of a ``ringflow bench --json`` file whose rows carry a timeline
+    (those measured with ``--plot`` or ``--trace``).
+
+    Raises:
+        ConfigError: the file is not a bench results file, or no row has a timeline.
+        OutputError: a trace cannot be written.
+    """
+    try:
+        doc = json.loads(Path(results).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read bench results {results}: {exc}") from exc
+    rows = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise ConfigError(f"{results} is not a `ringflow bench --json` file (no 'results' list)")
+    timed = [r for r in rows if isinstance(r, dict) and r.get("timeline")]
+    if not timed:
+        raise ConfigError(f"no row of {results} has a timeline; measure with `ringflow bench "
+                          f"--trace DIR` (or --plot)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [write_trace(r["timeline"], out_dir / f"{r['scenario'].replace('/', '-')}.trace.json",
+                        f"{r['scenario']}: one forward, ringflow eager") for r in timed]

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def test_subpackages_import_under_ringflow_and_not_at_top_level(tmp_path):
@@ -51,3 +52,21 @@ def test_the_distribution_declares_its_dependencies():
     requires = " ".join(metadata.requires("ringflow") or [])
     for dep in ("torch", "cuda-python", "nvtx", "pyyaml", "pytest", "hypothesis"):
         assert dep in requires.lower(), dep
+
+
+def test_python_started_next_to_a_checkout_named_ringflow_imports_the_real_package(tmp_path):
+    """The checkout first on sys.path (Python run in its parent folder) is the package itself
+    (the root __init__.py), not a namespace package shadowing it without its API."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "ringflow").symlink_to(root, target_is_directory=True)  # as a clone names it
+    code = ("import ringflow, importlib.resources as r; "
+            "print(ringflow.load_profile('demo').name, ringflow.__file__); "
+            "import ringflow.integrations.vllm.plugin as p; print(p.__file__); "
+            "print(r.files('ringflow.profiles').joinpath('demo.yaml').is_file())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, plugin, data = proc.stdout.split("\n")[:3]
+    assert first == f"demo {root / 'ringflow' / '__init__.py'}"
+    assert plugin == str(root / "integrations" / "vllm" / "plugin.py")
+    assert data == "True"

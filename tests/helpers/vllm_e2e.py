@@ -336,7 +336,8 @@ def memory_now() -> dict:
 
 
 def lifecycle_rounds(llm, root: Path, model: str, generate, cycles: int) -> dict:
-    """Each call of LIFECYCLE_CALLS (what it raised, or None), a generate after them; then
+    """Each call of LIFECYCLE_CALLS (what it raised, or None), sleep(level=0) and its wake-up,
+    a generate after them; then
     ``cycles`` rounds of reload B, generate, reload A, generate, with memory read after each
     round (and once before the first)."""
     out = {"calls": {}}
@@ -346,6 +347,12 @@ def lifecycle_rounds(llm, root: Path, model: str, generate, cycles: int) -> dict
             out["calls"][name] = None
         except Exception as exc:  # the refusal under test
             out["calls"][name] = f"{type(exc).__name__}: {exc}"
+    try:  # level 0 moves no memory: it pauses scheduling, and must work with streaming on
+        llm.sleep(level=0)
+        llm.wake_up(tags=["scheduling"])
+        out["level_0"] = None
+    except Exception as exc:
+        out["level_0"] = f"{type(exc).__name__}: {exc}"
     out["after_calls"] = generate()
     a, b = write_model(root, model), write_model(root, model, seed=1)
     out["memory"] = [memory_now()]

@@ -50,6 +50,32 @@ def test_run_on_a_cpu_machine_says_it_used_the_synchronous_path(capsys, caplog):
     assert len(rows) == 1 and rows[0].split()[-1] == "True"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run's one executor")
+def test_run_says_its_size_first_reports_slow_forwards_and_the_spread(capsys, caplog,
+                                                                      monkeypatch):
+    """A run that would take minutes (the built-in mla_ckv_dcp on a CPU) says what each
+    forward moves before it starts and logs each slow forward as it ends; the table gives the
+    spread next to the median and says what the reference is."""
+    import logging
+
+    from ringflow import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)  # every forward of demo counts as slow
+    caplog.set_level(logging.INFO, logger="ringflow")
+    assert main(["run", "demo", "--forwards", "3"]) == 0
+    out, log = capsys.readouterr().out, caplog.text
+    first = next(r.getMessage() for r in caplog.records if "each forward gathers" in
+                 r.getMessage())
+    assert re.search(r"each forward gathers [\d.]+ MiB \(\d+ layer\(s\) x 1 lane\(s\) of "
+                     r"[\d.]+ MiB\); 1 executor\(s\) x 4 forwards", first), first
+    assert "sync: the first forward took" in log
+    assert [f"sync: forward {i} of 3 took" in log for i in (1, 2, 3)] == [True] * 3
+    row = next(l for l in out.splitlines() if l.startswith("sync "))
+    low, high = map(float, row.split()[3].split(".."))
+    assert low <= float(row.split()[2]) <= high
+    assert "reference: the same workload run straight" in out
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "nope.yaml"], "no such file"),
     (["plan", "demo", "--depth", "-1"], "expected an integer >= 0"),
@@ -270,3 +296,52 @@ def test_help_answers_without_importing_torch():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("False"), proc.stdout[-500:]
+
+
+def test_a_timeline_becomes_a_chrome_trace_perfetto_opens():
+    from ringflow.bench.timeline import chrome_trace
+
+    spans = [{"lane": "kv", "kind": "gather", "layer": 1, "start_ms": 0.5, "end_ms": 1.25},
+             {"lane": "kv", "kind": "compute", "layer": 0, "start_ms": 0.0, "end_ms": 2.0}]
+    doc = chrome_trace(spans, "demo")
+    named = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert named == {1: "gather lane", 2: "compute lane"}
+    [gather, compute] = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert (gather["name"], gather["tid"], gather["ts"], gather["dur"]) == ("gather L1", 1, 500.0,
+                                                                            750.0)
+    assert (compute["name"], compute["tid"], compute["ts"], compute["dur"]) == ("compute L0", 2,
+                                                                                0.0, 2000.0)
+    json.dumps(doc)  # plain JSON
+
+
+def test_ringflow_trace_writes_one_trace_per_timed_scenario_of_a_results_file(tmp_path, capsys):
+    """The H200 bench results in the repository carry timelines: each becomes a trace."""
+    from importlib import resources
+
+    results = resources.files("ringflow.profiles").joinpath("results/bench-h200.json")
+    assert main(["trace", str(results), "--out", str(tmp_path)]) == 0
+    rows = json.loads(results.read_text())["results"]
+    timed = [r for r in rows if r.get("timeline")]
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == sorted(f"{r['scenario'].replace('/', '-')}.trace.json" for r in timed)
+    for row in timed:
+        doc = json.loads((tmp_path / f"{row['scenario'].replace('/', '-')}.trace.json").read_text())
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        assert len(spans) == len(row["timeline"])
+        assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(
+            1e3 * max(s["end_ms"] for s in row["timeline"]), abs=1e-3)
+    assert capsys.readouterr().out.count("ui.perfetto.dev") == len(timed)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{}", "is not a `ringflow bench --json` file"),
+    ('{"results": [{"scenario": "s"}]}', "no row of"),
+    ("not json", "cannot read bench results"),
+])
+def test_ringflow_trace_refuses_a_file_without_timelines_in_one_line(tmp_path, capsys, content,
+                                                                     needle):
+    path = tmp_path / "r.json"
+    path.write_text(content)
+    assert main(["trace", str(path), "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]

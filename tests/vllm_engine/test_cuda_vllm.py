@@ -246,7 +246,7 @@ def test_reloaded_weights_reach_streamed_layers_on_the_gpu(matrix, mode):
 def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(matrix, mode):
     """sleep(level=1|2) and the weight-transfer calls are refused at the call with one line
     each, the engine goes on (same output, scheduler not left paused); five cycles of reload
-    B / reload A leave device and pinned host memory where the first cycle left them."""
+    B / reload A leave torch's device and pinned host memory where the first cycle left them."""
     a, b = ok(matrix[f"llama/{mode}/layer-ops"]), ok(matrix[f"llama/{mode}/reload/ops_b"])
     got = ok(matrix[f"llama/{mode}/reload/streamed"])
     verbs = got["verbs"]
@@ -260,12 +260,13 @@ def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(ma
     for name, want in (("last_b", b), ("last_a", a)):
         tokens, top5 = verbs[name]
         assert_same_output({"tokens": tokens, "top5": top5}, want)
+    # this process's own memory: torch's device allocations and its pinned host pool (the
+    # device's free memory moves with the other engines the matrix runs on this GPU meanwhile)
     memory = verbs["memory"]
     assert len(memory) == RELOAD_CYCLES + 1 and memory[1]["pinned"] > 0, memory
     for later in memory[2:]:  # the first cycle may warm vLLM's loader; none after it grows
         assert later["allocated"] == memory[1]["allocated"], memory
         assert later["pinned"] == memory[1]["pinned"], memory
-        assert abs(later["free"] - memory[1]["free"]) <= 64 << 20, memory
 
 
 @pytest.fixture(scope="module")

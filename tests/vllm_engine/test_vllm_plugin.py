@@ -259,8 +259,9 @@ def test_reloaded_weights_reach_streamed_layers_under_torch_compile(eager):
 
 def test_sleep_and_weight_transfer_are_refused_and_the_engine_goes_on(eager):
     """After the reloads: sleep(level=1|2) and the weight-transfer calls each raise one
-    EngineError line at the call; generates after them (and after two more reload cycles)
-    equal fresh engines on the checkpoint last loaded, so sleep left no paused scheduler."""
+    EngineError line at the call, sleep(level=0) and its wake-up run; generates after them (and
+    after two more reload cycles) equal fresh engines on the checkpoint last loaded, so no
+    refused sleep left the scheduler paused."""
     results, _ = eager
     a, b = results["llama/plain"], results["llama/reload/plain_b"]
     got = results["llama/reload/streamed"]
@@ -272,6 +273,7 @@ def test_sleep_and_weight_transfer_are_refused_and_the_engine_goes_on(eager):
         assert "not supported while ringflow streams weights" in error, (name, error)
     said = [l for l in got["log"] if "not supported while ringflow streams weights" in l]
     assert len(said) == 4, said
+    assert verbs["level_0"] is None, verbs["level_0"]  # pausing the scheduler moves nothing
     for name, want in (("after_calls", b), ("last_b", b), ("last_a", a)):
         tokens, top5 = verbs[name]
         assert tokens == want["tokens"] and top5 == want["top5"], name
