@@ -66,12 +66,6 @@ def mode_cases(mode):
             {"name": f"{model}/{mode}/kv/verified", **base, "long_prompt": True,
              "env": POISON, "additional_config": KV},
         ]
-    if mode in RELOAD_MODES:  # weights changed in place, then the other weight verbs
-        base = {"model": "llama", "mode": mode, "max_tokens": 12}
-        cases += [{"name": f"llama/{mode}/reload/ops_b", **base, "seed": 1,
-                   "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"}},
-                  {"name": f"llama/{mode}/reload/streamed", **base, "reload": True,
-                   "verbs": RELOAD_CYCLES, "env": POISON, "additional_config": STREAM}]
     ctx = {"model": "dsv2", "mode": mode, "max_tokens": 6, "context": CHUNKED}
     cases += [{"name": f"dsv2/{mode}/ctx/off", **ctx},
               {"name": f"dsv2/{mode}/ctx/read", **ctx, "context": SLOW, "env": POISON,
@@ -228,13 +222,30 @@ def test_a_context_read_that_skips_its_wait_reads_poison(matrix):
     assert bad["tokens"] != off["tokens"] or logprob_gap(bad, off) > BF16_NOISE
 
 
+def reload_cases(mode):
+    """Checkpoints A (the same partition, nothing streamed) and B, then an engine streaming
+    layers 0, 2, 3 that reloads B, A, B, meets the other weight verbs and cycles B / A."""
+    base = {"model": "llama", "mode": mode, "max_tokens": 12}
+    ops = {"RINGFLOW_LAYER_OPS_ONLY": "1"}
+    return [{"name": f"llama/{mode}/reload/ops_a", **base, "env": ops},
+            {"name": f"llama/{mode}/reload/ops_b", **base, "seed": 1, "env": ops},
+            {"name": f"llama/{mode}/reload/streamed", **base, "reload": True,
+             "verbs": RELOAD_CYCLES, "env": POISON, "additional_config": STREAM}]
+
+
+@pytest.fixture(scope="module")
+def reloads():
+    """One process per mode, apart from the matrix (``-k reload`` runs these alone)."""
+    return collect([run(reload_cases(mode), f"reload-{mode}") for mode in RELOAD_MODES])
+
+
 @pytest.mark.parametrize("mode", RELOAD_MODES)
-def test_reloaded_weights_reach_streamed_layers_on_the_gpu(matrix, mode):
+def test_reloaded_weights_reach_streamed_layers_on_the_gpu(reloads, mode):
     """vLLM's reload_weights (checkpoint B by path, A and B as iterators) with layers 0, 2, 3
     streamed and poisoned: each generate after a reload equals a fresh engine on that
     checkpoint (the same partition, nothing streamed), captured graphs included."""
-    a, b = ok(matrix[f"llama/{mode}/layer-ops"]), ok(matrix[f"llama/{mode}/reload/ops_b"])
-    got = ok(matrix[f"llama/{mode}/reload/streamed"])
+    a, b = ok(reloads[f"llama/{mode}/reload/ops_a"]), ok(reloads[f"llama/{mode}/reload/ops_b"])
+    got = ok(reloads[f"llama/{mode}/reload/streamed"])
     assert_same_output(got, a)
     assert a["tokens"] != b["tokens"]  # the two checkpoints are told apart
     for name, want in (("path_b", b), ("iter_a", a), ("iter_b", b)):
@@ -243,25 +254,27 @@ def test_reloaded_weights_reach_streamed_layers_on_the_gpu(matrix, mode):
 
 
 @pytest.mark.parametrize("mode", RELOAD_MODES)
-def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(matrix, mode):
+def test_sleep_and_weight_transfer_are_refused_and_reload_cycles_leak_nothing(reloads, mode):
     """sleep(level=1|2) and the weight-transfer calls are refused at the call with one line
-    each, the engine goes on (same output, scheduler not left paused); five cycles of reload
+    each, sleep(level=0) and its wake-up run, the engine goes on (same output, scheduler not
+    left paused); five cycles of reload
     B / reload A leave torch's device and pinned host memory where the first cycle left them."""
-    a, b = ok(matrix[f"llama/{mode}/layer-ops"]), ok(matrix[f"llama/{mode}/reload/ops_b"])
-    got = ok(matrix[f"llama/{mode}/reload/streamed"])
+    a, b = ok(reloads[f"llama/{mode}/reload/ops_a"]), ok(reloads[f"llama/{mode}/reload/ops_b"])
+    got = ok(reloads[f"llama/{mode}/reload/streamed"])
     verbs = got["verbs"]
     for name, error in verbs["calls"].items():
         assert error is not None and "EngineError" in error, (name, error)
         assert "not supported while ringflow streams weights" in error, (name, error)
     assert sum("not supported while ringflow streams weights" in l for l in got["log"]) == \
         len(verbs["calls"])
+    assert verbs["level_0"] is None, verbs["level_0"]  # pausing the scheduler moves nothing
     tokens, top5 = verbs["after_calls"]  # B was loaded last
     assert_same_output({"tokens": tokens, "top5": top5}, b)
     for name, want in (("last_b", b), ("last_a", a)):
         tokens, top5 = verbs[name]
         assert_same_output({"tokens": tokens, "top5": top5}, want)
     # this process's own memory: torch's device allocations and its pinned host pool (the
-    # device's free memory moves with the other engines the matrix runs on this GPU meanwhile)
+    # device's free memory moves with the other engines running on this GPU meanwhile)
     memory = verbs["memory"]
     assert len(memory) == RELOAD_CYCLES + 1 and memory[1]["pinned"] > 0, memory
     for later in memory[2:]:  # the first cycle may warm vLLM's loader; none after it grows
