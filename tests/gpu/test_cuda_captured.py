@@ -215,3 +215,43 @@ def test_plan_cli_writes_the_real_cuda_graph_dot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "digraph" in out.read_text() and "wrote the captured CUDA graph" in proc.stderr
     assert (tmp_path / "dag.dot").read_text().startswith('digraph "demo"')
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_replays_after_sources_changed_gather_every_slot_from_the_new_sources(depth):
+    """A cross-forward plan in a CUDA graph: the sources of its static lane change between
+    replays. Unannounced, the carried layers read the old data (their slots were filled in the
+    previous replay's tail: what the API is for); after ``sources_changed`` the next replay
+    primes them, and every gathered layer reads the new data."""
+    layers, gathered = 8, [0, 1, 3, 6]
+    pool = SlotPool("w", (4,), torch.float32, depth=depth, workspace_bytes=1 << 10,
+                    device="cuda")
+    dag = Planner(layers, [pool.layout], gathered=gathered, cross_forward=["w"]).plan()
+    assert dag.carried
+    data = torch.randn(layers, 4, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    reads = torch.full((layers, 4), float("nan"), device="cuda")
+
+    def gather(layer, lane, out):
+        out.copy_(data[layer])
+
+    def compute(layer, lane, slot):
+        if slot is not None:
+            reads[layer].copy_(slot)
+
+    ex = CapturedExecutor(dag, [pool], gather, compute, poison=True)
+    assert ex.capture(None) is not None, "the plan could not be captured (see the log)"
+    for _ in range(2):
+        ex.run()
+    torch.cuda.synchronize()
+    assert torch.equal(reads[gathered], data[gathered])
+    old = data.clone()
+    data.copy_(torch.randn(layers, 4, device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(1)))
+    carried = [layer for _, layer, _ in dag.carried]
+    ex.run()
+    torch.cuda.synchronize()
+    assert torch.equal(reads[carried], old[carried])  # stale, as nothing was announced
+    ex.sources_changed("w")
+    ex.run()
+    torch.cuda.synchronize()
+    assert torch.equal(reads[gathered], data[gathered])
