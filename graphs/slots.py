@@ -216,6 +216,10 @@ class SlotPool:
             ConfigError: the profile has no such lane.
             DeviceError: the device is not one this torch can use (no CUDA, unknown name).
         """
+        if not hasattr(profile, "require_run_fields"):  # a name or a path: say how to load it
+            raise ConfigError(f"SlotPool.for_profile takes a Profile, not "
+                              f"{type(profile).__name__} ({profile!r:.60}); load it first: "
+                              f"ringflow.load_profile(...)")
         profile.require_run_fields()
         if lane not in profile.lanes:
             raise ConfigError(f"profile '{profile.name}' has no lane {lane!r}; its lanes: "

@@ -15,6 +15,8 @@ It reads only the Dag (see Note [Issue order and edges] in dag.py) and checks:
   issued before the forward (or before a capture began);
 * ``cross-lane``: a wait never binds to another lane's record (lanes are independent: two
   micro-batches or a target and a draft model must not serialise on each other's gathers);
+* ``incomplete``: each lane computes every layer exactly once, in layer order (a plan that
+  skips or repeats a layer's compute is no forward of the model);
 * ``serialized``: the overlap the plan promises is there. A compute never waits for a later
   layer's gather of its lane, and a prefetching gather depends on no compute of its lane later
   than the reader of its slot's previous lease (none for the first ring-full): no edge forces
@@ -33,7 +35,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ringflow.errors import HazardError
+from ringflow.errors import ConfigError, HazardError
 from ringflow.orchestrator.dag import (COMPUTE_STREAM, Dag, EventRole, Node, NodeKind,
                                        gather_stream)
 
@@ -57,8 +59,12 @@ def check_hazards(dag: Dag) -> Dag:
     Raises:
         HazardError: naming the hazard kind and the offending node ids.
     """
+    if not isinstance(dag, Dag):
+        raise ConfigError(f"check_hazards proves a Dag (Planner(...).plan() or from_json), not "
+                          f"{type(dag).__name__}")
     if dag.proven:
         return dag
+    _check_complete(dag)
     if dag.prime:  # each part is captured or issued on its own: each must fork and join
         for part in (dag.nodes, dag.prime):
             alone = Dag(dag.name, dag.layers, dag.pools, part)
@@ -76,6 +82,22 @@ def check_hazards(dag: Dag) -> Dag:
     proved = dataclasses.replace(dag)  # the same plan; only a copy made here is marked
     object.__setattr__(proved, "proven", True)
     return proved
+
+
+def _check_complete(dag: Dag) -> None:
+    if not dag.pools:
+        raise HazardError("incomplete", f"plan '{dag.name}' has no lane", [])
+    for pool in dag.pools:
+        computes = [n for n in dag.nodes if n.kind is NodeKind.COMPUTE and n.lane == pool.lane]
+        if [n.layer for n in computes] != list(range(dag.layers)):
+            have = sorted({n.layer for n in computes})
+            missing = sorted(set(range(dag.layers)) - set(have))
+            raise HazardError(
+                "incomplete",
+                f"lane '{pool.lane}' must compute layers 0..{dag.layers - 1} once each, in "
+                f"order; it computes {len(computes)} time(s)"
+                + (f", never layer(s) {missing}" if missing else ", out of order or repeated"),
+                [n.id for n in computes])
 
 
 def _unrolled(dag: Dag) -> Dag:

@@ -19,12 +19,15 @@ shortens the prediction, so equal layers stay evenly spaced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ringflow.errors import ConfigError
 
 FORWARDS = 3
+#: the search is quadratic in the layers and more: 256 layers take seconds, 500 nearly a minute
+MAX_LAYERS = 256
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,11 @@ def _check(compute_ms: Sequence[float], copy_ms: Sequence[float], slots: int) ->
                           f"{len(compute_ms)} and {len(copy_ms)}")
     if slots < 1:
         raise ConfigError(f"placement needs a ring of at least one slot, got {slots}")
-    if any(t < 0 for t in (*compute_ms, *copy_ms)):
-        raise ConfigError("placement times must be >= 0 ms")
+    if len(compute_ms) > MAX_LAYERS:
+        raise ConfigError(f"placement models up to {MAX_LAYERS} layers (the largest models have "
+                          f"about 128); got {len(compute_ms)}")
+    if not all(math.isfinite(t) and t >= 0 for t in (*compute_ms, *copy_ms)):
+        raise ConfigError("placement times must be finite and >= 0 ms")
 
 
 def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],

@@ -69,6 +69,9 @@ def _event(lane: str, role: EventRole, layer: int | None = None) -> str:
 def _layer_set(name: str, layers: Iterable[int] | None, count: int, default: set[int]) -> set[int]:
     if layers is None:
         return set(default)
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise PlanError(f"{name} must be a collection of layer indices (a list or a set), got "
+                        f"{type(layers).__name__} {layers!r:.40}")
     chosen = set()
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < count:
@@ -111,6 +114,11 @@ class Planner:
             raise PlanError(f"layers must be an integer in 1..{MAX_LAYERS}, got {layers!r}")
         if not pools:
             raise PlanError("a plan needs at least one lane (one PoolLayout)")
+        for pool in pools:
+            if not isinstance(pool, PoolLayout):
+                raise PlanError(f"pools must be PoolLayouts (SlotPool(...).layout, or "
+                                f"profile.pool_layouts()), got {type(pool).__name__} "
+                                f"{pool!r:.40}")
         self.layers = layers
         self.pools = tuple(pools)
         self.gathered = _layer_set("gathered", gathered, layers, set(range(layers)))

@@ -57,8 +57,19 @@ class Profile:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, ref: str | Path) -> Profile:
-        """Load a profile from a YAML path, or a built-in profile by name (``"demo"``)."""
+    def load(cls, ref: str | Path | dict) -> Profile:
+        """Load a profile from a YAML path, a built-in profile by name (``"demo"``), or a
+        mapping of its fields (as :meth:`from_mapping`).
+
+        Raises:
+            ProfileError: no such file or built-in, or the profile is malformed.
+            ConfigError: ``ref`` is none of those.
+        """
+        if isinstance(ref, dict):
+            return cls.from_mapping(ref, source="<dict>")
+        if not isinstance(ref, (str, Path)):
+            raise ConfigError(f"a profile is a YAML path, a built-in name or a mapping of its "
+                              f"fields, not {type(ref).__name__} ({ref!r:.60})")
         path = Path(ref)
         if not path.exists():
             builtin = resources.files("ringflow.profiles").joinpath(f"{ref}.yaml")
@@ -226,6 +237,6 @@ def builtin_profiles() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_profile(ref: str | Path) -> Profile:
-    """Load a profile from a path or a built-in name; see :meth:`Profile.load`."""
+def load_profile(ref: str | Path | dict) -> Profile:
+    """Load a profile from a path, a built-in name or a mapping; see :meth:`Profile.load`."""
     return Profile.load(ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -187,8 +188,8 @@ def _times(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or a comma list of "
                                          f"numbers (milliseconds)") from None
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: times must be >= 0")
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: times must be finite and >= 0")
     return values
 
 
@@ -400,6 +401,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     args = _parser().parse_args(argv)
+    from ringflow import envs
+    envs.warn_unknown(log)
     try:
         return {"plan": _cmd_plan, "place": _cmd_place, "run": _cmd_run, "bench": _cmd_bench,
                 "trace": _cmd_trace, "tune": _cmd_tune}[args.command](args)

@@ -100,3 +100,26 @@ def text(name: str) -> str | None:
     if switch.kind != "text":
         raise ConfigError(f"{name} is a {switch.kind} switch, not text")
     return os.environ.get(name) or None
+
+
+def unknown() -> list[str]:
+    """``RINGFLOW_*`` variables set in this environment that are no switch (typos, mostly),
+    each with the switch it most resembles: ``"RINGFLOW_POISN (did you mean RINGFLOW_POISON?)"``.
+    """
+    import difflib
+
+    found = []
+    for name in sorted(os.environ):
+        if name.startswith("RINGFLOW_") and name not in SWITCHES:
+            prefix = len("RINGFLOW_")  # shared by every name: compare what follows it
+            close = difflib.get_close_matches(name[prefix:], [s[prefix:] for s in SWITCHES], n=1)
+            found.append(name + (f" (did you mean RINGFLOW_{close[0]}?)" if close else ""))
+    return found
+
+
+def warn_unknown(log) -> None:
+    """One warning line naming every unknown ``RINGFLOW_*`` variable (nothing when none)."""
+    names = unknown()
+    if names:
+        log.warning("ignoring %s: not a ringflow switch; switches: %s", ", ".join(names),
+                    ", ".join(SWITCHES))

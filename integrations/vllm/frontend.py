@@ -18,6 +18,7 @@ from ringflow import envs
 from ringflow.errors import ConfigError, RingflowError
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
+from ringflow.orchestrator.sections import Placed
 
 log = logging.getLogger("ringflow")
 
@@ -33,6 +34,7 @@ def check(additional_config, enable_lora: bool = False) -> None:
     for name, switch in envs.SWITCHES.items():
         if switch.kind == "flag" and switch.scope != "tests":
             envs.flag(name)
+    envs.warn_unknown(log)
     extra = additional_config if isinstance(additional_config, dict) else {}
     profile = profile_from(SimpleNamespace(additional_config=extra))
     if enable_lora:
@@ -56,6 +58,25 @@ def refuse_lora(profile) -> None:
                           f"profile's offload section")
 
 
+def check_layers(profile, vllm_config) -> None:
+    """The offloaded layers against the model's ``num_hidden_layers`` (its config, read in the
+    front end): an index or a count past it can exist in no decoder stack. What needs the loaded
+    model (the stack itself, slot sizes) is checked where it loads.
+
+    Raises:
+        ProfileError: as the worker would, with what was asked and what the model has.
+    """
+    if not streams_weights(profile):
+        return
+    text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
+        spec = profile.offload
+        if not isinstance(spec.layers, Placed) or spec.layers.count > layers:
+            spec.resolve(layers, profile.source)  # raises what the worker would (a choice
+            # itself, for a count that fits, is the worker's: it has the layers' sizes)
+
+
 def on_create_engine_config(state: PluginState, original, engine_args, *args, **kwargs):
     """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
     try:
@@ -64,4 +85,10 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
     except RingflowError as exc:
         log.error("%s", exc)  # one line, before vLLM starts anything
         raise
-    return original(engine_args, *args, **kwargs)
+    config = original(engine_args, *args, **kwargs)
+    try:
+        check_layers(profile_from(config), config)
+    except RingflowError as exc:
+        log.error("%s", exc)
+        raise
+    return config

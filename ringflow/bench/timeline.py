@@ -123,6 +123,10 @@ def traces_from_results(results: Path, out_dir: Path) -> list[Path]:
         raise ConfigError(f"no row of {results} has a timeline; measure with `ringflow bench "
                           f"--trace DIR` (or --plot)")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot make the trace folder {out_dir}: {exc.strerror}; give a "
+                          f"writable directory") from exc
     return [write_trace(r["timeline"], out_dir / f"{r['scenario'].replace('/', '-')}.trace.json",
                         f"{r['scenario']}: one forward, ringflow eager") for r in timed]

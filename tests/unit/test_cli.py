@@ -5,12 +5,15 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ringflow import from_json
 from ringflow.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_prints_the_text_table_with_the_budget(capsys):
@@ -86,6 +89,12 @@ def test_run_says_its_size_first_reports_slow_forwards_and_the_spread(capsys, ca
     (["plan", "demo", "--format", "svg"], "invalid choice"),
     (["plan", "demo", "--full"], "--full applies to --format dot only"),
     (["run"], "required: profile"),
+    (["place", "--layers", "4", "--count", "1", "--compute-ms", "1", "--copy-ms", "nan"],
+     "times must be finite"),
+    (["place", "--layers", "100000", "--count", "50000", "--compute-ms", "1", "--copy-ms", "1"],
+     "placement models up to 256 layers"),
+    (["trace", str(ROOT / "profiles/results/bench-h200.json"), "--out", str(ROOT / "README.md")],
+     "cannot make the trace folder"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_2(argv, needle):

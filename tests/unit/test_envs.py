@@ -61,3 +61,24 @@ def test_a_bad_nvtx_switch_fails_where_ringflow_is_used_not_at_import():
                            "nvtx_ranges.ranged('x', lambda: None)"], env=env,
                           capture_output=True, text=True)
     assert used.returncode != 0 and "ConfigError: RINGFLOW_NVTX='of' is not a flag" in used.stderr
+
+
+def test_an_unknown_ringflow_variable_is_named_once_with_the_switch_it_resembles(monkeypatch,
+                                                                                 caplog):
+    import logging
+
+    monkeypatch.setenv("RINGFLOW_POISN", "1")
+    monkeypatch.setenv("RINGFLOW_QWERTY", "1")
+    assert envs.unknown() == ["RINGFLOW_POISN (did you mean RINGFLOW_POISON?)", "RINGFLOW_QWERTY"]
+    log = logging.getLogger("ringflow.test")
+    with caplog.at_level(logging.WARNING, logger="ringflow.test"):
+        envs.warn_unknown(log)
+    [record] = caplog.records
+    assert record.getMessage().startswith("ignoring RINGFLOW_POISN (did you mean "
+                                          "RINGFLOW_POISON?), RINGFLOW_QWERTY: not a ringflow "
+                                          "switch; switches: RINGFLOW_POISON")
+    monkeypatch.delenv("RINGFLOW_POISN")
+    monkeypatch.delenv("RINGFLOW_QWERTY")
+    caplog.clear()
+    envs.warn_unknown(log)
+    assert not caplog.records

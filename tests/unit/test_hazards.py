@@ -195,3 +195,31 @@ def test_hazard_errors_carry_the_kind_and_node_ids():
 def test_compute_stream_is_the_first_and_last_stream():
     dag = plan()
     assert dag.nodes[0].stream == COMPUTE_STREAM and dag.nodes[-1].stream == COMPUTE_STREAM
+
+
+@pytest.mark.parametrize("broken", ["no nodes", "a layer never computed", "a layer twice",
+                                    "layers out of order"])
+def test_a_plan_that_is_no_forward_of_the_model_is_incomplete(broken):
+    """Every lane computes every layer once, in order: otherwise the plan is refused, even
+    when every ordering it does have is safe."""
+    dag = plan(lanes=("a", "b"))
+    computes = [n for n in dag.nodes if n.kind is NodeKind.COMPUTE and n.lane == "b"]
+    if broken == "no nodes":
+        bad = rebuild(dag, [])
+    elif broken == "a layer never computed":
+        bad = without(dag, computes[3])
+    elif broken == "a layer twice":
+        bad = changed(dag, computes[3], layer=2)
+    else:
+        bad = rebuild(dag, [computes[4] if n.id == computes[3].id else
+                            computes[3] if n.id == computes[4].id else n for n in dag.nodes])
+    with pytest.raises(HazardError, match="incomplete: lane '(a|b)' must compute layers 0..5 "
+                                          "once each"):
+        check_hazards(bad)
+
+
+def test_check_hazards_of_something_that_is_not_a_dag_says_what_it_takes():
+    from ringflow import ConfigError
+
+    with pytest.raises(ConfigError, match="check_hazards proves a Dag .*not str"):
+        check_hazards("not a dag")

@@ -111,3 +111,13 @@ def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
            "captured_vs_predicted": 1 / 8, "steady_cross_vs_predicted": 2 / 6}
     line = next(l for l in table([row]).splitlines() if l.startswith("s ") and "8.000" in l)
     assert line.split()[1:] == ["8.000", "1.000", "0.125", "6.000", "2.000", "0.333"]
+
+
+@pytest.mark.parametrize("compute,copy,needle", [
+    ([1.0, float("nan")], [1.0, 1.0], "finite and >= 0"),
+    ([1.0, 1.0], [float("inf"), 1.0], "finite and >= 0"),
+    ([1.0] * 257, [1.0] * 257, "up to 256 layers"),
+])
+def test_times_that_are_no_times_and_models_past_the_cap_are_refused(compute, copy, needle):
+    with pytest.raises(ConfigError, match=needle):
+        choose(compute, copy, 1, 1)

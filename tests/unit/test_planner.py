@@ -154,3 +154,19 @@ def test_node_ids_are_stable_across_plans():
     b = Planner(9, layouts(2), ineligible=[4]).plan()
     assert a == b and [n.nvtx_name for n in a.nodes] == [n.nvtx_name for n in b.nodes]
     assert a.nodes[2].nvtx_name == "ringflow/kv/gather/L0"
+
+
+@pytest.mark.parametrize("pools,gathered,needle", [
+    ([None], None, "pools must be PoolLayouts"),
+    (["kv"], None, "pools must be PoolLayouts"),
+    ("layout", 5, "gathered must be a collection of layer indices"),
+    ("layout", "01", "gathered must be a collection of layer indices"),
+])
+def test_a_planner_given_the_wrong_things_says_what_it_takes(pools, gathered, needle):
+    from ringflow import PlanError
+    from ringflow.orchestrator.budget import PoolLayout
+
+    if pools == "layout":
+        pools = [PoolLayout.fit("kv", 1000, 1, 10_000)]
+    with pytest.raises(PlanError, match=needle):
+        Planner(8, pools, gathered=gathered)

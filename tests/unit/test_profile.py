@@ -337,3 +337,17 @@ def test_deep_nesting_is_one_error_not_a_recursion_error():
 def test_an_exponent_without_a_dot_is_a_number_as_in_yaml_1_2():
     p = Profile.from_yaml_text("name: e\noffload: {layers: all, workspace_mib: 1e3}\n")
     assert p.offload.workspace_mib == 1000.0
+
+
+def test_load_takes_a_mapping_and_refuses_what_is_no_profile_in_one_typed_line():
+    from ringflow import ConfigError, SlotPool, load_profile
+
+    doc = {"name": "d", "layers": 4, "depth": 1, "workspace_mib": 1, "lanes": ["kv"],
+           "slot": {"shape": [4, 4], "dtype": "float32"}}
+    assert load_profile(doc) == Profile.from_mapping(doc)
+    for bad in (None, 123, ["demo"]):
+        with pytest.raises(ConfigError, match="a profile is a YAML path, a built-in name or a "
+                                              "mapping of its fields"):
+            load_profile(bad)
+    with pytest.raises(ConfigError, match=r"takes a Profile, not str \('demo'\); load it first"):
+        SlotPool.for_profile("demo", "kv")

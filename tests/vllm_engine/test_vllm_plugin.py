@@ -514,7 +514,16 @@ FRONT_END = {  # case -> (env, additional_config, what the one line says)
     "no_such_profile": ({"RINGFLOW_PROFILE": "no_such_profile"}, None,
                         "RINGFLOW_PROFILE=no_such_profile: no such file, and no built-in"),
     "bad_flag": ({"RINGFLOW_POISON": "maybe"}, None, "RINGFLOW_POISON='maybe' is not a flag"),
+    "layer_past_the_model": ({}, {"ringflow": {"name": "t", "offload": {
+        "layers": [1, 99], "workspace_mib": 64}}},
+        "field 'offload.layers': layers [99] do not exist: the model has 4 decoder layers"),
+    "count_past_the_model": ({}, {"ringflow": {"name": "t", "offload": {
+        "layers": {"count": 9}, "workspace_mib": 64}}},
+        "{count: 9} asks for more layers than the model's 4 decoder layers"),
 }
+FRONT_END_ENGINE = {"lora": ({"ringflow": {"name": "t", "offload": {
+    "layers": [1], "workspace_mib": 64}}}, {"enable_lora": True},
+    "LoRA (enable_lora) is not supported while ringflow streams weights")}
 
 
 def test_what_needs_no_model_is_checked_in_the_front_end_before_any_worker(tmp_path):
@@ -522,8 +531,11 @@ def test_what_needs_no_model_is_checked_in_the_front_end_before_any_worker(tmp_p
     create_engine_config), in seconds, with one ringflow line, and no engine core started."""
     cases = [{"name": name, "model": "llama", "env": env, "additional_config": extra}
              for name, (env, extra, _) in FRONT_END.items()]
+    cases += [{"name": name, "model": "llama", "additional_config": extra, "engine": engine}
+              for name, (extra, engine, _) in FRONT_END_ENGINE.items()]
     results, stderr = run_cases(tmp_path, cases, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    for name, (_, _, needle) in FRONT_END.items():
+    needles = {name: entry[-1] for name, entry in {**FRONT_END, **FRONT_END_ENGINE}.items()}
+    for name, needle in needles.items():
         run = results[name]
         assert needle in run.get("error", ""), run
         assert run["error"].split(":")[0] in ("ProfileError", "ConfigError"), run["error"]
