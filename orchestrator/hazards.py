@@ -85,8 +85,9 @@ def check_hazards(dag: Dag) -> Dag:
 
 
 def _check_complete(dag: Dag) -> None:
-    if not dag.pools:
-        raise HazardError("incomplete", f"plan '{dag.name}' has no lane", [])
+    if not dag.nodes:
+        raise HazardError("incomplete", f"plan '{dag.name}' has no nodes; it computes none of its "
+                          f"{dag.layers} layers", [])
     for pool in dag.pools:
         computes = [n for n in dag.nodes if n.kind is NodeKind.COMPUTE and n.lane == pool.lane]
         if [n.layer for n in computes] != list(range(dag.layers)):

@@ -70,6 +70,9 @@ class Profile:
         if not isinstance(ref, (str, Path)):
             raise ConfigError(f"a profile is a YAML path, a built-in name or a mapping of its "
                               f"fields, not {type(ref).__name__} ({ref!r:.60})")
+        if not str(ref).strip():
+            raise ConfigError("a profile name or path is empty; give a YAML path or a built-in "
+                              f"name ({', '.join(sorted(builtin_profiles()))})")
         path = Path(ref)
         if not path.exists():
             builtin = resources.files("ringflow.profiles").joinpath(f"{ref}.yaml")

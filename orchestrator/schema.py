@@ -116,7 +116,8 @@ def _flag(meaning: str, default: bool, **more: Any) -> ProfileField:
 
 def _mib(meaning: str, holds: str, **more: Any) -> ProfileField:
     return ProfileField(meaning, "mib", REQUIRED, hi=MAX_WORKSPACE_MIB,
-                        words=f"a number > 0 that holds {holds}", **more)
+                        words=f"a number > 0 and at most {MAX_WORKSPACE_MIB:,} (16 TiB) that "
+                              f"holds {holds}", **more)
 
 
 #: dotted field name -> its :class:`ProfileField`, in the order profiles/README.md lists them

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -409,3 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     except RingflowError as exc:
         print(f"ringflow: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader (head, less) closed the pipe: stop without a word
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not raise
+        return 1

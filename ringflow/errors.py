@@ -72,7 +72,8 @@ class HazardError(RingflowError):
     def __init__(self, kind: str, message: str, nodes: Iterable[int]):
         self.kind = kind
         self.nodes = tuple(nodes)
-        super().__init__(f"{kind}: {message} (nodes {', '.join(map(str, self.nodes))})")
+        where = f" (nodes {', '.join(map(str, self.nodes))})" if self.nodes else ""
+        super().__init__(f"{kind}: {message}{where}")
 
 
 class SlotPoolExhausted(RingflowError):

@@ -357,3 +357,14 @@ def test_ringflow_trace_refuses_a_file_without_timelines_in_one_line(tmp_path, c
     assert main(["trace", str(path), "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def test_output_cut_short_by_a_pipe_ends_without_a_traceback():
+    """``ringflow place ... | head``: a reader that closed the pipe (``true`` here, gone before
+    ringflow has imported) makes the first write fail; ringflow stops without a word."""
+    command = (f"{sys.executable} -m ringflow place --layers 128 --count 32 --compute-ms 1 "
+               f"--copy-ms 3 | true")
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True,
+                          text=True, timeout=120)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1  # the pipeline's status is ringflow's: stopped early
