@@ -125,7 +125,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         log.error("%s", exc)
         raise
     state.new_model_load()
-    streaming = profile is not None and profile.offload is not None and not layer_ops_only
+    streaming = frontend.streams_weights(profile)
     if streaming and getattr(worker.vllm_config, "lora_config", None) is not None:
         try:  # the front end refuses this first; an engine built without it lands here
             frontend.refuse_lora(profile)
