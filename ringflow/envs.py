@@ -108,11 +108,12 @@ def unknown() -> list[str]:
     """
     import difflib
 
+    prefix = len("RINGFLOW_")  # shared by every name: compare what follows it
+    known = [s[prefix:] for s in SWITCHES]
     found = []
     for name in sorted(os.environ):
         if name.startswith("RINGFLOW_") and name not in SWITCHES:
-            prefix = len("RINGFLOW_")  # shared by every name: compare what follows it
-            close = difflib.get_close_matches(name[prefix:], [s[prefix:] for s in SWITCHES], n=1)
+            close = difflib.get_close_matches(name[prefix:], known, n=1)
             found.append(name + (f" (did you mean RINGFLOW_{close[0]}?)" if close else ""))
     return found
 

@@ -82,13 +82,9 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
     try:
         check(getattr(engine_args, "additional_config", None),
               bool(getattr(engine_args, "enable_lora", False)))
+        config = original(engine_args, *args, **kwargs)
+        check_layers(profile_from(config), config)  # needs the model's config vLLM just read
     except RingflowError as exc:
-        log.error("%s", exc)  # one line, before vLLM starts anything
-        raise
-    config = original(engine_args, *args, **kwargs)
-    try:
-        check_layers(profile_from(config), config)
-    except RingflowError as exc:
-        log.error("%s", exc)
+        log.error("%s", exc)  # one line, before vLLM starts any engine process
         raise
     return config

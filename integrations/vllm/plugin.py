@@ -121,17 +121,13 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         profile = profile_from(worker.vllm_config)
         layer_ops_only = envs.flag("RINGFLOW_LAYER_OPS_ONLY")
         plain = envs.flag("RINGFLOW_CPU_PLAIN_GEMM")
+        streaming = frontend.streams_weights(profile)
+        if getattr(worker.vllm_config, "lora_config", None) is not None:
+            frontend.refuse_lora(profile)  # the front end refuses it first, where it runs
     except RingflowError as exc:
         log.error("%s", exc)
         raise
     state.new_model_load()
-    streaming = frontend.streams_weights(profile)
-    if streaming and getattr(worker.vllm_config, "lora_config", None) is not None:
-        try:  # the front end refuses this first; an engine built without it lands here
-            frontend.refuse_lora(profile)
-        except RingflowError as exc:
-            log.error("%s", exc)
-            raise
     if layer_ops_only and profile is not None and profile.offload is not None:
         log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
                  "(the layer ops run with nothing moved, as the switch says)", profile.name)

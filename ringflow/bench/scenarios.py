@@ -287,48 +287,52 @@ def run_scenario(name: str, *, replays: int = 15, timeline_dir: Path | None = No
                         trace_dir=trace_dir)]
 
 
+def _section(head: str, body: list[str], footer: str) -> list[str]:
+    """One block of the results table: its header, a rule, its rows, what the columns mean."""
+    return [head, "-" * len(head), *body, footer]
+
+
 def table(rows: list[dict]) -> str:
     """The results table, from :meth:`Result.to_dict` rows (also read back from JSON)."""
-    head = (f"{'scenario':<26} {'sync':>8} {'eager':>8} {'captured':>9} {'hand':>8} {'ideal':>8}"
-            f" {'x sync':>7} {'/ideal':>7} {'/hand':>6} {'hidden':>7} {'us/node':>8} {'equal':>6}")
-    lines = [head, "-" * len(head)]
+    body = []
     for r in rows:
         ms, q, equal = r["ms"], r["ratios"], r["outputs_equal_to_sync"]
         same = "yes" if all(equal.values()) else ",".join(k for k, v in equal.items() if not v)
-        lines.append(
+        body.append(
             f"{r['scenario']:<26} {ms['sync']:>8.3f} {ms['eager']:>8.3f} {ms['captured']:>9.3f}"
             f" {ms['hand']:>8.3f} {r['ideal_ms']:>8.3f} {q['speedup_vs_sync']:>6.2f}x"
             f" {q['captured_vs_ideal']:>7.3f} {q['captured_vs_hand']:>6.3f}"
             f" {q['gather_hidden_pct']:>6.1f}% {r['eager_dispatch_us_per_node']:>8.2f} {same:>6}")
-    lines.append("ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
-                 "min(gather, compute); us/node: eager dispatch with no-op callables; equal: "
-                 "outputs bit-identical to sync (else the variants that differ)")
+    lines = _section(
+        f"{'scenario':<26} {'sync':>8} {'eager':>8} {'captured':>9} {'hand':>8} {'ideal':>8}"
+        f" {'x sync':>7} {'/ideal':>7} {'/hand':>6} {'hidden':>7} {'us/node':>8} {'equal':>6}",
+        body, "ms: median per forward; x sync = sync / captured; hidden = (sync - captured) / "
+              "min(gather, compute); us/node: eager dispatch with no-op callables; equal: "
+              "outputs bit-identical to sync (else the variants that differ)")
     steady = [r for r in rows if "steady_ms" in r]
     if steady:
-        head = (f"{'steady state':<26} {'sync':>8} {'captured':>9} {'cross':>8} {'hand':>8} "
-                f"{'ideal':>8} {'cross/ideal':>11} {'hidden':>7} {'carried':>8}")
-        lines += ["", head, "-" * len(head)]
-        for r in steady:
-            s = r["steady_ms"]
-            lines.append(f"{r['scenario']:<26} {s['sync']:>8.3f} {s['captured']:>9.3f} "
-                         f"{s['cross']:>8.3f} {s['hand']:>8.3f} {r['ideal_ms']:>8.3f} "
-                         f"{r['steady_cross_vs_ideal']:>11.3f} "
-                         f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}")
-        lines.append(f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
-                     f"cross: every lane cross-forward; carried: slots a forward starts with")
+        body = [f"{r['scenario']:<26} {r['steady_ms']['sync']:>8.3f} "
+                f"{r['steady_ms']['captured']:>9.3f} {r['steady_ms']['cross']:>8.3f} "
+                f"{r['steady_ms']['hand']:>8.3f} {r['ideal_ms']:>8.3f} "
+                f"{r['steady_cross_vs_ideal']:>11.3f} "
+                f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}" for r in steady]
+        lines += [""] + _section(
+            f"{'steady state':<26} {'sync':>8} {'captured':>9} {'cross':>8} {'hand':>8} "
+            f"{'ideal':>8} {'cross/ideal':>11} {'hidden':>7} {'carried':>8}",
+            body, f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
+                  f"cross: every lane cross-forward; carried: slots a forward starts with")
     placed = [r for r in rows if "predicted_ms" in r]
     if placed:
-        head = (f"{'placement model':<26} {'predicted':>9} {'captured':>9} {'/pred':>6} "
-                f"{'pred cross':>10} {'steady cross':>12} {'/pred':>6}")
-        lines += ["", head, "-" * len(head)]
-        for r in placed:
-            p = r["predicted_ms"]
-            lines.append(f"{r['scenario']:<26} {p['captured']:>9.3f} {r['ms']['captured']:>9.3f}"
-                         f" {r['captured_vs_predicted']:>6.3f} {p['cross']:>10.3f} "
-                         f"{r['steady_ms']['cross']:>12.3f} {r['steady_cross_vs_predicted']:>6.3f}")
-        lines.append("predicted: the placement model (what offload {count: N} places by) from "
-                     "this run's gather-only and compute-only times spread evenly over the "
-                     "layers; it assumes gathers beside the compute (copy engines)")
+        body = [f"{r['scenario']:<26} {r['predicted_ms']['captured']:>9.3f} "
+                f"{r['ms']['captured']:>9.3f} {r['captured_vs_predicted']:>6.3f} "
+                f"{r['predicted_ms']['cross']:>10.3f} {r['steady_ms']['cross']:>12.3f} "
+                f"{r['steady_cross_vs_predicted']:>6.3f}" for r in placed]
+        lines += [""] + _section(
+            f"{'placement model':<26} {'predicted':>9} {'captured':>9} {'/pred':>6} "
+            f"{'pred cross':>10} {'steady cross':>12} {'/pred':>6}",
+            body, "predicted: the placement model (what offload {count: N} places by) from "
+                  "this run's gather-only and compute-only times spread evenly over the "
+                  "layers; it assumes gathers beside the compute (copy engines)")
     return "\n".join(lines)
 
 
