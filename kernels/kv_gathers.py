@@ -41,6 +41,12 @@ from ringflow.kernels.row_gather import gather_rows
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def all_gather_parts(out: torch.Tensor, part: torch.Tensor, group) -> None:
+    """Every rank's ``part`` into ``out``, rank after rank (rank ``r``'s rows at
+    ``r * len(part)``), over ``group`` on the current stream."""
+    _all_gather(out, part, group=group)
+
+
 def page_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 block_size: int, out: torch.Tensor) -> torch.Tensor:
     """Copy the pages holding each request's first ``seq_lens`` tokens into ``out``, packed.
@@ -192,7 +198,7 @@ class NcclExchange:
 
     def exchange(self, out: torch.Tensor, staging: torch.Tensor, interleave: int) -> None:
         """Fill every peer's part of ``staging`` ([size, rows, *row]) with the peer's own."""
-        _all_gather(staging.view(-1, *staging.shape[2:]), staging[self.rank], group=self.group)
+        all_gather_parts(staging.view(-1, *staging.shape[2:]), staging[self.rank], self.group)
 
 
 def dcp_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

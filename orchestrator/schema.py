@@ -231,7 +231,9 @@ FIELDS: dict[str, ProfileField] = {
         "under decode context parallelism, how the ranks' KV parts are exchanged: nccl "
         "(all-gather on the SMs), peer (copy engines pulling from the peers' rings in symmetric "
         "memory; NCCL if unavailable, logged) or auto (both timed when the ring is built; peer "
-        "kept unless NCCL is more than 10% faster; recorded in the plan's meta)", DCP_TRANSPORTS, "auto"),
+        "kept unless NCCL is more than 10% faster; recorded in the plan's meta). consumer: "
+        "context exchanges over NCCL on ringflow's own communicator whatever this says (peer "
+        "is logged as not built for it)", DCP_TRANSPORTS, "auto"),
     "kv_prefetch.verify": _flag("compare every slot with its layer's cache before attention "
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",

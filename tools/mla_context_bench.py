@@ -4,6 +4,7 @@ own per-layer context gather, in one engine, interleaved.
 
     python3 tools/mla_context_bench.py [--layers 27] [--prefixes 32768,65536,131072]
                                        [--suffix 2048] [--long 131072] [--rounds 3] [--json F]
+                                       [--dcp 2]
 
 The model has DeepSeek-V2-Lite's attention (hidden 2048, 16 heads, kv_lora_rank 512, rope 64,
 nope 128, v 128) and its 27 layers, with a dense MLP of 10,944 (V2-Lite's first layer; its MoE
@@ -22,6 +23,11 @@ Output equality: the same prompt on and off from the same cache state (the prefi
 reset and re-warmed between), greedy tokens and top-5 logprobs. The per-layer gather time is
 vLLM's own recorded gather calls replayed with CUDA events (the critical-path time a layer
 pays without ringflow).
+
+``--dcp N`` runs tensor parallel N with decode context parallel N (one GPU per rank): each
+rank's ring lives in its worker process, switched and read through ``collective_rpc``; the
+per-layer time is then the local gather and the all-gather across the group, replayed (vLLM's
+reorder after it is not in it), and ringflow's host timers are not taken.
 """
 
 import argparse
@@ -85,14 +91,92 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, V2_LITE["vocab_size"]) for _ in range(n)]
 
 
+class LocalRing:
+    """The engine's one context ring, in this process."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def enable(self, on: bool) -> None:
+        self.model.enabled = on
+
+    def gather_ms(self) -> float | None:
+        return _gather_ms(self.model)
+
+    def stats(self) -> dict:
+        return _stats(self.model)
+
+
+class WorkerRings:
+    """Every rank's context ring, in vLLM's worker processes (``--dcp``)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def enable(self, on: bool) -> None:
+        self.llm.collective_rpc(_worker_enable, args=(on,))
+
+    def gather_ms(self) -> float | None:
+        times = [t for t in self.llm.collective_rpc(_worker_gather_ms) if t is not None]
+        return max(times) if times else None  # the group waits for its slowest rank
+
+    def stats(self) -> dict:
+        per_rank = self.llm.collective_rpc(_worker_stats)
+        return {**per_rank[0], "per_rank": per_rank}
+
+
+def _worker_model():
+    from ringflow.integrations.vllm.state import STATE
+    [model] = STATE.context_models.values()
+    return model
+
+
+def _worker_enable(worker, on: bool) -> None:
+    _worker_model().enabled = on
+
+
+def _worker_gather_ms(worker) -> float | None:
+    return _gather_ms(_worker_model())
+
+
+def _worker_stats(worker) -> dict:
+    return _stats(_worker_model())
+
+
+def _stats(model) -> dict:
+    return {"chunks": len(model.calls), "reserved_bytes": model.reserved_bytes,
+            "consumed": model.ring.consumed, "abandoned": dict(model.ring.abandoned),
+            "dcp_size": model.dcp_size}
+
+
+def _gather_ms(model, repeats: int = 20) -> float | None:
+    """One layer's context gathers of the last recorded step (and, under DCP, their
+    exchanges), replayed and timed with CUDA events."""
+    import torch
+    if not model.calls:
+        return None
+    slot = model.ring.pool.storage[0]
+    chunks = len(model.calls)
+    for k in range(chunks):
+        model.fill(0, k, slot)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        for k in range(chunks):
+            model.fill(0, k, slot)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 class Bench:
-    def __init__(self, llm, model) -> None:
-        self.llm, self.model = llm, model
+    def __init__(self, llm, rings) -> None:
+        self.llm, self.rings = llm, rings
 
     def generate(self, prompt, on: bool, max_tokens: int = 1, logprobs: int | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        self.model.enabled = on
+        self.rings.enable(on)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
         began = time.perf_counter()
         out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
@@ -113,24 +197,8 @@ class Bench:
         return {"tokens_equal": list(off.token_ids) == list(on.token_ids),
                 "max_logprob_gap": gap}
 
-    def gather_ms(self, repeats: int = 20) -> float | None:
-        """One layer's context gathers of the last recorded step, replayed (CUDA events)."""
-        import torch
-        model = self.model
-        if not model.calls:
-            return None
-        slot = model.ring.pool.storage[0]
-        chunks = len(model.calls)
-        for k in range(chunks):
-            model.fill(0, k, slot)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            for k in range(chunks):
-                model.fill(0, k, slot)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
+    def gather_ms(self) -> float | None:
+        return self.rings.gather_ms()
 
 
 def main() -> int:
@@ -141,6 +209,8 @@ def main() -> int:
     parser.add_argument("--long", type=int, default=131072)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dcp", type=int, default=1,
+                        help="tensor parallel and decode context parallel size (GPUs)")
     parser.add_argument("--models", default="/tmp/mla-context-bench")
     parser.add_argument("--probe", action="store_true",
                         help="also time small Python and torch calls inside vLLM's forward and "
@@ -151,6 +221,10 @@ def main() -> int:
                         help="also profile one off and one on request over the first prefix "
                              "(torch.profiler: top host and device ops of each)")
     args = parser.parse_args()
+    if args.dcp > 1:  # the switch and the stats travel to the workers as functions
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if args.probe or args.cprofile or args.trace:
+            parser.error("--probe, --cprofile and --trace look at this process; not with --dcp")
 
     import torch
     import vllm
@@ -168,6 +242,8 @@ def main() -> int:
                   enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.85, seed=0, additional_config=profile,
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    if args.dcp > 1:
+        engine.update(tensor_parallel_size=args.dcp, decode_context_parallel_size=args.dcp)
     began = time.perf_counter()
     try:
         llm = LLM(model=path, **engine)
@@ -178,9 +254,9 @@ def main() -> int:
         llm = LLM(model=path, attention_backend="TRITON_MLA", **engine)
         backend = "TRITON_MLA"
     startup = time.perf_counter() - began
-    [model] = STATE.context_models.values()
-    bench = Bench(llm, model)
-    host = host_timers()
+    rings = WorkerRings(llm) if args.dcp > 1 else LocalRing(_one(STATE.context_models))
+    bench = Bench(llm, rings)
+    host = host_timers() if args.dcp == 1 else {}
     probed = probe_inside() if args.probe else None
     config = llm.llm_engine.vllm_config
     kv_tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
@@ -206,7 +282,7 @@ def main() -> int:
             host_profile(bench, prefix, args.suffix)
         equal = bench.same_output(prefix + tokens(77, args.suffix), prefix + tokens(1, 16))
         rows.append(summarise(f"prefix {prefix_len // 1024}k + {args.suffix}", times, gather,
-                              args.layers, args.suffix, equal, chunks=len(model.calls)))
+                              args.layers, args.suffix, equal, chunks=rings.stats()["chunks"]))
         rows[-1]["host_ms_per_request"] = host_ms  # beside times: host-side or device-side?
     if args.long:
         times = {"off": [], "on": []}
@@ -218,15 +294,18 @@ def main() -> int:
         gather = bench.gather_ms()  # the last step's: the longest context
         equal = bench.same_output(tokens(99, args.long), None)
         rows.append(summarise(f"{args.long // 1024}k chunked (8k/step)", times, gather,
-                              args.layers, args.long, equal, chunks=len(model.calls),
+                              args.layers, args.long, equal, chunks=rings.stats()["chunks"],
                               # steps with context, their context growing to the last's
                               steps=(-(-args.long // 8192) - 1) / 2))
+    stats = rings.stats()
     doc = records.record("python3 tools/mla_context_bench.py",
                          vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
                          layers=args.layers, backend=backend, startup_s=round(startup, 1),
-                         ring_mib=round(model.reserved_bytes / 2**20, 1),
-                         ring_kv_tokens=model.reserved_bytes // per_token, kv_tokens=kv_tokens,
-                         consumed=model.ring.consumed, abandoned=model.ring.abandoned,
+                         dcp=args.dcp,
+                         ring_mib=round(stats["reserved_bytes"] / 2**20, 1),
+                         ring_kv_tokens=stats["reserved_bytes"] // per_token, kv_tokens=kv_tokens,
+                         consumed=stats["consumed"], abandoned=stats["abandoned"],
+                         per_rank=stats.get("per_rank"),
                          host_ms_per_call={k: round(v[0] * 1e3 / max(v[1], 1), 4)
                                            for k, v in host.items()},
                          host_calls={k: v[1] for k, v in host.items()}, rows=rows)
@@ -238,6 +317,14 @@ def main() -> int:
     if args.json:
         records.write(args.json, doc)
     return 0
+
+
+def _one(context_models: dict):
+    if len(context_models) != 1:
+        raise SystemExit(f"[mla-context] expected one context ring in this process, found "
+                         f"{len(context_models)} (is the plugin installed?)")
+    [model] = context_models.values()
+    return model
 
 
 def micro_us() -> dict:

@@ -77,7 +77,7 @@ class ModelLanes:
             self.lanes = [  # each lane gathers over a DCP communicator of its own
                 KVPrefetcher(layout, capacity, max_requests=scheduler.max_num_seqs,
                              depth=spec.depth, workspace_bytes=int(spec.workspace_mib * MIB),
-                             device=device, dcp=_dcp_group(vllm_config, spec.dcp_transport),
+                             device=device, dcp=dcp_group(vllm_config, spec.dcp_transport),
                              verify=spec.verify, capture=profile.capture,
                              gather_priority=profile.gather_priority, poison=poison_default(),
                              name=f"{name}/ubatch{u}", lane=f"kv{u}")
@@ -412,10 +412,10 @@ def _resolve_step_functions(state: PluginState) -> None:
     steps.ubatch = dbo_current_ubatch_id
 
 
-def _dcp_group(config, transport: str) -> DcpGroup | None:
+def dcp_group(config, transport: str, who: str = "full-KV prefetch") -> DcpGroup | None:
     """The gather lane's own communicator for the DCP all-gather: a new NCCL group over the
     ranks of this worker's DCP group (a collective of every worker: each learns every DCP
-    group's ranks and creates them all, in one order)."""
+    group's ranks and creates them all, in one order). ``who`` names the user in errors."""
     size = getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
     if size == 1:
         return None
@@ -428,13 +428,14 @@ def _dcp_group(config, transport: str) -> DcpGroup | None:
         groups = sorted({tuple(ranks) for ranks in everyone})
         group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="nccl")
     except Exception as exc:
-        raise EngineError(f"full-KV prefetch under DCP needs a communicator of its own for "
+        raise EngineError(f"{who} under DCP needs a communicator of its own for "
                           f"the gather lane, made over the DCP group's ranks ({exc}); this "
                           f"needs NCCL. Remove kv_prefetch or run without DCP") from exc
     if dist.get_rank(group) != dcp.rank_in_group:  # the token owner rule needs vLLM's order
         raise EngineError(f"the gather lane's DCP communicator numbers this worker "
                           f"{dist.get_rank(group)}, vLLM's DCP group {dcp.rank_in_group} "
-                          f"(ranks {list(dcp.ranks)} are not ascending); run without kv_prefetch")
+                          f"(ranks {list(dcp.ranks)} are not ascending); run {who} without "
+                          f"DCP or without kv_prefetch")
     interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
     return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave, transport)
 

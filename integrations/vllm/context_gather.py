@@ -26,8 +26,33 @@ Note [Why replay vLLM's own gather]
     do not. Replaying the call vLLM made, with the next layer's cache, gives the slot exactly
     the rows, order and padding vLLM's read expects, whatever the release computes them from.
 
-Under decode context parallelism vLLM's context path is another method (local gather, its own
-all-gather, a reorder); it has no consumer here and says so at start-up.
+Under decode context parallelism each rank holds part of every request's context, and
+vLLM's context path (``_context_parallel_compute_prefill_context``) follows each chunk's local
+gather with an all-gather across the DCP group into the rest of the workspace, then reorders
+the rows on the compute stream. That all-gather is the seed's full-CKV DCP gather; ringflow
+takes it off the critical path as well (Note [DCP context exchange]).
+
+Note [DCP context exchange]
+    The step's first layer records, after each chunk's local gather, vLLM's exchange of it:
+    which call (0.26: ``GroupCoordinator.all_gather(local, dim=0)``, whose result vLLM copies
+    into the workspace; 0.32: ``MLADCPManager.kv_gather(gathered, local)``, into it) and which
+    workspace rows it reads and fills. A unit's fill then replays the local gather into the
+    slot and all-gathers those rows into the slot's gathered rows, rank after rank as vLLM's
+    all-gather lays them out, over a communicator of ringflow's own (``attention.dcp_group``:
+    NCCL, never the one vLLM's compute stream uses, so the two streams never share one). A
+    consuming layer's exchange is checked against the recording and skipped: 0.32's call
+    returns at once, 0.26's returns the slot's gathered rows, which vLLM then "copies" onto
+    themselves (``Tensor.copy_`` of a view onto the same view moves nothing). vLLM's reorder
+    still runs, on the compute stream, from the slot.
+
+    The fills are collectives: every rank must issue them in the same order. The plan is the
+    same on every rank, and every reason to give a step up (another chunking, another cache,
+    a recording vLLM's calls did not match) comes from metadata and configuration that are the
+    same on every rank of the group (vLLM's all-gather needs equal ``toks`` everywhere too).
+    The exchange is hooked by instance attributes on vLLM's DCP coordinator and manager only
+    while a layer's context session runs (eager code): a class hook on
+    ``GroupCoordinator.all_gather`` would be traced by ``torch.compile`` wherever vLLM
+    all-gathers.
 """
 
 from __future__ import annotations
@@ -38,12 +63,13 @@ import functools
 import inspect
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ringflow import envs
-from ringflow.errors import BudgetError, OutputError, ProfileError
+from ringflow.errors import BudgetError, ConfigError, OutputError, ProfileError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
 from ringflow.integrations.vllm.hooks import wrap, wrap_function
@@ -87,10 +113,30 @@ def _same(a, b) -> bool:
     return a == b
 
 
+#: an exchange's rows in the workspace: (first row, rows)
+Rows = tuple[int, int]
+#: exchange(gathered, local): every DCP rank's ``local`` rows into ``gathered``, rank after rank
+Exchange = Callable[[torch.Tensor, torch.Tensor], None]
+#: vLLM's DCP exchange calls: 0.26 returns the gathered rows, 0.32 writes them into the workspace
+EXCHANGE_KINDS = ("all_gather", "kv_gather")
+
+
+@dataclass(frozen=True)
+class ExchangeCall:
+    """The DCP all-gather that followed a chunk's local gather (Note [DCP context exchange]):
+    vLLM's kind of call, the workspace rows it read (``source``) and those it filled
+    (``target``)."""
+
+    kind: str
+    source: Rows
+    target: Rows
+
+
 @dataclass
 class GatherCall:
     """One gather the step's first layer made: the op, its per-step arguments, and where in
-    the workspace it wrote (``rows`` rows from row ``offset``)."""
+    the workspace it wrote (``rows`` rows from row ``offset``); under DCP, the exchange that
+    followed it."""
 
     name: str
     op: object
@@ -98,6 +144,7 @@ class GatherCall:
     offset: int
     rows: int
     scaled: bool  # the call passes the layer's KV scale
+    exchange: ExchangeCall | None = None
 
     def matches(self, name: str, args: dict) -> bool:
         return (name == self.name and set(args) - set(_PER_LAYER) == set(self.args)
@@ -107,14 +154,23 @@ class GatherCall:
 class ContextModel:
     """One model's MLA layers (construction = execution order) and its context-chunk ring.
 
+    Under DCP (``dcp_size`` > 1) ``exchange`` all-gathers a unit's local rows across the group
+    (Note [DCP context exchange]).
+
     Raises:
         ProfileError: the ring does not fit ``kv_prefetch.workspace_mib``.
+        ConfigError: an exchange without DCP, or DCP without one.
     """
 
     def __init__(self, state: PluginState, key: int, profile: Profile, shape: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device, name: str) -> None:
+                 dtype: torch.dtype, device: torch.device, name: str, *, dcp_size: int = 1,
+                 exchange: Exchange | None = None) -> None:
         spec = profile.kv_prefetch
+        if (dcp_size > 1) != (exchange is not None):
+            raise ConfigError(f"'{name}': a context model under DCP (dcp_size {dcp_size}) needs "
+                              f"an exchange, and only one under DCP takes it")
         self.state, self.key, self.name = state, key, name
+        self.dcp_size, self.exchange = dcp_size, exchange
         self.layers: list[weakref.ref] = []
         self.verify = spec.verify
         #: False: vLLM gathers for itself, the ring stays reserved (a benchmark's A/B switch,
@@ -158,6 +214,9 @@ class ContextModel:
             args["scale"] = scale
         self.filled[index] = (_signature(cache), None if scale is None else _signature(scale))
         call.op(**args)
+        if call.exchange is not None:
+            (source, rows), (target, gathered) = call.exchange.source, call.exchange.target
+            self.exchange(slot[target: target + gathered], slot[source: source + rows])
 
 
 def _cache_of(layer) -> torch.Tensor:
@@ -166,11 +225,12 @@ def _cache_of(layer) -> torch.Tensor:
 
 
 class Session:
-    """One layer's ``_compute_prefill_context`` call: records (the step's first layer),
-    consumes slots (the others) or passes through (no step planned). Each gather call names
-    its cache and scale (``src_cache``, ``scale``): those are checked against the fill's."""
+    """One layer's ``_compute_prefill_context`` call (``dcp``: its
+    ``_context_parallel_compute_prefill_context``): records (the step's first layer), consumes
+    slots (the others) or passes through (no step planned). Each gather call names its cache
+    and scale (``src_cache``, ``scale``): those are checked against the fill's."""
 
-    def __init__(self, model: ContextModel, index: int, attn_metadata) -> None:
+    def __init__(self, model: ContextModel, index: int, attn_metadata, dcp: bool = False) -> None:
         self.model, self.index = model, index
         self.workspace = attn_metadata.prefill.chunked_context.workspace
         self.saved = None  # the workspace's own storage, kept where it may be re-pointed
@@ -178,6 +238,11 @@ class Session:
         ring = model.ring
         if not model.enabled:
             self.mode = "pass"
+        elif dcp != (model.dcp_size > 1):
+            self.mode = "pass"
+            model.state.log_once("ctx-dcp-path", "vLLM ran its %s context path for a model "
+                                 "ringflow planned %s DCP; context prefetch stays off for it",
+                                 "DCP" if dcp else "non-DCP", "with" if not dcp else "without")
         elif index == 0:
             if ring.in_step:
                 ring.abandon("a step began before the last one's layers had all run")
@@ -205,16 +270,19 @@ class Session:
     def _record(self, name: str, op, args: dict) -> None:
         where = self._where(args["dst"])
         if where is None:
-            self.mode = "pass"
-            self.model.calls = []
-            self.model.state.log_once("ctx-dst", "vLLM's context gather writes outside its "
-                                      "workspace; context prefetch stays off")
+            self._stop_recording("ctx-dst", "vLLM's context gather writes outside its workspace")
             return
         self.model.calls.append(GatherCall(name, op, {k: v for k, v in args.items()
                                                       if k not in _PER_LAYER}, *where,
                                            scaled="scale" in args))
 
-    def _where(self, dst: torch.Tensor) -> tuple[int, int] | None:
+    def _stop_recording(self, key: str, why: str) -> None:
+        """The step's first layer did something the recording cannot replay: no plan."""
+        self.mode = "pass"
+        self.model.calls = []
+        self.model.state.log_once(key, "%s; context prefetch stays off", why)
+
+    def _where(self, dst: torch.Tensor) -> Rows | None:
         """Row offset and rows of ``dst`` inside the workspace (None: not a row range of it)."""
         ws = self.workspace
         if (dst.untyped_storage().data_ptr() != ws.untyped_storage().data_ptr()
@@ -243,6 +311,69 @@ class Session:
             self._check(model.calls[chunk], slot, args)
         ws = self.workspace
         ws.set_(slot.untyped_storage(), slot.storage_offset(), ws.shape, ws.stride())
+
+    # -- the DCP exchange (Note [DCP context exchange]) ---------------------------------------
+
+    def exchange(self, kind: str, run: Callable, local: torch.Tensor,
+                 gathered: torch.Tensor | None):
+        """vLLM's DCP exchange of ``local`` (``kind``: 0.26's ``all_gather``, whose result is
+        returned; 0.32's ``kv_gather`` into ``gathered``); ``run(out)`` runs vLLM's own (into
+        ``out`` for ``kv_gather``). Returns what vLLM's call returns."""
+        if self.mode == "pass" or self._where(local) is None:  # not the chunk's exchange
+            return run(gathered)
+        if self.mode == "record":
+            result = run(gathered)
+            self._record_exchange(kind, local, gathered)
+            return result
+        return self._consume_exchange(kind, run, local, gathered)
+
+    def _target(self, kind: str, source: Rows, gathered: torch.Tensor | None) -> Rows | None:
+        """The workspace rows the exchange fills: 0.32 names them; 0.26 copies its result
+        into the rows after the first ``1 / (size + 1)`` of the workspace (vLLM's layout)."""
+        if kind == "kv_gather":
+            return self._where(gathered)
+        return self.workspace.shape[0] // (self.model.dcp_size + 1), source[1] * self.model.dcp_size
+
+    def _record_exchange(self, kind: str, local: torch.Tensor,
+                         gathered: torch.Tensor | None) -> None:
+        calls, source = self.model.calls, self._where(local)
+        target = self._target(kind, source, gathered)
+        last = calls[-1] if calls else None
+        if (last is None or last.exchange is not None or source[0] < last.offset
+                or source[0] + source[1] > last.offset + last.rows or target is None
+                or target[1] != source[1] * self.model.dcp_size
+                or target[0] + target[1] > self.workspace.shape[0]
+                or source[0] < target[0] + target[1] and target[0] < source[0] + source[1]):
+            self._stop_recording("ctx-dcp-layout", f"vLLM's DCP context exchange ({kind}, rows "
+                                 f"{source} into {target}) is not laid out as ringflow expects")
+            return
+        last.exchange = ExchangeCall(kind, source, target)
+
+    def _consume_exchange(self, kind: str, run: Callable, local: torch.Tensor,
+                          gathered: torch.Tensor | None):
+        model, chunk = self.model, self.calls - 1
+        want = model.calls[chunk].exchange if 0 <= chunk < len(model.calls) else None
+        source = self._where(local)
+        if (want is None or kind != want.kind or source != want.source
+                or self._target(kind, source, gathered) != want.target):
+            # the chunk's local rows are in the slot (its gather matched the recording), so
+            # vLLM's own exchange of them is right; the rest of the step is vLLM's
+            result = run(gathered)
+            self._restore()
+            model.ring.abandon(f"layer {self.index}'s DCP exchange {chunk} differs from the "
+                               f"step's first layer's")
+            self.mode = "pass"
+            return result
+        offset, rows = want.target
+        ours = self.workspace[offset: offset + rows]  # the slot's gathered rows
+        if model.verify:
+            if kind == "kv_gather":
+                theirs = torch.empty_like(ours)
+                run(theirs)
+            else:
+                theirs = run(None)
+            self._compare(f"layer {self.index} chunk {chunk} (DCP exchange)", ours, theirs)
+        return ours if kind == "all_gather" else None  # 0.26 copies it onto itself: no copy
 
     def _into_workspace(self, args: dict, where: tuple[int, int] | None) -> dict:
         """``args`` with ``dst`` re-sliced from the restored workspace (vLLM sliced it while
@@ -276,14 +407,16 @@ class Session:
         """Verification: the slot against vLLM's own gather of the same chunk (host sync)."""
         rows = int(args["cu_seq_lens"][-1]) if "cu_seq_lens" in args else call.rows
         start = call.offset
-        ours = slot[start: start + rows]
-        theirs = self.workspace[start: start + rows]
+        self._compare(f"layer {self.index} chunk {self.calls}", slot[start: start + rows],
+                      self.workspace[start: start + rows])
+
+    def _compare(self, what: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
         model = self.model
         model.checked += 1
         if not torch.equal(ours, theirs):
             bad = (ours != theirs).any(dim=-1).nonzero().flatten()
-            model.mismatches.append(f"layer {self.index} chunk {self.calls}: {bad.numel()} of "
-                                    f"{rows} rows differ (first {bad[:4].tolist()})")
+            model.mismatches.append(f"{what}: {bad.numel()} of {ours.shape[0]} rows differ "
+                                    f"(first {bad[:4].tolist()})")
             log.error("verify: %s", model.mismatches[-1])
         if math.log10(model.checked).is_integer():  # 1, 10, 100, ... checks: a summary
             log.info("verify: %d consumed context slot(s) checked against vLLM's own gather, "
@@ -304,6 +437,9 @@ class Session:
             return
         if self.mode == "record":
             layers = len(model.layers) - 1
+            if model.dcp_size > 1 and any(c.exchange is None for c in model.calls):
+                self._stop_recording("ctx-dcp-none", "vLLM's DCP context path gathered a chunk "
+                                     "without the exchange ringflow hooks (another vLLM?)")
             if model.calls and layers > 0:
                 if not self._fits():
                     return
@@ -335,6 +471,9 @@ def install(state: PluginState) -> None:
     from vllm.model_executor.layers.attention import mla_attention
 
     wrap(mla_attention.MLACommonBaseImpl, "_compute_prefill_context", on_prefill_context, state)
+    if hasattr(mla_attention.MLACommonBaseImpl, "_context_parallel_compute_prefill_context"):
+        wrap(mla_attention.MLACommonBaseImpl, "_context_parallel_compute_prefill_context",
+             on_dcp_prefill_context, state)
     for name in GATHER_OPS:
         if hasattr(_custom_ops, name):
             wrap_function(_custom_ops, name, _gather_hook(name), state)
@@ -360,33 +499,95 @@ def _gather_hook(name: str):
 
 
 def on_prefill_context(state: PluginState, original, impl, q, kv_c_and_k_pe_cache,
-                       attn_metadata, k_scale, *args, **kwargs):
+                       attn_metadata, *args, **kwargs):
     """The hook on ``MLACommonBaseImpl._compute_prefill_context`` (one layer's context
     attention over all its chunks)."""
+    return _in_session(state, original, impl, (q, kv_c_and_k_pe_cache, attn_metadata, *args),
+                       kwargs, dcp=False)
+
+
+def on_dcp_prefill_context(state: PluginState, original, impl, q, kv_c_and_k_pe_cache,
+                           attn_metadata, *args, **kwargs):
+    """The hook on ``MLACommonBaseImpl._context_parallel_compute_prefill_context`` (the same,
+    under DCP: each chunk's local gather is followed by an exchange across the group)."""
+    return _in_session(state, original, impl, (q, kv_c_and_k_pe_cache, attn_metadata, *args),
+                       kwargs, dcp=True)
+
+
+def _in_session(state: PluginState, original, impl, args: tuple, kwargs: dict, dcp: bool):
+    q, attn_metadata = args[0], args[2]
     owner = getattr(impl, "_ringflow_context", None)
     if (owner is None or _SESSION.get() is not None or state.steps.ubatch() != 0
             or q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return original(impl, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, *args, **kwargs)
+        return original(impl, *args, **kwargs)
     model, index = owner
-    session = Session(model, index, attn_metadata)
+    session = Session(model, index, attn_metadata, dcp=dcp)
     token = _SESSION.set(session)
+    patched = _route_exchanges(impl, session) if dcp else []
     failed = True
     try:
-        result = original(impl, q, kv_c_and_k_pe_cache, attn_metadata, k_scale, *args, **kwargs)
+        result = original(impl, *args, **kwargs)
         failed = False
         return result
     finally:
+        for owner_object, name in patched:
+            vars(owner_object).pop(name, None)
         _SESSION.reset(token)
         session.close(failed)
+
+
+def _route_exchanges(impl, session: Session) -> list[tuple[object, str]]:
+    """For one layer's DCP context session: vLLM's exchange calls go through ``session``
+    (instance attributes shadowing the methods, removed when the session ends; Note [DCP
+    context exchange])."""
+    patched = []
+    manager = getattr(impl, "dcp_manager", None)
+    if manager is not None and hasattr(type(manager), "kv_gather"):  # vLLM 0.32
+        kv_gather = type(manager).kv_gather
+
+        def routed_kv_gather(gathered, local, _m=manager):
+            return session.exchange("kv_gather", lambda out: kv_gather(_m, out, local), local,
+                                    gathered)
+
+        manager.kv_gather = routed_kv_gather
+        patched.append((manager, "kv_gather"))
+    group = _dcp_coordinator()
+    if group is not None:  # vLLM 0.26: get_dcp_group().all_gather(local, dim=0)
+        all_gather = type(group).all_gather
+
+        def routed_all_gather(input_, dim=-1, _g=group):
+            if dim != 0:
+                return all_gather(_g, input_, dim)
+            return session.exchange("all_gather", lambda out: all_gather(_g, input_, dim),
+                                    input_, None)
+
+        group.all_gather = routed_all_gather
+        patched.append((group, "all_gather"))
+    return patched
+
+
+def _dcp_coordinator():
+    """vLLM's DCP group coordinator (None where there is none)."""
+    try:
+        from vllm.distributed.parallel_state import get_dcp_group
+        return get_dcp_group()
+    except (ImportError, AssertionError):
+        return None
 
 
 # -- attaching layers ---------------------------------------------------------------------------
 
 def workspace_shape(layer, config) -> tuple[int, int]:
-    """The chunked-context workspace vLLM's MLA metadata builder allocates for ``config``."""
+    """The chunked-context workspace vLLM's MLA metadata builder allocates for ``config``
+    (under DCP, ``1 / size`` larger: the local gather's rows before the exchanged ones)."""
     from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
     rows = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(config)
-    return rows, layer.kv_lora_rank + layer.qk_rope_head_dim
+    size = dcp_size(config)
+    return rows + (rows // size if size > 1 else 0), layer.kv_lora_rank + layer.qk_rope_head_dim
+
+
+def dcp_size(config) -> int:
+    return getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
 
 
 def attach(state: PluginState, layer, profile: Profile, config) -> bool:
@@ -410,8 +611,12 @@ def attach(state: PluginState, layer, profile: Profile, config) -> bool:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if getattr(config.device_config, "device_type", "cpu") == "cuda"
                   else torch.device("cpu"))
+        size, exchange = dcp_size(config), None
+        if size > 1:
+            exchange = _exchange_over_own_group(state, profile, config)
         model = ContextModel(state, key, profile, shape, dtype, device,
-                             name=f"{profile.name}/model{key}/context")
+                             name=f"{profile.name}/model{key}/context", dcp_size=size,
+                             exchange=exchange)
         state.context_models[key] = model
         state.record("context-ring-allocated")
         log.info("%s; MLA's context gathers (prefix hits, chunked prefill) are read from it "
@@ -430,13 +635,32 @@ def _no_consumer(layer, config) -> str | None:
     if getattr(layer, "kv_cache_dtype", "auto") != "auto":
         return "MLA context prefetch supports caches in the model dtype only (kv_cache_dtype=auto)"
     parallel = config.parallel_config
-    if (getattr(parallel, "decode_context_parallel_size", 1) or 1) > 1:
-        return "MLA's context gather under decode context parallelism is not prefetched yet"
     if getattr(parallel, "enable_dbo", False):
         return "MLA context prefetch runs one micro-batch; dual-batch overlap is on"
-    if not hasattr(getattr(layer, "impl", None), "_compute_prefill_context"):
+    method = ("_context_parallel_compute_prefill_context" if dcp_size(config) > 1
+              else "_compute_prefill_context")
+    if not hasattr(getattr(layer, "impl", None), method):
         return f"{type(getattr(layer, 'impl', None)).__name__} has no MLA context chunk loop"
     return None
+
+
+def _exchange_over_own_group(state: PluginState, profile: Profile, config) -> Exchange:
+    """The DCP exchange of the context ring's fills: an NCCL all-gather over a communicator of
+    ringflow's own (a collective of every worker, made at the model's first MLA layer, which
+    every rank builds in the same order)."""
+    from ringflow.integrations.vllm.attention import dcp_group
+    from ringflow.kernels.kv_gathers import all_gather_parts
+
+    transport = profile.kv_prefetch.dcp_transport
+    if transport == "peer":
+        state.log_once("ctx-dcp-peer", "kv_prefetch.dcp_transport is peer, which the context "
+                       "consumer does not have yet: its DCP exchange is an NCCL all-gather over "
+                       "ringflow's own communicator")
+    group = dcp_group(config, "nccl", who="MLA context prefetch")
+    log.info("MLA context prefetch under DCP (%d ranks): each chunk's exchange is prefetched "
+             "with the local gather, as an NCCL all-gather over ringflow's own communicator",
+             group.size)
+    return lambda gathered, local: all_gather_parts(gathered, local, group.group)
 
 
 def models(state: PluginState) -> list[ContextModel]:

@@ -183,6 +183,12 @@ def worker_kv_stats(worker=None) -> list[dict]:
     return [kv_stats(model) for model in attention.models()]
 
 
+def worker_context_stats(worker=None) -> list[dict]:
+    """context_stats of every context-chunk ring of this process (each worker under TP > 1)."""
+    from ringflow.integrations.vllm.state import STATE
+    return [context_stats(model) for model in STATE.context_models.values()]
+
+
 def write_model(root: Path, name: str, weights: bool = True, seed: int = 0) -> str:
     """config.json plus seeded random weights (vLLM's dummy weights give flat logits; they do
     for memory accounting, where ``weights=False`` writes the config only); another ``seed``
@@ -444,11 +450,14 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
             result["kv"] = [s for per_worker in llm.collective_rpc(worker_kv_stats)
                             for s in per_worker]
             result["forwards"] = llm.collective_rpc(worker_forwards)
+            result["context"] = [s for per_worker in llm.collective_rpc(worker_context_stats)
+                                 for s in per_worker]
         else:
             result["kv"] = [kv_stats(model) for model in attention.models()
                             if id(model) not in earlier]
-        result["context"] = [context_stats(model) for model in STATE.context_models.values()
-                             if id(model) not in earlier]
+            result["context"] = [context_stats(model)
+                                 for model in STATE.context_models.values()
+                                 if id(model) not in earlier]
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -1,10 +1,12 @@
 """MLA context prefetch without vLLM: what each layer's attention reads from the workspace is
 exactly what vLLM's own gather would have put there, whether it came from a slot or not."""
 
+import functools
 import logging
 import weakref
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ringflow.integrations.vllm import context_gather as cg
@@ -164,3 +166,298 @@ def test_the_gather_hook_binds_positional_calls_into_the_session_and_is_inert_wi
     assert session.calls == 1 and set(call.args) == {"block_table", "cu_seq_lens"}
     assert call.args["block_table"] is table and call.args["cu_seq_lens"] is cu
     assert torch.equal(ws[:toks], want(fakes[0], table, toks))
+
+
+# -- under DCP (Note [DCP context exchange]) ----------------------------------------------------
+
+#: a DCP group of two: the workspace is 1/2 larger (vLLM's layout), local chunks of <= 8 rows
+DCP, DCP_ROWS = 2, ROWS + ROWS // 2
+DCP_CHUNKS = [([0, 1], 7), ([3, 5], 5)]
+
+
+def peer_rows(local):
+    """The other rank's rows of a chunk, in a one-process test: a function of this rank's."""
+    return local * -2.0 + 0.5
+
+
+def exchanged(local, peer=peer_rows):
+    return torch.cat([local, peer(local)])
+
+
+class FakeCoordinator:
+    """vLLM 0.26's DCP ``GroupCoordinator``: ``all_gather(local, dim=0)`` returns every rank's."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def all_gather(self, input_, dim=-1):
+        self.calls += 1
+        return exchanged(input_)
+
+
+class FakeManager:
+    """vLLM 0.32's ``MLADCPManager``: ``kv_gather(gathered, local)`` fills ``gathered``."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def kv_gather(self, gathered, local):
+        self.calls += 1
+        gathered.copy_(exchanged(local))
+
+
+def make_dcp_model(verify=False, layers=3, seed=0, exchange=None):
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {
+        "depth": 1, "workspace_mib": 1, "verify": verify}})
+
+    def fill_exchange(gathered, local):
+        gathered.copy_(exchanged(local))
+
+    model = cg.ContextModel(PluginState(), key=1, profile=profile, shape=(DCP_ROWS, W),
+                            dtype=torch.float32, device=torch.device("cpu"), name="t",
+                            dcp_size=DCP, exchange=exchange or fill_exchange)
+    g = torch.Generator().manual_seed(seed)
+    fakes = [FakeLayer(kv_cache=torch.randn(BLOCKS, BLOCK, W, generator=g),
+                       _k_scale=torch.tensor(1.0)) for _ in range(layers)]
+    for layer in fakes:
+        model.layers.append(weakref.ref(layer))
+    return model, fakes
+
+
+def dcp_metadata(chunks=DCP_CHUNKS):
+    md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
+        workspace=torch.empty(DCP_ROWS, W))))
+    args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
+    return md, args
+
+
+def vllm_dcp_context(impl, q, cache, md, k_scale, dcp_world_size, *, layer, chunk_args, style,
+                     coordinator, reads):
+    """vLLM's ``_context_parallel_compute_prefill_context`` as it touches the workspace: the
+    local gather (through ringflow's op hook), the exchange (0.26: ``all_gather`` and a copy;
+    0.32: ``kv_gather``), then the gathered rows are read."""
+    gather = cg._gather_hook("fake_gather")
+    for table, cu, toks in chunk_args:
+        gather(impl.state, fake_gather, src_cache=layer.kv_cache,
+               dst=md.prefill.chunked_context.workspace, block_table=table, cu_seq_lens=cu)
+        ws = md.prefill.chunked_context.workspace
+        offset = ws.shape[0] // (dcp_world_size + 1)
+        local, gathered = ws[:toks], ws[offset: offset + toks * dcp_world_size]
+        if style == "0.26":
+            gathered.copy_(coordinator.all_gather(local, dim=0))
+        else:
+            impl.dcp_manager.kv_gather(gathered, local)
+        reads.append(gathered.clone())
+
+
+def run_dcp_step(model, fakes, md, args, style, monkeypatch, per_layer=None):
+    """One step of every layer under DCP through ringflow's session hook; returns the modes,
+    the exchanges vLLM itself ran, and checks every read against vLLM's own result."""
+    coordinator, manager = FakeCoordinator(), FakeManager()
+    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
+    modes = []
+    for i, layer in enumerate(fakes):
+        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state,
+                               dcp_manager=manager if style == "0.32" else None)
+        chunk_args = (per_layer or {}).get(i, args)
+        reads = []
+        original = functools.partial(vllm_dcp_context, layer=layer, chunk_args=chunk_args,
+                                     style=style, coordinator=coordinator, reads=reads)
+        sessions = []
+        real_session = cg.Session
+
+        def remember(*a, **k):
+            sessions.append(real_session(*a, **k))
+            return sessions[-1]
+
+        monkeypatch.setattr(cg, "Session", remember)
+        cg.on_dcp_prefill_context(model.state, original, impl, torch.zeros(1), None, md,
+                                  None, dcp_world_size=DCP)
+        monkeypatch.setattr(cg, "Session", real_session)
+        modes.append(sessions[0].mode)
+        assert "all_gather" not in vars(coordinator) and "kv_gather" not in vars(manager)
+        for (table, _, toks), got in zip(chunk_args, reads):
+            assert torch.equal(got, exchanged(want(layer, table, toks))), (i, toks)
+    return modes, coordinator.calls + manager.calls
+
+
+@pytest.mark.parametrize("style", ["0.26", "0.32"])
+def test_under_dcp_the_exchange_is_prefetched_with_the_gather_and_vllms_own_is_skipped(
+        style, monkeypatch):
+    model, fakes = make_dcp_model(seed=5)
+    for step in (1, 2):
+        md, args = dcp_metadata()
+        modes, vllm_exchanges = run_dcp_step(model, fakes, md, args, style, monkeypatch)
+        assert modes == ["record", "consume", "consume"]
+        assert vllm_exchanges == len(DCP_CHUNKS)  # the recording layer's only
+        assert [c.exchange.kind for c in model.calls] == [
+            "all_gather" if style == "0.26" else "kv_gather"] * 2
+        assert [c.exchange.target for c in model.calls] == [(8, 14), (8, 10)]
+        assert model.ring.consumed == 4 * step and model.ring.abandoned == {}
+        assert not model.ring.in_step and model.ring.pool.leases() == []
+
+
+def test_under_dcp_a_corrupt_exchange_is_read_by_attention_and_caught_by_verify(monkeypatch):
+    """The consuming layers read the slot's exchanged rows, not vLLM's: an exchange that
+    brings other rows changes what they read, and verify names every such chunk."""
+    def wrong(gathered, local):
+        gathered.copy_(exchanged(local, peer=lambda x: x + 1.0))
+
+    model, fakes = make_dcp_model(verify=True, seed=6, exchange=wrong)
+    md, args = dcp_metadata()
+    with pytest.raises(AssertionError):  # the reads are the corrupt rows
+        run_dcp_step(model, fakes, md, args, "0.26", monkeypatch)
+    model, fakes = make_dcp_model(verify=True, seed=6, exchange=wrong)
+    md, args = dcp_metadata()
+    coordinator = FakeCoordinator()
+    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
+    for i, layer in enumerate(fakes):
+        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state, dcp_manager=None)
+        cg.on_dcp_prefill_context(
+            model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
+                                           style="0.26", coordinator=coordinator, reads=[]),
+            impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
+    exchanges = [m for m in model.mismatches if "DCP exchange" in m]
+    assert len(exchanges) == 4 and "layer 1 chunk 0" in exchanges[0]
+    assert len(model.mismatches) == 4  # the local gathers themselves were right
+
+
+def test_under_dcp_another_exchange_falls_back_to_vllms_own_and_reads_stay_right(
+        monkeypatch, caplog):
+    model, fakes = make_dcp_model(seed=7)
+    md, args = dcp_metadata()
+    run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
+    md, args = dcp_metadata()
+    real = cg.Session._target
+
+    def shifted(self, kind, source, gathered):  # layer 2's exchange fills other rows
+        rows = real(self, kind, source, gathered)
+        return (rows[0] + 1, rows[1]) if self.index == 2 and rows else rows
+
+    monkeypatch.setattr(cg.Session, "_target", shifted)
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        modes, vllm_exchanges = run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
+    assert modes == ["record", "consume", "pass"]
+    assert vllm_exchanges == 2 + 2  # layer 0 records both chunks, layer 2 runs both itself
+    (reason,) = model.ring.abandoned
+    assert "layer 2's DCP exchange 0" in reason
+    assert any(reason in r.getMessage() for r in caplog.records)
+    assert not model.ring.in_step and model.ring.pool.leases() == []
+
+
+def test_a_dcp_recording_without_an_exchange_plans_nothing(monkeypatch, caplog):
+    """A vLLM whose DCP path gathers without the exchange ringflow hooks: nothing is planned,
+    said once, and every layer gathers for itself."""
+    model, fakes = make_dcp_model(seed=8)
+    md, args = dcp_metadata()
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        for i, layer in enumerate(fakes):
+            session = cg.Session(model, i, md, dcp=True)
+            token = cg._SESSION.set(session)
+            try:
+                cg._gather_hook("fake_gather")(model.state, fake_gather, src_cache=layer.kv_cache,
+                                               dst=md.prefill.chunked_context.workspace,
+                                               block_table=args[0][0], cu_seq_lens=args[0][1])
+            finally:
+                cg._SESSION.reset(token)
+            session.close(failed=False)
+            assert session.mode == "pass"
+    assert model.ring.steps == 0 and model.calls == []
+    assert sum("without the exchange" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_dcp_model_needs_its_exchange():
+    from ringflow.errors import ConfigError
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"workspace_mib": 1}})
+    with pytest.raises(ConfigError, match="needs an exchange"):
+        cg.ContextModel(PluginState(), 1, profile, (DCP_ROWS, W), torch.float32,
+                        torch.device("cpu"), "t", dcp_size=2)
+
+
+class GlooCoordinator:
+    """vLLM 0.26's DCP coordinator over a real process group (the world, as vLLM's own)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def all_gather(self, input_, dim=-1):
+        import torch.distributed as dist
+        self.calls += 1
+        out = torch.empty(input_.shape[0] * dist.get_world_size(), *input_.shape[1:])
+        dist.all_gather_into_tensor(out, input_.contiguous())
+        return out
+
+
+def _dcp_rank(rank, world, steps):
+    """One rank: its own caches, ringflow's fills all-gathered over a group of ringflow's own;
+    every consuming layer must read every rank's rows, rank after rank."""
+    import torch.distributed as dist
+
+    from ringflow.kernels.kv_gathers import all_gather_parts
+    own = dist.new_group(list(range(world)), backend="gloo")
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": 1, "workspace_mib": 1}})
+    rows = 6 * world + 6  # vLLM's: 6 rows per rank, and the local gather's 6 before them
+    model = cg.ContextModel(PluginState(), 1, profile, (rows, W), torch.float32,
+                            torch.device("cpu"), "t", dcp_size=world,
+                            exchange=lambda gathered, local: all_gather_parts(gathered, local, own))
+    caches = [[torch.randn(BLOCKS, BLOCK, W, generator=torch.Generator().manual_seed(100 * r + i))
+               for i in range(3)] for r in range(world)]  # every rank's, to know the answer
+    fakes = [FakeLayer(kv_cache=caches[rank][i], _k_scale=torch.tensor(1.0)) for i in range(3)]
+    for layer in fakes:
+        model.layers.append(weakref.ref(layer))
+    coordinator = GlooCoordinator()
+    cg._dcp_coordinator = lambda: coordinator
+    chunks = [([0, 1], 6), ([3, 5], 5)]
+    for _ in range(steps):
+        md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
+            workspace=torch.empty(rows, W))))
+        args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
+        for i, layer in enumerate(fakes):
+            reads = []
+            impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state,
+                                   dcp_manager=None)
+            cg.on_dcp_prefill_context(
+                model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
+                                               style="0.26", coordinator=coordinator,
+                                               reads=reads),
+                impl, torch.zeros(1), None, md, None, dcp_world_size=world)
+            for (table, _, toks), got in zip(args, reads):
+                expected = torch.cat([caches[r][i][table].reshape(-1, W)[:toks]
+                                      for r in range(world)])
+                assert torch.equal(got, expected), (rank, i, toks)
+    assert coordinator.calls == steps * len(chunks)  # layer 0's only: the others were prefetched
+    assert model.ring.consumed == steps * 2 * len(chunks) and model.ring.abandoned == {}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_under_dcp_the_fills_all_gather_across_real_ranks_in_vllms_order(tmp_path, world):
+    """Real collectives (gloo): each rank's fills all-gather over ringflow's own group while
+    'vLLM' all-gathers over the world, and every consuming layer reads every rank's rows."""
+    from ringflow.testing.spawn import spawn_group
+    spawn_group(world, _dcp_rank, 2, rendezvous=str(tmp_path / "rdzv"))
+
+
+def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_consumer(
+        monkeypatch):
+    """vLLM enlarges the DCP workspace by 1/size (the local gather's rows); a slot of the
+    plain size would not fit and the consumer would stay off. MLA under DCP has a consumer
+    wherever the impl has vLLM's DCP context method."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+    monkeypatch.setattr(MLACommonMetadataBuilder, "determine_chunked_prefill_workspace_size",
+                        staticmethod(lambda config: 64))
+
+    class Impl:
+        def _context_parallel_compute_prefill_context(self):
+            pass
+
+    layer = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dtype="auto",
+                            impl=Impl())
+    parallel = SimpleNamespace(decode_context_parallel_size=2, enable_dbo=False)
+    config = SimpleNamespace(parallel_config=parallel)
+    assert cg.workspace_shape(layer, config) == (96, 576)
+    assert cg._no_consumer(layer, config) is None
+    layer.impl = SimpleNamespace(_compute_prefill_context=None)
+    assert "no MLA context chunk loop" in cg._no_consumer(layer, config)
+    parallel.decode_context_parallel_size = 1
+    assert cg.workspace_shape(layer, config) == (64, 576)
+    assert cg._no_consumer(layer, config) is None

@@ -346,6 +346,13 @@ def two_gpus():
         cases += [{"name": f"dcp/{mode}/off", **base},
                   {"name": f"dcp/{mode}/verified", **base, "env": {**WORKER_RPC, **POISON},
                    "additional_config": kv_dcp(DCP_TRANSPORT[mode])}]
+    for mode in ("eager", "default"):  # prefix hits over one chunk (the workers' own workspace)
+        ctx = {"model": "dsv2", "mode": mode, "max_tokens": 6, "engine": DCP2,
+               "context": {"prefix_caching": True}, "env": WORKER_RPC}
+        cases += [{"name": f"dcp/{mode}/ctx/off", **ctx},
+                  {"name": f"dcp/{mode}/ctx/read", **ctx, "env": {**WORKER_RPC, **POISON},
+                   "additional_config": CTX},
+                  {"name": f"dcp/{mode}/ctx/verify", **ctx, "additional_config": CTX_VERIFY}]
     base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
     cases += [{"name": "tp2/layer-ops", **base, "env": {**WORKER_RPC,
                                                         "RINGFLOW_LAYER_OPS_ONLY": "1"}},
@@ -387,6 +394,26 @@ def test_full_kv_prefetch_under_dcp2_holds_every_layers_full_kv(two_gpus, mode):
             assert set(stats["dcp"]["measured_ms"]) == {"nccl", "peer"}, stats["dcp"]
         else:
             assert stats["dcp"]["transport"] == DCP_TRANSPORT[mode], stats["dcp"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_mla_context_under_dcp2_reads_the_prefetched_exchange(two_gpus, mode):
+    """vLLM TP2 + DCP2, MLA prefix hits: on both workers the layers after the first read each
+    context chunk's local gather and its all-gather across the DCP group from a ring slot
+    (poisoned after its read), vLLM's own exchange skipped; tokens as ringflow off; verify
+    finds every consumed gather and exchange equal to vLLM's own."""
+    off = ok(two_gpus[f"dcp/{mode}/ctx/off"])
+    for name in ("read", "verify"):
+        run_ = ok(two_gpus[f"dcp/{mode}/ctx/{name}"])
+        assert_same_output(run_, off)
+        assert len(run_["context"]) == 2, run_["context"]  # one ring per worker
+        for stats in run_["context"]:
+            assert stats["abandoned"] == {} and stats["consumed"] > 0, stats
+            if name == "verify":  # a gather and an exchange checked per consumed chunk
+                assert stats["checked"] == 2 * stats["consumed"], stats
+                assert stats["mismatches"] == [], stats
+        assert run_["context"][0]["consumed"] == run_["context"][1]["consumed"]
+        assert any("under DCP (2 ranks)" in line for line in run_["log"]), "no DCP exchange"
 
 
 def test_weight_streaming_under_tensor_parallel_2(two_gpus):
