@@ -107,6 +107,10 @@ def _signature(t: torch.Tensor) -> tuple:
 
 
 def _same(a, b) -> bool:
+    """The same argument: one tensor object (vLLM passes a step's metadata tensors to every
+    layer), or tensors over the same memory with one shape, stride and dtype; else equal."""
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and _signature(a) == _signature(b))
@@ -189,7 +193,7 @@ class ContextModel:
             self.ring.on_plan = functools.partial(_dump_plan, dump)
         self.calls: list[GatherCall] = []
         self.step = None  # the metadata object of the step the calls were recorded in
-        self.filled: dict[int, tuple] = {}  # layer -> (cache, scale) signatures its fill read
+        self.filled: dict[int, tuple] = {}  # layer -> (cache, scale) its fill read
         self.checked = 0
         self.mismatches: list[str] = []
 
@@ -212,7 +216,7 @@ class ContextModel:
         args = dict(call.args, src_cache=cache, dst=slot[call.offset: call.offset + call.rows])
         if call.scaled:
             args["scale"] = scale
-        self.filled[index] = (_signature(cache), None if scale is None else _signature(scale))
+        self.filled[index] = (cache, scale)
         call.op(**args)
         if call.exchange is not None:
             (source, rows), (target, gathered) = call.exchange.source, call.exchange.target
@@ -395,11 +399,12 @@ class Session:
         if not call.matches(name, args) or where != (call.offset, call.rows):
             return (f"layer {self.index}'s context gather {chunk} differs from the step's first "
                     f"layer's (another chunking or metadata)")
-        cache, scale = model.filled.get(self.index, (None, None))
-        if cache != _signature(args["src_cache"]):
+        if self.index not in model.filled:
+            return f"layer {self.index} was not prefetched in this step"
+        cache, scale = model.filled[self.index]
+        if not _same(cache, args["src_cache"]):
             return f"layer {self.index} reads another KV cache than its prefetch did"
-        if "scale" in args and scale != (None if args["scale"] is None
-                                         else _signature(args["scale"])):
+        if "scale" in args and not _same(scale, args["scale"]):
             return f"layer {self.index}'s KV scale is not the one its prefetch used"
         return None
 
