@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Weight streaming in vLLM's real engine: ringflow vs vLLM's prefetch offloader vs all resident.
 
-    python3 tools/vllm_bench.py [--pattern groups|all] [--repeats 3] [--json FILE]
+    python3 tools/vllm_bench.py [--pattern groups|placed|all] [--repeats 3] [--json FILE]
 
 An 8B-shaped Llama (32 layers, hidden 4096, bf16, dummy weights: speed does not depend on
 values). Every configuration is a separate engine (its own engine-core process), all started
@@ -10,7 +10,9 @@ run: prefill throughput (16 prompts of 2,000 tokens) and decode throughput (32 r
 new tokens each, short prompts). Each engine's KV cache size is read back from vLLM.
 
 Patterns: ``groups`` offloads the last 2 of every 8 layers (vLLM: --offload-group-size 8
---offload-num-in-group 2); ``all`` offloads every layer. Rings: 2 layer-slots (vLLM
+--offload-num-in-group 2); ``placed`` gives vLLM the same and ringflow ``{count: 8}``, the 8
+layers its planner places (Note [Placement model]), through the same ring memory; ``all``
+offloads every layer. Rings: 2 layer-slots (vLLM
 --offload-prefetch-step 2, ringflow depth 1) and 1 slot (step 1, depth 0). vLLM's prefetch
 offloader only works under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, set here).
 """
@@ -37,9 +39,9 @@ LAYER_MIB = 436  # one layer's weights in bf16 (4 attention + 3 MLP matrices), r
 
 def configs(pattern: str) -> dict[str, dict]:
     """Engine keyword arguments per configuration."""
-    if pattern == "groups":
+    if pattern in ("groups", "placed"):
         vllm_layers = dict(offload_group_size=8, offload_num_in_group=2)
-        ours = {"every": 8, "last": 2}
+        ours = {"every": 8, "last": 2} if pattern == "groups" else {"count": 8}
     else:
         vllm_layers = dict(offload_group_size=1, offload_num_in_group=1)
         ours = "all"
@@ -57,8 +59,9 @@ def configs(pattern: str) -> dict[str, dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pattern", choices=["groups", "all"], default="groups",
-                        help="which layers are offloaded (default: last 2 of every 8)")
+    parser.add_argument("--pattern", choices=["groups", "placed", "all"], default="groups",
+                        help="which layers are offloaded (default: last 2 of every 8; placed: "
+                             "ringflow's planner picks 8)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--only", default=None, help="comma-separated configurations")
     parser.add_argument("--utilization", type=float, default=0.17,
