@@ -20,6 +20,11 @@ decode steps, FULL graphs), ``mixed`` (32 prompts of 2,000 tokens and 32 short p
 new tokens in one call: prefill chunks and decodes share steps, piecewise graphs). Ratios are
 medians of the engine's times over plain vLLM's in the same mode. Target (issue #25): ``ops``
 at most 1.01x in every phase.
+
+Engines of one configuration can run more than once (``full/plain#2``): their ratios to each
+other are the spread between engines of one configuration, the noise floor every other ratio
+is read against; plain vLLM's time is then the median over all its engines' rounds. Each round
+starts one engine further along, so no engine is always measured first.
 """
 
 import argparse
@@ -45,7 +50,7 @@ def start(model: Path, mode: str, name: str, utilization: float):
     """One engine; its engine-core process inherits the switches set while it starts."""
     from vllm import LLM
 
-    env, extra = CONFIGS[name]
+    env, extra = CONFIGS[name.split("#")[0]]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -79,7 +84,7 @@ def main() -> int:
     pairs = [tuple(e.split("/", 1)) for e in args.engines.split(",")] if args.engines else \
         [(m, c) for m in args.modes.split(",") for c in args.configs.split(",")]
     for pair in pairs:
-        if len(pair) != 2 or pair[0] not in GRAPH_MODES or pair[1] not in CONFIGS:
+        if len(pair) != 2 or pair[0] not in GRAPH_MODES or pair[1].split("#")[0] not in CONFIGS:
             parser.error(f"unknown engine '{'/'.join(pair)}' (modes: {', '.join(GRAPH_MODES)}; "
                          f"configs: {', '.join(CONFIGS)})")
 
@@ -125,8 +130,10 @@ def main() -> int:
         for prompts, sampling in phases.values():
             llm.generate(prompts[:4] + prompts[-4:], sampling[:4] + sampling[-4:],
                          use_tqdm=False)
+    keys = list(engines)
     for round_ in range(args.repeats):
-        for key, llm in engines.items():  # interleaved: every engine once per round
+        for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:  # every engine once
+            llm = engines[key]
             for phase, (prompts, sampling) in phases.items():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -135,14 +142,17 @@ def main() -> int:
         print(f"[layer-cost] round {round_} done", flush=True)
 
     for key, r in results.items():
-        base = results.get(f"{key.split('/')[0]}/plain")
+        mode = key.split("/")[0]
+        plains = [v for k, v in results.items()
+                  if k.split("/")[0] == mode and k.split("/")[1].split("#")[0] == "plain"]
         for phase in phases:
             r[f"{phase}_s_median"] = round(statistics.median(r[f"{phase}_s"]), 4)
-            if base:
-                r[f"{phase}_vs_plain"] = round(r[f"{phase}_s_median"] /
-                                               base[f"{phase}_s_median"], 4)
+            if plains:  # plain vLLM: the median over every plain engine's rounds
+                base = statistics.median(t for p in plains for t in p[f"{phase}_s"])
+                r[f"{phase}_vs_plain"] = round(r[f"{phase}_s_median"] / base, 4)
     doc = records.record("python3 tools/vllm_layer_cost.py", vllm=vllm.__version__, repeats=args.repeats,
                          runner=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "vLLM's default"),
+                         order="round r starts at engine r mod engines",
                          model="Llama 8B shapes, dummy", results=results)
     if args.json:
         records.write(args.json, doc)
