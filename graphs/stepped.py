@@ -10,6 +10,19 @@ engine's layer is the compute.
 
 A layer index that does not increase starts a new forward: an engine that abandoned a forward
 (an exception inside a layer) leaves leases behind, which are handed back first.
+
+Note [Boundary layers]
+    An engine need not call ``before``/``after`` around every layer, only around the
+    :attr:`LayerStepper.boundaries`: ``before(b)`` issues everything up to ``b``'s compute, so
+    the nodes after a skipped layer's compute are issued at the next boundary's ``before``,
+    which is on time exactly when they are that next layer's own compute-stream wait (or
+    synchronous gather). A layer is a boundary when it starts or ends the forward, when such a
+    node of its own precedes its compute, or when anything else follows its compute (a retire,
+    a release, the gathers a freed slot lets start, the join). With weights streaming that is
+    the first and last layers and the offloaded ones: every gather follows an offloaded layer's
+    compute or the forward's start (Note [When a gather is issued] in planner.py). In an engine
+    that compiles its model into pieces split at the boundary ops (vLLM), resident layers in
+    between then share one piece.
 """
 
 from __future__ import annotations
@@ -27,6 +40,28 @@ log = logging.getLogger("ringflow")
 
 def engine_computes(layer: int, lane: str, slot) -> None:
     """The compute callable of a stepped plan: the engine's own layer is the compute."""
+
+
+def _owned_by(node, layer: int) -> bool:
+    """``node`` is ``layer``'s own step on the compute stream before its compute."""
+    return node.stream == COMPUTE_STREAM and node.layer == layer and node.kind in (
+        NodeKind.WAIT, NodeKind.SYNC_GATHER, NodeKind.COMPUTE)
+
+
+def _boundaries(dag) -> tuple[int, ...]:
+    """The layers an engine must call ``before``/``after`` around (Note [Boundary layers])."""
+    at = [i for i, n in enumerate(dag.nodes) if n.kind is NodeKind.COMPUTE]
+    order = [dag.nodes[i].layer for i in at]
+    need = {order[0], order[-1]}
+    for k, layer in enumerate(order):
+        start = at[k - 1] + 1 if k else 0
+        if any(_owned_by(n, layer) for n in dag.nodes[start: at[k]]):
+            need.add(layer)  # its own wait (or synchronous gather) precedes its compute
+        stop = at[k + 1] if k + 1 < len(at) else len(dag.nodes)
+        following = order[k + 1] if k + 1 < len(order) else None
+        if not all(_owned_by(n, following) for n in dag.nodes[at[k] + 1: stop]):
+            need.add(layer)  # its end issues work that must not wait for the next boundary
+    return tuple(sorted(need))
 
 
 class LayerStepper:
@@ -54,8 +89,8 @@ class LayerStepper:
         self._end = len(dag.nodes)
         first = self._order[0]
         self._ahead = next(i for i, n in enumerate(dag.nodes)  # the first layer's own nodes
-                           if n.stream == COMPUTE_STREAM and n.layer == first and n.kind in (
-                               NodeKind.WAIT, NodeKind.SYNC_GATHER, NodeKind.COMPUTE))
+                           if _owned_by(n, first))
+        self.boundaries = _boundaries(dag)
         self._path: DagExecutor | None = None
         self._cursor = 0
         self._layer = -1

@@ -146,7 +146,8 @@ def _worker_stats(worker) -> dict:
 def _stats(model) -> dict:
     return {"chunks": len(model.calls), "reserved_bytes": model.reserved_bytes,
             "consumed": model.ring.consumed, "abandoned": dict(model.ring.abandoned),
-            "dcp_size": model.dcp_size}
+            "dcp_size": model.dcp_size, "depth": model.ring.pool.depth,
+            "slots": model.ring.pool.slots}
 
 
 def _gather_ms(model, repeats: int = 20) -> float | None:
@@ -236,8 +237,10 @@ def main() -> int:
     prefixes = [int(p) for p in args.prefixes.split(",") if p]
     path = write_model(Path(args.models) / f"v2lite-{args.layers}", args.layers)
     longest = max(prefixes + [args.long]) + args.suffix + 64
-    profile = {"ringflow": {"name": "mla-context", "kv_prefetch": {"depth": 1,
-                                                                   "workspace_mib": 160}}}
+    # two slots of vLLM's context workspace (64k rows of 576 bf16; under DCP 1/N more rows)
+    workspace_mib = 160 * (args.dcp + 1) / args.dcp if args.dcp > 1 else 160
+    profile = {"ringflow": {"name": "mla-context", "kv_prefetch": {
+        "depth": 1, "workspace_mib": workspace_mib}}}
     engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
                   enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.85, seed=0, additional_config=profile,
@@ -273,8 +276,8 @@ def main() -> int:
                 seconds, _ = bench.generate(prefix + tokens(10_000 * (n + 1) + 2 * r + on,
                                                             args.suffix), on)
                 times["on" if on else "off"].append(seconds)
-                host_ms["on" if on else "off"].append(
-                    round((top_level_s(host) - before) * 1e3, 3))
+                host_ms["on" if on else "off"].append(  # None: not timed (--dcp)
+                    round((top_level_s(host) - before) * 1e3, 3) if host else None)
         gather = bench.gather_ms()
         if args.trace and n == 0:
             trace(bench, prefix, args.suffix)
@@ -305,6 +308,7 @@ def main() -> int:
                          ring_mib=round(stats["reserved_bytes"] / 2**20, 1),
                          ring_kv_tokens=stats["reserved_bytes"] // per_token, kv_tokens=kv_tokens,
                          consumed=stats["consumed"], abandoned=stats["abandoned"],
+                         ring_depth=stats["depth"], ring_slots=stats["slots"],
                          per_rank=stats.get("per_rank"),
                          host_ms_per_call={k: round(v[0] * 1e3 / max(v[1], 1), 4)
                                            for k, v in host.items()},

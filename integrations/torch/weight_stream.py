@@ -99,7 +99,8 @@ class WeightStreamer:
         capture: policy inside a CUDA graph capture (``join``, ``sync``, ``error``).
         gather_priority: stream priority of the copy lane.
         poison: fill a slot with NaN bytes after its layer ran (debug).
-        wrap: install the forward wrappers (tests may drive :attr:`stepper` by hand).
+        wrap: install the forward wrappers around the plan's boundary layers: the first, the
+            last and the offloaded ones (tests may drive :attr:`stepper` by hand).
 
     Raises:
         ConfigError: an offloaded layer that does not exist, or none at all.
@@ -170,9 +171,9 @@ class WeightStreamer:
         self.stepper = LayerStepper(self.executor, poison=poison)
         self.handle = layer_ops.register_stepper(self.stepper)
         self._originals: dict[int, object] = {}
-        if wrap:
-            for i, layer in enumerate(self.layers):
-                self._wrap(i, layer)
+        if wrap:  # only the boundary layers (Note [Boundary layers] in graphs/stepped.py)
+            for i in self.stepper.boundaries:
+                self._wrap(i, self.layers[i])
 
     # -- setup helpers ------------------------------------------------------------------------
 
@@ -298,7 +299,13 @@ class WeightStreamer:
                 f"({shown}) through {self.pool.slots} slot(s) x {mib(self.pool.slot_bytes)}"
                 f" = {mib(self.reserved_bytes)} on {self.device} (depth "
                 f"{self.pool.depth}; {self.pool.layout.arithmetic()}); "
-                f"{self._boundary()}; executor: {self.executor.kind}")
+                f"{self._boundary()}; {self._wrapped()}; executor: {self.executor.kind}")
+
+    def _wrapped(self) -> str:
+        if not self._originals:
+            return "no layer ops (the caller steps the plan)"
+        return (f"layer ops around {len(self._originals)} of {len(self.layers)} layers (the "
+                f"first, the last and the offloaded ones)")
 
     def _boundary(self) -> str:
         if self.dag.meta.get("synchronous"):

@@ -52,7 +52,10 @@ Note [DCP context exchange]
     The exchange is hooked by instance attributes on vLLM's DCP coordinator and manager only
     while a layer's context session runs (eager code): a class hook on
     ``GroupCoordinator.all_gather`` would be traced by ``torch.compile`` wherever vLLM
-    all-gathers.
+    all-gathers. NCCL does not promise progress to two communicators whose kernels run
+    concurrently in different orders on different ranks (ringflow's on the gather stream,
+    vLLM's on the compute stream); the full-KV lane has run that way on two H200s, and the
+    consumer's fills are issued at the same plan points on every rank.
 """
 
 from __future__ import annotations
@@ -193,7 +196,9 @@ class ContextModel:
             self.ring.on_plan = functools.partial(_dump_plan, dump)
         self.calls: list[GatherCall] = []
         self.step = None  # the metadata object of the step the calls were recorded in
-        self.filled: dict[int, tuple] = {}  # layer -> (cache, scale) its fill read
+        #: layer -> signatures of the cache and scale its fill read (not the tensors: a model
+        #: left in the process's state must not keep a finished engine's KV cache alive)
+        self.filled: dict[int, tuple] = {}
         self.checked = 0
         self.mismatches: list[str] = []
 
@@ -216,7 +221,7 @@ class ContextModel:
         args = dict(call.args, src_cache=cache, dst=slot[call.offset: call.offset + call.rows])
         if call.scaled:
             args["scale"] = scale
-        self.filled[index] = (cache, scale)
+        self.filled[index] = (_signature(cache), None if scale is None else _signature(scale))
         call.op(**args)
         if call.exchange is not None:
             (source, rows), (target, gathered) = call.exchange.source, call.exchange.target
@@ -239,6 +244,8 @@ class Session:
         self.workspace = attn_metadata.prefill.chunked_context.workspace
         self.saved = None  # the workspace's own storage, kept where it may be re-pointed
         self.calls = 0
+        #: why the step is given up once this layer is done (its reads still use the slot)
+        self.give_up: str | None = None
         ring = model.ring
         if not model.enabled:
             self.mode = "pass"
@@ -361,11 +368,12 @@ class Session:
         if (want is None or kind != want.kind or source != want.source
                 or self._target(kind, source, gathered) != want.target):
             # the chunk's local rows are in the slot (its gather matched the recording), so
-            # vLLM's own exchange of them is right; the rest of the step is vLLM's
+            # vLLM's own exchange of them is right, and its views of this chunk read the slot:
+            # the step is given up when the layer is done, its later chunks are vLLM's
             result = run(gathered)
             self._restore()
-            model.ring.abandon(f"layer {self.index}'s DCP exchange {chunk} differs from the "
-                               f"step's first layer's")
+            self.give_up = (f"layer {self.index}'s DCP exchange {chunk} differs from the step's "
+                            f"first layer's")
             self.mode = "pass"
             return result
         offset, rows = want.target
@@ -402,9 +410,10 @@ class Session:
         if self.index not in model.filled:
             return f"layer {self.index} was not prefetched in this step"
         cache, scale = model.filled[self.index]
-        if not _same(cache, args["src_cache"]):
+        if cache != _signature(args["src_cache"]):
             return f"layer {self.index} reads another KV cache than its prefetch did"
-        if "scale" in args and not _same(scale, args["scale"]):
+        if "scale" in args and scale != (None if args["scale"] is None
+                                         else _signature(args["scale"])):
             return f"layer {self.index}'s KV scale is not the one its prefetch used"
         return None
 
@@ -436,9 +445,9 @@ class Session:
         a recording layer starts the step's plan, a consuming one ends its last unit."""
         self._restore()
         model, ring = self.model, self.model.ring
-        if failed:
+        if failed or self.give_up:
             if ring.in_step:
-                ring.abandon("a layer's context attention raised")
+                ring.abandon(self.give_up or "a layer's context attention raised")
             return
         if self.mode == "record":
             layers = len(model.layers) - 1
@@ -528,9 +537,11 @@ def _in_session(state: PluginState, original, impl, args: tuple, kwargs: dict, d
     model, index = owner
     session = Session(model, index, attn_metadata, dcp=dcp)
     token = _SESSION.set(session)
-    patched = _route_exchanges(impl, session) if dcp else []
+    patched: list[tuple[object, str]] = []
     failed = True
     try:
+        if dcp:
+            _route_exchanges(impl, attn_metadata, session, patched)
         result = original(impl, *args, **kwargs)
         failed = False
         return result
@@ -541,18 +552,19 @@ def _in_session(state: PluginState, original, impl, args: tuple, kwargs: dict, d
         session.close(failed)
 
 
-def _route_exchanges(impl, session: Session) -> list[tuple[object, str]]:
+def _route_exchanges(impl, attn_metadata, session: Session,
+                     patched: list[tuple[object, str]]) -> None:
     """For one layer's DCP context session: vLLM's exchange calls go through ``session``
-    (instance attributes shadowing the methods, removed when the session ends; Note [DCP
-    context exchange])."""
-    patched = []
-    manager = getattr(impl, "dcp_manager", None)
-    if manager is not None and hasattr(type(manager), "kv_gather"):  # vLLM 0.32
+    (instance attributes shadowing the methods, listed in ``patched`` as they are set and
+    removed when the session ends; Note [DCP context exchange])."""
+    chunked = getattr(getattr(attn_metadata, "prefill", None), "chunked_context", None)
+    manager = getattr(chunked, "dcp_manager", None)  # vLLM 0.32: the metadata's manager
+    if manager is not None and hasattr(type(manager), "kv_gather"):
         kv_gather = type(manager).kv_gather
 
-        def routed_kv_gather(gathered, local, _m=manager):
-            return session.exchange("kv_gather", lambda out: kv_gather(_m, out, local), local,
-                                    gathered)
+        def routed_kv_gather(gathered_kv, local_kv, _m=manager):
+            return session.exchange("kv_gather", lambda out: kv_gather(_m, out, local_kv),
+                                    local_kv, gathered_kv)
 
         manager.kv_gather = routed_kv_gather
         patched.append((manager, "kv_gather"))
@@ -568,7 +580,6 @@ def _route_exchanges(impl, session: Session) -> list[tuple[object, str]]:
 
         group.all_gather = routed_all_gather
         patched.append((group, "all_gather"))
-    return patched
 
 
 def _dcp_coordinator():
@@ -662,6 +673,10 @@ def _exchange_over_own_group(state: PluginState, profile: Profile, config) -> Ex
                        "consumer does not have yet: its DCP exchange is an NCCL all-gather over "
                        "ringflow's own communicator")
     group = dcp_group(config, "nccl", who="MLA context prefetch")
+    if torch.cuda.is_available():  # NCCL's own buffers now, before vLLM sizes the KV cache
+        probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+        all_gather_parts(torch.empty(group.size, device=probe.device), probe, group.group)
+        torch.cuda.synchronize(probe.device)
     log.info("MLA context prefetch under DCP (%d ranks): each chunk's exchange is prefetched "
              "with the local gather, as an NCCL all-gather over ringflow's own communicator",
              group.size)

@@ -196,14 +196,15 @@ class FakeCoordinator:
 
 
 class FakeManager:
-    """vLLM 0.32's ``MLADCPManager``: ``kv_gather(gathered, local)`` fills ``gathered``."""
+    """vLLM 0.32's ``MLADCPManager`` (the metadata's ``chunked_context.dcp_manager``):
+    ``kv_gather(gathered_kv, local_kv)`` fills ``gathered_kv``."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, exchange=exchanged):
+        self.calls, self._exchange = 0, exchange
 
-    def kv_gather(self, gathered, local):
+    def kv_gather(self, gathered_kv, local_kv):
         self.calls += 1
-        gathered.copy_(exchanged(local))
+        gathered_kv.copy_(self._exchange(local_kv))
 
 
 def make_dcp_model(verify=False, layers=3, seed=0, exchange=None):
@@ -245,8 +246,8 @@ def vllm_dcp_context(impl, q, cache, md, k_scale, dcp_world_size, *, layer, chun
         local, gathered = ws[:toks], ws[offset: offset + toks * dcp_world_size]
         if style == "0.26":
             gathered.copy_(coordinator.all_gather(local, dim=0))
-        else:
-            impl.dcp_manager.kv_gather(gathered, local)
+        else:  # 0.32 reads its manager from the step's metadata
+            md.prefill.chunked_context.dcp_manager.kv_gather(gathered, local)
         reads.append(gathered.clone())
 
 
@@ -256,9 +257,9 @@ def run_dcp_step(model, fakes, md, args, style, monkeypatch, per_layer=None):
     coordinator, manager = FakeCoordinator(), FakeManager()
     monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
     modes = []
+    md.prefill.chunked_context.dcp_manager = manager if style == "0.32" else None
     for i, layer in enumerate(fakes):
-        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state,
-                               dcp_manager=manager if style == "0.32" else None)
+        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
         chunk_args = (per_layer or {}).get(i, args)
         reads = []
         original = functools.partial(vllm_dcp_context, layer=layer, chunk_args=chunk_args,
@@ -312,7 +313,7 @@ def test_under_dcp_a_corrupt_exchange_is_read_by_attention_and_caught_by_verify(
     coordinator = FakeCoordinator()
     monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
     for i, layer in enumerate(fakes):
-        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state, dcp_manager=None)
+        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
         cg.on_dcp_prefill_context(
             model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
                                            style="0.26", coordinator=coordinator, reads=[]),
@@ -342,6 +343,39 @@ def test_under_dcp_another_exchange_falls_back_to_vllms_own_and_reads_stay_right
     (reason,) = model.ring.abandoned
     assert "layer 2's DCP exchange 0" in reason
     assert any(reason in r.getMessage() for r in caplog.records)
+    assert not model.ring.in_step and model.ring.pool.leases() == []
+
+
+def test_a_layer_that_raises_under_dcp_leaves_vllms_objects_and_the_session_as_they_were(
+        monkeypatch):
+    model, fakes = make_dcp_model(seed=9)
+    md, args = dcp_metadata()
+    run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
+    coordinator, manager = FakeCoordinator(), FakeManager()
+    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
+    md, args = dcp_metadata()
+    md.prefill.chunked_context.dcp_manager = manager
+
+    def raising(impl, *a, layer, **k):
+        vllm_dcp_context(impl, *a, layer=layer, chunk_args=args, style="0.32",
+                         coordinator=coordinator, reads=[], **k)
+        raise RuntimeError("the layer's attention failed")
+
+    ws = md.prefill.chunked_context.workspace
+    cg.on_dcp_prefill_context(  # layer 0 records and starts the step's plan
+        model.state, functools.partial(vllm_dcp_context, layer=fakes[0], chunk_args=args,
+                                       style="0.32", coordinator=coordinator, reads=[]),
+        SimpleNamespace(_ringflow_context=(model, 0), state=model.state), torch.zeros(1), None,
+        md, None, dcp_world_size=DCP)
+    assert model.ring.in_step
+    impl = SimpleNamespace(_ringflow_context=(model, 1), state=model.state)
+    with pytest.raises(RuntimeError):  # layer 1 consumes, then raises
+        cg.on_dcp_prefill_context(model.state, functools.partial(raising, layer=fakes[1]),
+                                  impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
+    assert "kv_gather" not in vars(manager) and "all_gather" not in vars(coordinator)
+    assert cg._SESSION.get() is None and md.prefill.chunked_context.workspace is ws
+    assert ws.untyped_storage().data_ptr() != model.ring.pool.storage.untyped_storage().data_ptr()
+    assert list(model.ring.abandoned) == ["a layer's context attention raised"]
     assert not model.ring.in_step and model.ring.pool.leases() == []
 
 
@@ -388,7 +422,19 @@ class GlooCoordinator:
         return out
 
 
-def _dcp_rank(rank, world, steps):
+class GlooManager:
+    """vLLM 0.32's manager over a real process group: kv_gather(gathered_kv, local_kv)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def kv_gather(self, gathered_kv, local_kv):
+        import torch.distributed as dist
+        self.calls += 1
+        dist.all_gather_into_tensor(gathered_kv, local_kv.contiguous())
+
+
+def _dcp_rank(rank, world, steps, style):
     """One rank: its own caches, ringflow's fills all-gathered over a group of ringflow's own;
     every consuming layer must read every rank's rows, rank after rank."""
     import torch.distributed as dist
@@ -405,36 +451,37 @@ def _dcp_rank(rank, world, steps):
     fakes = [FakeLayer(kv_cache=caches[rank][i], _k_scale=torch.tensor(1.0)) for i in range(3)]
     for layer in fakes:
         model.layers.append(weakref.ref(layer))
-    coordinator = GlooCoordinator()
+    coordinator, manager = GlooCoordinator(), GlooManager()
     cg._dcp_coordinator = lambda: coordinator
     chunks = [([0, 1], 6), ([3, 5], 5)]
     for _ in range(steps):
         md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
-            workspace=torch.empty(rows, W))))
+            workspace=torch.empty(rows, W), dcp_manager=manager if style == "0.32" else None)))
         args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
         for i, layer in enumerate(fakes):
             reads = []
-            impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state,
-                                   dcp_manager=None)
+            impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
             cg.on_dcp_prefill_context(
                 model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
-                                               style="0.26", coordinator=coordinator,
+                                               style=style, coordinator=coordinator,
                                                reads=reads),
                 impl, torch.zeros(1), None, md, None, dcp_world_size=world)
             for (table, _, toks), got in zip(args, reads):
                 expected = torch.cat([caches[r][i][table].reshape(-1, W)[:toks]
                                       for r in range(world)])
                 assert torch.equal(got, expected), (rank, i, toks)
-    assert coordinator.calls == steps * len(chunks)  # layer 0's only: the others were prefetched
+    # layer 0's only: the others were prefetched
+    assert coordinator.calls + manager.calls == steps * len(chunks)
     assert model.ring.consumed == steps * 2 * len(chunks) and model.ring.abandoned == {}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_under_dcp_the_fills_all_gather_across_real_ranks_in_vllms_order(tmp_path, world):
+@pytest.mark.parametrize("world,style", [(2, "0.26"), (3, "0.26"), (2, "0.32")])
+def test_under_dcp_the_fills_all_gather_across_real_ranks_in_vllms_order(tmp_path, world,
+                                                                          style):
     """Real collectives (gloo): each rank's fills all-gather over ringflow's own group while
     'vLLM' all-gathers over the world, and every consuming layer reads every rank's rows."""
     from ringflow.testing.spawn import spawn_group
-    spawn_group(world, _dcp_rank, 2, rendezvous=str(tmp_path / "rdzv"))
+    spawn_group(world, _dcp_rank, 2, style, rendezvous=str(tmp_path / "rdzv"))
 
 
 def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_consumer(
@@ -461,3 +508,103 @@ def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_
     parallel.decode_context_parallel_size = 1
     assert cg.workspace_shape(layer, config) == (64, 576)
     assert cg._no_consumer(layer, config) is None
+
+
+def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch):
+    """The installed vLLM's ``_context_parallel_compute_prefill_context`` itself (0.32: the
+    manager on the step's metadata, ``cp_gather_cache`` into ``workspace[:toks]``, its own
+    reorder and up-projection), run through ringflow's hook for three layers, a stand-in for
+    the paged gather and for a DCP group of two: the attention output of every layer is what
+    vLLM's own gathers give, and vLLM's exchange runs only in the recording layer."""
+    from vllm import _custom_ops
+    from vllm.model_executor.layers.attention import mla_attention
+
+    from ringflow.integrations.vllm.hooks import wrap, wrap_function
+    if "chunks" not in mla_attention.MLACommonBaseImpl._context_parallel_compute_prefill_context\
+            .__code__.co_names:  # pragma: no cover - another release's chunk loop
+        pytest.skip("this vLLM's DCP context loop is not 0.32's")
+    rank_rows, lora, rope, heads, nope, v_dim = 6, 8, 4, 2, 3, 5
+    width = lora + rope
+
+    def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts):
+        for r in range(batch_size):
+            n = int(cu_seq_lens[r + 1] - cu_seq_lens[r])
+            rows = src_cache[block_table[r]].reshape(-1, width)
+            dst[int(cu_seq_lens[r]): int(cu_seq_lens[r]) + n] = rows[int(seq_starts[r]):][:n]
+
+    state = PluginState()
+    monkeypatch.setattr(_custom_ops, "cp_gather_cache", cp_gather_cache, raising=False)
+    wrap_function(_custom_ops, "cp_gather_cache", cg._gather_hook("cp_gather_cache"), state)
+    original = mla_attention.MLACommonBaseImpl._context_parallel_compute_prefill_context
+    monkeypatch.setattr(mla_attention.MLACommonBaseImpl,
+                        "_context_parallel_compute_prefill_context", original)
+    wrap(mla_attention.MLACommonBaseImpl, "_context_parallel_compute_prefill_context",
+         cg.on_dcp_prefill_context, state)
+    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: None)
+
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": 1, "workspace_mib": 1}})
+    rows = rank_rows * DCP + rank_rows
+    model = cg.ContextModel(state, 1, profile, (rows, width), torch.float32,
+                            torch.device("cpu"), "t", dcp_size=DCP,
+                            exchange=lambda gathered, local: gathered.copy_(exchanged(local)))
+    g = torch.Generator().manual_seed(12)
+
+    class KvBProj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(heads * (nope + v_dim), lora,
+                                                         generator=g))
+
+        def forward(self, x):
+            return (x @ self.weight.T,)
+
+    class Backend:
+        def run_prefill_context_chunk(self, chunk, q, k, v):  # depends on every key and value
+            return (q.sum() * k.sum(0, keepdim=True)[:, :, :v_dim] + v.sum(0, keepdim=True)
+                    ).expand(q.shape[0], -1, -1).contiguous(), k.sum(-1).sum(0)
+
+    class Impl(mla_attention.MLACommonBaseImpl):  # no __init__: the attributes it reads
+        def forward_mqa(self, *args, **kwargs):  # pragma: no cover - decode, not used here
+            raise AssertionError("decode")
+
+    impls, caches = [], []
+    for index in range(3):
+        impl = object.__new__(Impl)
+        impl.__dict__.update(kv_cache_dtype="auto", kv_lora_rank=lora, qk_rope_head_dim=rope,
+                             num_heads=heads, qk_nope_head_dim=nope, v_head_dim=v_dim,
+                             kv_b_proj=KvBProj(), _ringflow_context=(model, index),
+                             _use_flashinfer_concat_mla_k=False)
+        impls.append(impl)
+        caches.append(torch.randn(BLOCKS, BLOCK, width, generator=g))
+        model.layers.append(weakref.ref(layer := FakeLayer(kv_cache=caches[-1], _k_scale=None)))
+        impl._layer = layer  # alive as long as the impl
+    manager = FakeManager()
+    chunk = SimpleNamespace(
+        padded_local_seq_lens=[5], local_context_lens_allranks=[[5, 5]],
+        padded_local_cu_seq_lens=torch.tensor([0, 5]),
+        padded_local_token_to_seq=torch.zeros(5, dtype=torch.int32),
+        local_starts=[0], num_local_context_tokens=5, request_slice=slice(0, 1),
+        num_requests=1, starts=torch.tensor([0]), num_context_tokens=10, max_seq_len=10,
+        token_slice=slice(0, 3))
+    md = SimpleNamespace(num_prefills=1, prefill=SimpleNamespace(
+        prefill_backend=Backend(), q_data_type=torch.float32,
+        block_table=torch.tensor([[3, 1]]), chunked_context=SimpleNamespace(
+            workspace=torch.empty(rows, width), chunks=[chunk], dcp_manager=manager,
+            empty_token_slices=[])))
+    q = torch.randn(3, heads, nope + rope, generator=g)
+
+    def step(on):
+        model.enabled = on
+        return [mla_attention.MLACommonBaseImpl._context_parallel_compute_prefill_context(
+            impl, q, cache, md, None, dcp_world_size=DCP) for impl, cache in zip(impls, caches)]
+
+    off = step(False)
+    assert manager.calls == 3
+    for _ in range(2):
+        manager.calls = 0
+        on = step(True)
+        assert manager.calls == 1  # the recording layer's own; the others read the slot
+        for (o, lse), (want_o, want_lse) in zip(on, off):
+            assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert model.ring.consumed == 4 and model.ring.abandoned == {}
+    assert [c.exchange.kind for c in model.calls] == ["kv_gather"]

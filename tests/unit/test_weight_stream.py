@@ -244,3 +244,82 @@ def test_an_abandoned_forward_makes_the_next_one_prime_again(monkeypatch):
         assert torch.equal(run_stack(layers, x), want)
     assert len(ws.pool.carried) == len(ws.dag.carried)
     assert ws.pool.free_count + len(ws.pool.carried) == ws.pool.slots
+
+
+@pytest.mark.parametrize("offload,depth,cross,sync", [
+    ([1, 5, 9, 13], 0, True, False), ([3, 7, 11, 15], 1, True, False),
+    ([0, 1, 15], 0, False, False), ([14, 15], 1, True, False), ([2, 6], 0, True, True),
+    ([0, 4, 8, 12], 2, True, False), ([5], 0, False, False)])
+def test_stepping_only_the_boundary_layers_issues_every_node_when_stepping_all_would(
+        offload, depth, cross, sync):
+    """Note [Boundary layers]: an engine that calls before/after only around the stepper's
+    boundaries issues every node of two forwards (the second adopts the first's carried slots)
+    at the same moment of its layer loop as one that calls them around every layer."""
+    from ringflow.graphs.slots import SlotPool
+    from ringflow.graphs.stepped import LayerStepper, engine_computes
+    from ringflow.graphs.sync import SyncExecutor
+    from ringflow.orchestrator.dag import NodeKind
+    from ringflow.orchestrator.planner import Planner
+
+    layers = 16
+
+    def plan():
+        pool = SlotPool("weights", (4,), torch.float32, depth=depth, workspace_bytes=1 << 12)
+        return pool, Planner(layers, [pool.layout], gathered=offload, synchronous=sync,
+                             cross_forward=["weights"] if cross else ()).plan()
+
+    def moments(stepped):
+        pool, dag = plan()  # a pool of its own: carried slots stay with their executor
+        executor = SyncExecutor(dag, [pool], lambda layer, lane, slot: slot.fill_(layer),
+                                engine_computes)
+        stepper = LayerStepper(executor)
+        seen, now = [], [None]
+        issue = executor.issue_steps
+
+        def recording(start, stop):
+            seen.extend((forward, i, now[0]) for i in range(start, stop))
+            issue(start, stop)
+
+        executor.issue_steps = recording
+        for forward in range(2):
+            for layer in range(layers):
+                if layer in stepped:  # the moment: layers of this forward computed so far
+                    now[0] = layer
+                    stepper.before(layer)
+                    now[0] = layer + 1
+                    stepper.after(layer)
+        assert not stepper.in_forward and stepper.forwards == 2
+        return {(f, i): m for f, i, m in seen if dag.nodes[i].kind is not NodeKind.COMPUTE}
+
+    pool, dag = plan()
+    boundaries = LayerStepper(SyncExecutor(dag, [pool], lambda *a: None,
+                                           engine_computes)).boundaries
+    assert set(boundaries) == {0, layers - 1, *offload}
+    assert moments(set(boundaries)) == moments(set(range(layers)))
+
+
+def test_the_streamer_wraps_only_its_boundary_layers():
+    layers = stack(8)
+    ws = WeightStreamer(layers, [2, 5], depth=0, workspace_bytes=1 << 22)
+    wrapped = [i for i, layer in enumerate(layers) if "forward" in vars(layer)]
+    assert wrapped == [0, 2, 5, 7] == list(ws.stepper.boundaries)
+    ws.close()
+    assert not any("forward" in vars(layer) for layer in layers)
+
+
+def test_a_layer_whose_own_wait_precedes_its_compute_is_a_boundary_whatever_follows_it():
+    """The rule the planner's plans never exercise alone (a streamed layer is also followed by
+    its release): a wait issued at the next boundary would come after the read."""
+    from types import SimpleNamespace as N
+
+    from ringflow.graphs.stepped import _boundaries
+    from ringflow.orchestrator.dag import COMPUTE_STREAM, NodeKind
+
+    def node(kind, layer, stream=COMPUTE_STREAM):
+        return N(kind=kind, layer=layer, stream=stream)
+
+    nodes = [node(NodeKind.COMPUTE, 0), node(NodeKind.WAIT, 1), node(NodeKind.COMPUTE, 1),
+             node(NodeKind.COMPUTE, 2), node(NodeKind.COMPUTE, 3)]
+    assert _boundaries(N(nodes=nodes)) == (0, 1, 3)
+    nodes[1] = node(NodeKind.WAIT, 1, stream="g0")  # a gather stream's wait: layer 0's end
+    assert _boundaries(N(nodes=nodes)) == (0, 3)
