@@ -290,7 +290,7 @@ def test_place_prints_the_planners_choice_next_to_the_patterns_a_user_would_pick
     assert main(["place", "--layers", "32", "--count", "8", "--slots", "1", "--compute-ms", "1",
                  "--copy-ms", "3"]) == 0
     out = capsys.readouterr().out
-    assert "layers [0, 4, 8, 12, 16, 20, 24, 28]" in out
+    assert "layers [3, 7, 11, 15, 19, 23, 27, 31]" in out
     assert "predicted forward 32.000 ms; all resident 32.000 ms (1.000x)" in out
     assert "{every: 8, last: 2}: 44.000 ms (1.375x)" in out
 

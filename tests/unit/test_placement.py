@@ -38,8 +38,14 @@ def test_adjacent_layers_behind_one_slot_expose_a_copy_that_spacing_hides():
     grouped = forward_ms(compute, copy, EVERY_8_LAST_2, 1)
     placed = choose(compute, copy, 8, 1)
     assert grouped > 1.2 * 32
-    assert placed.layers == (0, 4, 8, 12, 16, 20, 24, 28)
+    assert placed.layers == (3, 7, 11, 15, 19, 23, 27, 31)
     assert placed.forward_ms == placed.resident_ms == 32.0 and placed.ratio == 1.0
+    # one every four from layer 0 ties in the steady state; the tie goes to the placement
+    # whose first forward (nothing carried in) hides its first copy too
+    first = (0, 4, 8, 12, 16, 20, 24, 28)
+    assert forward_ms(compute, copy, first, 1) == placed.forward_ms
+    assert forward_ms(compute, copy, placed.layers, 1, cross_forward=False) == 32.0 < \
+        forward_ms(compute, copy, first, 1, cross_forward=False)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -78,7 +84,7 @@ def test_bad_requests_are_refused():
 def test_a_profile_asks_for_a_count_and_the_model_decides_the_layers():
     spec = Profile.from_mapping({"name": "p", "offload": {"layers": {"count": 3},
                                                            "workspace_mib": 64}}).offload
-    assert spec.resolve(12) == [0, 4, 8]  # equal layers: evenly spaced
+    assert spec.resolve(12) == [1, 5, 9]  # equal layers: evenly spaced, the first copy hidden
     compute = [0.5] * 6 + [4.0] * 6
     assert spec.resolve(12, costs=(compute, [4.0] * 12), slots=1) == \
         list(choose(compute, [4.0] * 12, 3, 1).layers)
@@ -121,3 +127,28 @@ def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
 def test_times_that_are_no_times_and_models_past_the_cap_are_refused(compute, copy, needle):
     with pytest.raises(ConfigError, match=needle):
         choose(compute, copy, 1, 1)
+
+
+def test_the_placed_bench_scenario_is_the_planners_choice_for_one_slots_measured_times():
+    """profiles/bench/one_slot_placed.yaml lists the layers offload {count: 8} picks from the
+    per-layer times ``one-slot`` measured on the H200 (bench-boundary-h200.json): planner and
+    file agree, and the model predicts the all-resident time for it, 1.275x for one-slot's
+    hand-picked last 2 of every 8."""
+    import json
+    from pathlib import Path
+
+    from ringflow.orchestrator.profile import load_profile
+    root = Path(__file__).resolve().parents[2] / "profiles"
+    placed = load_profile(root / "bench" / "one_slot_placed.yaml")
+    hand = load_profile(root / "bench" / "one_slot.yaml")
+    runs = json.loads((root / "results" / "bench-boundary-h200.json").read_text())
+    [run] = [r for r in runs.get("results") or runs["rows"] if r["scenario"] == "one-slot"]
+    compute = [run["ms"]["compute"] / 32] * 32
+    copy = [run["ms"]["gather"] / 8] * 32
+    choice = choose(compute, copy, 8, slots=1)
+    assert choice.layers == tuple(sorted(placed.gathered_layers))
+    assert choice.ratio == pytest.approx(1.0)
+    hand_ms = forward_ms(compute, copy, sorted(hand.gathered_layers), 1)
+    assert hand_ms / choice.resident_ms == pytest.approx(1.275, abs=0.001)
+    assert (placed.layers, placed.depth, placed.slot, placed.workload) == (
+        hand.layers, hand.depth, hand.slot, hand.workload)
