@@ -21,8 +21,10 @@ Note [Boundary layers]
     a release, the gathers a freed slot lets start, the join). With weights streaming that is
     the first and last layers and the offloaded ones: every gather follows an offloaded layer's
     compute or the forward's start (Note [When a gather is issued] in planner.py). In an engine
-    that compiles its model into pieces split at the boundary ops (vLLM), resident layers in
-    between then share one piece.
+    that compiles its model into pieces split at the boundary ops (vLLM), resident layers are
+    then no longer cut at their own boundaries (vLLM still cuts at its attention ops). An
+    engine that skips a boundary (a compiled graph cached for another plan) is refused at the
+    next ``before``: the skipped layer's wait would come after its read.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class LayerStepper:
         self._ahead = next(i for i, n in enumerate(dag.nodes)  # the first layer's own nodes
                            if _owned_by(n, first))
         self.boundaries = _boundaries(dag)
+        self._following = dict(zip(self.boundaries, self.boundaries[1:]))
         self._path: DagExecutor | None = None
         self._cursor = 0
         self._layer = -1
@@ -125,6 +128,13 @@ class LayerStepper:
         if layer not in self._position:
             raise PlanError(f"layer {layer} is not in plan '{self.executor.dag.name}' "
                             f"(layers 0..{self.executor.dag.layers - 1})")
+        following = self._following.get(self._layer) if self._path is not None else None
+        if following is not None and self._layer < layer and following < layer:
+            raise PlanError(f"plan '{self.executor.dag.name}': the engine went from layer "
+                            f"{self._layer} to {layer} without layer {following}'s begin and "
+                            f"end, a boundary of this plan (its wait would come after its "
+                            f"read); a compiled graph traced for another plan? clear the "
+                            f"engine's compile cache")
         if self._path is not None and layer <= self._layer:
             log.warning("layer %d came after layer %d: the previous forward was abandoned; "
                         "handing its slots back and starting a new one", layer, self._layer)
@@ -140,7 +150,8 @@ class LayerStepper:
         """Issue the plan from ``layer``'s compute up to the next layer's."""
         if self._path is None or layer != self._layer:
             raise PlanError(f"after({layer}) without a matching before({layer}); the engine "
-                            f"must call both around every layer")
+                            f"must call both around every boundary layer "
+                            f"{list(self.boundaries)}")
         if self.poison:
             lease = self.lease(layer)
             if lease is not None:
@@ -161,8 +172,8 @@ class LayerStepper:
         """
         if self._path is not None:
             raise LifecycleError(f"'{self.executor.dag.name}': lane {lane!r}'s sources changed "
-                                 f"while layer {self._layer} was running; change them between "
-                                 f"forwards")
+                                 f"in the middle of a forward (at layer {self._layer}); change "
+                                 f"them between forwards")
         self.executor.sources_changed(lane)
 
     def lease(self, layer: int):

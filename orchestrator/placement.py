@@ -13,10 +13,15 @@ Note [Placement model]
     start before the first layer has computed.
 
 The search is deterministic given the times: the best evenly spaced placement (over every
-offset), then the best single-layer move while one shortens the prediction, so equal layers
-stay evenly spaced. Ties go to the placement whose forward is also fastest without
-cross-forward (the first forward, and every forward after a reclaim, start with nothing
-carried), then to the lexicographically smaller set.
+offset; of equal ones, the lexicographically smaller set), then single-layer moves while one
+shortens the prediction, so equal layers stay evenly spaced. "Best" and "shortens" read the
+steady forward first and then the forward without cross-forward (the first forward, and every
+forward after a reclaim, start with nothing carried).
+
+The per-layer times the vLLM plugin places by, when nothing measured them, come from the
+rates below (the H200's measured pinned host-to-device copy and bf16 matmul): a change here
+changes which layers are wrapped in layer ops, so this file is part of vLLM's compile-cache
+key (Note [Compile-cache key] in integrations/vllm/cache_key.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from dataclasses import dataclass
 
 from ringflow.errors import ConfigError
 
+#: estimates where nothing measured a layer: pinned host-to-device bytes/s, bf16 matmul FLOP/s
+H2D_BYTES_PER_S = 55e9
+MATMUL_FLOP_PER_S = 775e12
 FORWARDS = 3
 #: the search is quadratic in the layers and more: 256 layers take seconds, 500 nearly a minute
 MAX_LAYERS = 256
@@ -117,10 +125,10 @@ def choose(compute_ms: Sequence[float], copy_ms: Sequence[float], count: int, sl
         cold = forward_ms(compute_ms, copy_ms, chosen, slots, False) if cross_forward else steady
         return steady, cold, chosen
 
-    def gains(a, b) -> bool:  # a real gain (1e-9 ms) in the steady forward, else the cold one
-        if abs(a[0] - b[0]) > 1e-9:
-            return a[0] < b[0]
-        return a[1] < b[1] - 1e-9
+    def gains(a, b) -> bool:
+        """A real gain (1e-9 ms) in the steady forward, or in the cold one with the steady one
+        no worse at all: a strict order, so the search ends."""
+        return a[0] < b[0] - 1e-9 or a[0] <= b[0] and a[1] < b[1] - 1e-9
 
     best = None
     for candidate in (cost(c) for c in _spaced(layers, count)):  # ties: the smaller set

@@ -6,11 +6,13 @@
 
 An 8B-shaped Llama (tools/vllm_bench.py's, dummy weights: time does not depend on values) in
 vLLM's default model runner, per CUDA graph mode (``default``: vLLM's FULL_AND_PIECEWISE,
-``full``: FULL), three engines each:
+``full``: FULL), one engine per configuration:
 
 * ``plain``: vLLM alone;
 * ``ops``: ``RINGFLOW_LAYER_OPS_ONLY=1``, every decoder layer between ringflow's layer ops and
   vLLM's pieces split there, nothing streamed (the cost of the boundary itself);
+* ``stream-ops``: the same switch with ``stream``'s profile: only the layers streaming wraps
+  (the first, the last and the 4 offloaded ones, Note [Boundary layers]), nothing streamed;
 * ``stream``: ``offload: {count: 4}`` placed by the planner, depth 1 (what streaming adds).
 
 All engines start first and stay alive (one engine-core process each), then are measured
@@ -43,7 +45,7 @@ GRAPH_MODES = {"default": {}, "full": {"cudagraph_mode": "FULL"}}
 STREAM = {"ringflow": {"name": "cost-stream", "offload": {
     "layers": {"count": 4}, "depth": 1, "workspace_mib": 2 * LAYER_MIB}}}
 CONFIGS = {"plain": ({}, None), "ops": ({"RINGFLOW_LAYER_OPS_ONLY": "1"}, None),
-           "stream": ({}, STREAM)}
+           "stream-ops": ({"RINGFLOW_LAYER_OPS_ONLY": "1"}, STREAM), "stream": ({}, STREAM)}
 
 
 def start(model: Path, mode: str, name: str, utilization: float):
@@ -73,7 +75,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--modes", default="default,full", help="graph modes (default,full)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="plain,ops,stream")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=",".join(CONFIGS))
     parser.add_argument("--engines", default=None,
                         help="mode/config pairs, e.g. default/plain,default/stream (default: "
                              "every mode with every config)")

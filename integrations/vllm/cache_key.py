@@ -10,15 +10,21 @@ Note [Compile-cache key]
     ringflow's layer ops (streamed layers read with no wait) or with another partition. The
     hook on ``VllmConfig.compute_hash`` folds :func:`factors` into vLLM's hash: nothing when
     ringflow is off (plain vLLM's key is unchanged), the resolved profile and every set switch
-    marked ``compiled`` in :data:`ringflow.envs.SWITCHES` otherwise.
+    marked ``compiled`` in :data:`ringflow.envs.SWITCHES` otherwise. A profile that streams
+    weights also brings a digest of the code that decides which layers carry layer ops (the
+    placement of ``{count: N}`` and its rates, the plan's issue points, the boundary rule:
+    Note [Boundary layers]): none of it is traced, and the same profile could otherwise get
+    the ops around other layers than a cached graph has.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+from pathlib import Path
 
 from ringflow import __version__, envs
 from ringflow.errors import RingflowError
@@ -41,9 +47,26 @@ def factors(vllm_config) -> dict[str, object]:
     else:
         if profile is not None:
             found["profile"] = profile.to_mapping()
+            if profile.offload is not None:
+                found["wrapped_layers_code"] = wrapped_layers_code()
     if found:
         found["ringflow"] = __version__
     return found
+
+
+#: the modules that decide which decoder layers carry layer ops for a weight profile
+WRAPPED_LAYERS_CODE = ("ringflow.orchestrator.placement", "ringflow.orchestrator.planner",
+                       "ringflow.graphs.stepped")
+
+
+@functools.lru_cache(maxsize=1)
+def wrapped_layers_code() -> str:
+    """A digest of the source of :data:`WRAPPED_LAYERS_CODE` as installed."""
+    import importlib
+    digest = hashlib.sha256()
+    for name in WRAPPED_LAYERS_CODE:
+        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def keyed_hash(base: str, extra: dict[str, object]) -> str:

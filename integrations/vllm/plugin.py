@@ -137,7 +137,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         if streaming:
             _enable(state, worker, profile, stacks)
         elif layer_ops_only:
-            _layer_ops_only(worker, stacks)
+            _layer_ops_only(worker, stacks, profile)
     except RingflowError as exc:
         log.error("%s", exc)  # one clear line before vLLM's own start-up failure
         raise
@@ -154,18 +154,31 @@ class _NothingStreamed:
         pass
 
 
-def _layer_ops_only(worker, stacks) -> None:
-    """Wrap the decoder layers in ringflow's layer ops (splitting vLLM's pieces there, as
+def ops_only_layers(profile: Profile | None, decoder, vllm_config) -> list[int]:
+    """The layers ``RINGFLOW_LAYER_OPS_ONLY`` wraps: those the profile's streaming would (the
+    first, the last and the offloaded ones, Note [Boundary layers]: the same compiled
+    partition), or every layer without an offload section (the boundary's worst case)."""
+    if profile is None or profile.offload is None:
+        return list(range(len(decoder)))
+    return sorted({0, len(decoder) - 1, *_resolve_layers(profile, decoder, vllm_config)})
+
+
+def _layer_ops_only(worker, stacks, profile: Profile | None) -> None:
+    """Wrap decoder layers in ringflow's layer ops (splitting vLLM's pieces there, as
     streaming does) with nothing streamed: the same compiled partition, for A/B baselines."""
     decoder = layers.decoder_layers(worker.model_runner.get_model(), stacks)
     worker._ringflow_boundaries = stub = _NothingStreamed()  # the worker keeps it alive
     handle = layer_ops.register_stepper(stub)
-    for index, layer in enumerate(decoder):
-        layer_ops.wrap_layer(layer, handle, index)
+    wrapped = ops_only_layers(profile, decoder, worker.vllm_config)
+    for index in wrapped:
+        layer_ops.wrap_layer(decoder[index], handle, index)
     if any(p.is_cuda for p in decoder[0].parameters()):  # as streaming does (see _enable)
         _split_pieces_at_layer_ops(worker.vllm_config)
-    log.info("RINGFLOW_LAYER_OPS_ONLY=1: %d decoder layers run between ringflow's layer ops; "
-             "nothing is streamed", len(decoder))
+    log.info("RINGFLOW_LAYER_OPS_ONLY=1: %d of %d decoder layers run between ringflow's layer "
+             "ops (%s); nothing is streamed", len(wrapped), len(decoder),
+             "every layer: the profile has no offload section"
+             if profile is None or profile.offload is None
+             else "the first, the last and the offloaded ones, as streaming would")
 
 
 def _keep_plain_weights(state: PluginState, original, method, layer, *args, **kwargs):
@@ -262,17 +275,12 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
     return streamer
 
 
-#: the H200's measured rates (README): pinned host-to-device copies, bf16 matmul
-H2D_BYTES_PER_S = 55e9
-MATMUL_FLOP_PER_S = 775e12
-
-
 def _resolve_layers(profile: Profile, decoder, vllm_config) -> list[int]:
     """The offloaded layers; ``{count: N}`` is placed by the planner from per-layer times
     estimated from each layer's weights: copy = bytes at 55 GB/s, compute = 2 x parameters x
     ``max_num_batched_tokens`` at 775 TFLOP/s (an estimate of a full prefill step, not a
     measurement; logged as such)."""
-    from ringflow.orchestrator.placement import forward_ms
+    from ringflow.orchestrator.placement import H2D_BYTES_PER_S, MATMUL_FLOP_PER_S, forward_ms
     from ringflow.orchestrator.sections import Placed
 
     spec = profile.offload

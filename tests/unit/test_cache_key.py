@@ -67,3 +67,19 @@ def test_a_profile_that_does_not_load_is_keyed_by_its_error(clean_env):
     clean_env.setenv("RINGFLOW_PROFILE", "no_such_profile_anywhere")
     found = factors(config())
     assert "profile_error" in found and keyed_hash(BASE, found) != BASE
+
+
+def test_a_weight_profile_is_keyed_by_the_code_that_decides_its_wrapped_layers(clean_env,
+                                                                                monkeypatch):
+    """offload {count: N} is resolved by the placement code, and every weight profile's layer
+    ops go around the plan's boundary layers: neither is traced, so a change there must change
+    the key (else a cached graph could carry the ops around other layers)."""
+    from ringflow.integrations.vllm import cache_key
+    cfg = config({"ringflow": {"name": "w", "offload": {"layers": {"count": 2},
+                                                        "workspace_mib": 64}}})
+    kv = config({"ringflow": {"name": "k", "kv_prefetch": {"workspace_mib": 64}}})
+    first, kv_first = key(cfg), key(kv)
+    assert factors(cfg)["wrapped_layers_code"] == cache_key.wrapped_layers_code()
+    assert "wrapped_layers_code" not in factors(kv)
+    monkeypatch.setattr(cache_key, "wrapped_layers_code", lambda: "another placement")
+    assert key(cfg) != first and key(kv) == kv_first

@@ -152,3 +152,18 @@ def test_the_placed_bench_scenario_is_the_planners_choice_for_one_slots_measured
     assert hand_ms / choice.resident_ms == pytest.approx(1.275, abs=0.001)
     assert (placed.layers, placed.depth, placed.slot, placed.workload) == (
         hand.layers, hand.depth, hand.slot, hand.workload)
+
+
+def test_the_search_ends_where_steady_times_differ_below_the_gain_threshold():
+    """Times a few 1e-9 ms apart (layers one parameter apart, in vLLM's estimates): a move
+    may not trade a tiny steady loss for a cold gain, or the search cycles (it did)."""
+    import threading
+    compute = [1.0000000024, 1.0000000016, 1.0, 1.0000000008, 1.0000000008, 1.000000002]
+    copy = [2.0000000024, 2.0, 2.4e-09, 3.0000000012, 3.0000000024, 3.000000002]
+    found = []
+    worker = threading.Thread(target=lambda: found.append(choose(compute, copy, 4, 1)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert found, "choose() did not return"
+    assert len(found[0].layers) == 4

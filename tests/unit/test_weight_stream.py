@@ -323,3 +323,21 @@ def test_a_layer_whose_own_wait_precedes_its_compute_is_a_boundary_whatever_foll
     assert _boundaries(N(nodes=nodes)) == (0, 1, 3)
     nodes[1] = node(NodeKind.WAIT, 1, stream="g0")  # a gather stream's wait: layer 0's end
     assert _boundaries(N(nodes=nodes)) == (0, 3)
+
+
+def test_an_engine_that_skips_a_boundary_layer_is_refused_before_the_read():
+    """A compiled graph cached for another plan could lack an offloaded layer's ops: the next
+    boundary's begin names the skipped layer instead of letting it read an unfilled slot."""
+    from ringflow.errors import PlanError
+    layers = stack(8)
+    ws = WeightStreamer(layers, [2, 5], depth=0, workspace_bytes=1 << 22, wrap=False)
+    ws.stepper.before(0)
+    ws.stepper.after(0)
+    with pytest.raises(PlanError, match="without layer 2's begin and end"):
+        ws.stepper.before(5)
+    ws.stepper.abandon("test")
+    for layer in ws.stepper.boundaries:  # the boundaries alone are a whole forward
+        ws.stepper.before(layer)
+        ws.stepper.after(layer)
+    assert ws.stepper.forwards == 1 and not ws.stepper.in_forward
+    ws.close()

@@ -5,7 +5,8 @@ carries it, ``tools/gpu-vllm`` runs this module). For each graph mode (eager, PI
 vLLM's default FULL_AND_PIECEWISE), a tiny Llama (FLASH_ATTN) and a tiny DeepSeek-V2 (MLA on
 TRITON_MLA) with seeded random weights:
 
-* ``layer-ops``: ``RINGFLOW_LAYER_OPS_ONLY=1``, the layers wrapped in ringflow's ops and vLLM's
+* ``layer-ops``: ``RINGFLOW_LAYER_OPS_ONLY=1`` with the streamed case's profile: the layers
+  streaming would wrap (0, 2, 3: Note [Boundary layers]) wrapped in ringflow's ops and vLLM's
   graph split there, nothing streamed: the same compiled partition as streaming;
 * ``streamed``: layers 0, 2, 3 streamed through a ring of two, slots poisoned, generated twice;
 * ``plain`` (Llama): vLLM alone, how far the partition change alone moves the output;
@@ -59,7 +60,7 @@ def mode_cases(mode):
             cases.append({"name": f"{model}/{mode}/plain", **base})
         cases += [
             {"name": f"{model}/{mode}/layer-ops", **base,
-             "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"}},
+             "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"}, "additional_config": STREAM},
             {"name": f"{model}/{mode}/streamed", **base, "env": POISON,
              "additional_config": STREAM, "repeat": True},
             {"name": f"{model}/{mode}/kv/off", **base, "long_prompt": True},
@@ -227,8 +228,9 @@ def reload_cases(mode):
     layers 0, 2, 3 that reloads B, A, B, meets the other weight verbs and cycles B / A."""
     base = {"model": "llama", "mode": mode, "max_tokens": 12}
     ops = {"RINGFLOW_LAYER_OPS_ONLY": "1"}
-    return [{"name": f"llama/{mode}/reload/ops_a", **base, "env": ops},
-            {"name": f"llama/{mode}/reload/ops_b", **base, "seed": 1, "env": ops},
+    return [{"name": f"llama/{mode}/reload/ops_a", **base, "env": ops, "additional_config": STREAM},
+            {"name": f"llama/{mode}/reload/ops_b", **base, "seed": 1, "env": ops,
+             "additional_config": STREAM},
             {"name": f"llama/{mode}/reload/streamed", **base, "reload": True,
              "verbs": RELOAD_CYCLES, "env": POISON, "additional_config": STREAM}]
 
@@ -354,8 +356,8 @@ def two_gpus():
                    "additional_config": CTX},
                   {"name": f"dcp/{mode}/ctx/verify", **ctx, "additional_config": CTX_VERIFY}]
     base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
-    cases += [{"name": "tp2/layer-ops", **base, "env": {**WORKER_RPC,
-                                                        "RINGFLOW_LAYER_OPS_ONLY": "1"}},
+    cases += [{"name": "tp2/layer-ops", **base, "additional_config": STREAM,
+               "env": {**WORKER_RPC, "RINGFLOW_LAYER_OPS_ONLY": "1"}},
               {"name": "tp2/streamed", **base, "env": {**WORKER_RPC, **POISON},
                "additional_config": STREAM, "repeat": True}]
     return _Engines(cases)
