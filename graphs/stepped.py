@@ -29,6 +29,7 @@ Note [Boundary layers]
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 
@@ -93,7 +94,6 @@ class LayerStepper:
         self._ahead = next(i for i, n in enumerate(dag.nodes)  # the first layer's own nodes
                            if _owned_by(n, first))
         self.boundaries = _boundaries(dag)
-        self._following = dict(zip(self.boundaries, self.boundaries[1:]))
         self._path: DagExecutor | None = None
         self._cursor = 0
         self._layer = -1
@@ -128,7 +128,7 @@ class LayerStepper:
         if layer not in self._position:
             raise PlanError(f"layer {layer} is not in plan '{self.executor.dag.name}' "
                             f"(layers 0..{self.executor.dag.layers - 1})")
-        following = self._following.get(self._layer) if self._path is not None else None
+        following = self._boundary_after(self._layer) if self._path is not None else None
         if following is not None and self._layer < layer and following < layer:
             raise PlanError(f"plan '{self.executor.dag.name}': the engine went from layer "
                             f"{self._layer} to {layer} without layer {following}'s begin and "
@@ -145,6 +145,10 @@ class LayerStepper:
             self._begin_forward()
         self._issue(self._position[layer] + 1)
         self._layer = layer
+
+    def _boundary_after(self, layer: int) -> int | None:
+        at = bisect.bisect_right(self.boundaries, layer)
+        return self.boundaries[at] if at < len(self.boundaries) else None
 
     def after(self, layer: int) -> None:
         """Issue the plan from ``layer``'s compute up to the next layer's."""

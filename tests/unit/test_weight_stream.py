@@ -336,6 +336,13 @@ def test_an_engine_that_skips_a_boundary_layer_is_refused_before_the_read():
     with pytest.raises(PlanError, match="without layer 2's begin and end"):
         ws.stepper.before(5)
     ws.stepper.abandon("test")
+    ws.stepper.before(0)
+    ws.stepper.after(0)
+    ws.stepper.before(1)  # a resident layer stepped too: still no skipping layer 2
+    ws.stepper.after(1)
+    with pytest.raises(PlanError, match="without layer 2's begin and end"):
+        ws.stepper.before(3)
+    ws.stepper.abandon("test")
     for layer in ws.stepper.boundaries:  # the boundaries alone are a whole forward
         ws.stepper.before(layer)
         ws.stepper.after(layer)
