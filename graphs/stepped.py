@@ -51,7 +51,7 @@ def _owned_by(node, layer: int) -> bool:
         NodeKind.WAIT, NodeKind.SYNC_GATHER, NodeKind.COMPUTE)
 
 
-def _boundaries(dag) -> tuple[int, ...]:
+def boundary_layers(dag) -> tuple[int, ...]:
     """The layers an engine must call ``before``/``after`` around (Note [Boundary layers])."""
     at = [i for i, n in enumerate(dag.nodes) if n.kind is NodeKind.COMPUTE]
     order = [dag.nodes[i].layer for i in at]
@@ -93,7 +93,7 @@ class LayerStepper:
         first = self._order[0]
         self._ahead = next(i for i, n in enumerate(dag.nodes)  # the first layer's own nodes
                            if _owned_by(n, first))
-        self.boundaries = _boundaries(dag)
+        self.boundaries = boundary_layers(dag)
         self._path: DagExecutor | None = None
         self._cursor = 0
         self._layer = -1

@@ -124,8 +124,6 @@ def _same(a, b) -> bool:
 Rows = tuple[int, int]
 #: exchange(gathered, local): every DCP rank's ``local`` rows into ``gathered``, rank after rank
 Exchange = Callable[[torch.Tensor, torch.Tensor], None]
-#: vLLM's DCP exchange calls: 0.26 returns the gathered rows, 0.32 writes them into the workspace
-EXCHANGE_KINDS = ("all_gather", "kv_gather")
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ def test_a_layer_whose_own_wait_precedes_its_compute_is_a_boundary_whatever_foll
     its release): a wait issued at the next boundary would come after the read."""
     from types import SimpleNamespace as N
 
-    from ringflow.graphs.stepped import _boundaries
+    from ringflow.graphs.stepped import boundary_layers
     from ringflow.orchestrator.dag import COMPUTE_STREAM, NodeKind
 
     def node(kind, layer, stream=COMPUTE_STREAM):
@@ -320,9 +320,9 @@ def test_a_layer_whose_own_wait_precedes_its_compute_is_a_boundary_whatever_foll
 
     nodes = [node(NodeKind.COMPUTE, 0), node(NodeKind.WAIT, 1), node(NodeKind.COMPUTE, 1),
              node(NodeKind.COMPUTE, 2), node(NodeKind.COMPUTE, 3)]
-    assert _boundaries(N(nodes=nodes)) == (0, 1, 3)
+    assert boundary_layers(N(nodes=nodes)) == (0, 1, 3)
     nodes[1] = node(NodeKind.WAIT, 1, stream="g0")  # a gather stream's wait: layer 0's end
-    assert _boundaries(N(nodes=nodes)) == (0, 3)
+    assert boundary_layers(N(nodes=nodes)) == (0, 3)
 
 
 def test_an_engine_that_skips_a_boundary_layer_is_refused_before_the_read():
