@@ -24,6 +24,11 @@ reset and re-warmed between), greedy tokens and top-5 logprobs. The per-layer ga
 vLLM's own recorded gather calls replayed with CUDA events (the critical-path time a layer
 pays without ringflow).
 
+Each request of (a) also records ringflow's host time in it (``host_ms_per_request``) and the
+caching allocator's trips to the driver (``allocator_per_request``: retries, which free cached
+blocks after a device sync, whole-device syncs, cudaMalloc and cudaFree): whether a slower
+request is host time, a hidden sync or the allocator.
+
 ``--dcp N`` runs tensor parallel N with decode context parallel N (one GPU per rank): each
 rank's ring lives in its worker process, switched and read through ``collective_rpc``; the
 per-layer time is then the local gather and the all-gather across the group, replayed (vLLM's
@@ -270,14 +275,17 @@ def main() -> int:
         bench.generate(prefix + tokens(1, args.suffix), on=False)  # caches the prefix
         times = {"off": [], "on": []}
         host_ms = {"off": [], "on": []}  # ringflow's context-path host time in each request
+        allocator = {"off": [], "on": []}  # this process's allocator events in each request
         for r in range(args.rounds):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
-                before = top_level_s(host)
+                before, counted = top_level_s(host), allocator_events()
                 seconds, _ = bench.generate(prefix + tokens(10_000 * (n + 1) + 2 * r + on,
                                                             args.suffix), on)
                 times["on" if on else "off"].append(seconds)
                 host_ms["on" if on else "off"].append(  # None: not timed (--dcp)
                     round((top_level_s(host) - before) * 1e3, 3) if host else None)
+                allocator["on" if on else "off"].append(
+                    {k: v - counted[k] for k, v in allocator_events().items()})
         gather = bench.gather_ms()
         if args.trace and n == 0:
             trace(bench, prefix, args.suffix)
@@ -287,6 +295,7 @@ def main() -> int:
         rows.append(summarise(f"prefix {prefix_len // 1024}k + {args.suffix}", times, gather,
                               args.layers, args.suffix, equal, chunks=rings.stats()["chunks"]))
         rows[-1]["host_ms_per_request"] = host_ms  # beside times: host-side or device-side?
+        rows[-1]["allocator_per_request"] = allocator  # cudaMalloc retries, syncs, new blocks
     if args.long:
         times = {"off": [], "on": []}
         for r in range(max(2, args.rounds - 1)):
@@ -376,6 +385,20 @@ def probe_inside() -> dict:
 
     cg.Session.__init__ = init
     return found
+
+
+#: torch.cuda.memory_stats() counters that move when the caching allocator has to go to the
+#: driver: a retry frees cached blocks (a device sync), a new block is a cudaMalloc
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                    "num_device_free")
+
+
+def allocator_events() -> dict:
+    """This process's caching-allocator counters now (with --dcp the model runs elsewhere:
+    these then count the driver process only)."""
+    import torch
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_EVENTS}
 
 
 def top_level_s(spent: dict) -> float:
