@@ -120,25 +120,31 @@ def choose(compute_ms: Sequence[float], copy_ms: Sequence[float], count: int, sl
     if not 1 <= count <= layers:
         raise ConfigError(f"cannot offload {count} of {layers} layers; ask for 1..{layers}")
 
-    def cost(chosen: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
-        steady = forward_ms(compute_ms, copy_ms, chosen, slots, cross_forward)
-        cold = forward_ms(compute_ms, copy_ms, chosen, slots, False) if cross_forward else steady
-        return steady, cold, chosen
+    colds: dict[tuple[int, ...], float] = {}
+
+    def cost(chosen: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        return forward_ms(compute_ms, copy_ms, chosen, slots, cross_forward), chosen
+
+    def cold(chosen: tuple[int, ...]) -> float:  # only near-ties ask, so it is made on demand
+        if chosen not in colds:
+            colds[chosen] = forward_ms(compute_ms, copy_ms, chosen, slots, False)
+        return colds[chosen]
 
     def gains(a, b) -> bool:
         """A real gain (1e-9 ms) in the steady forward, or in the cold one with the steady one
         no worse at all: a strict order, so the search ends."""
-        return a[0] < b[0] - 1e-9 or a[0] <= b[0] and a[1] < b[1] - 1e-9
+        return a[0] < b[0] - 1e-9 or a[0] <= b[0] and cross_forward and \
+            cold(a[1]) < cold(b[1]) - 1e-9
 
     best = None
     for candidate in (cost(c) for c in _spaced(layers, count)):  # ties: the smaller set
         if best is None or gains(candidate, best) or not gains(best, candidate) \
-                and candidate[2] < best[2]:
+                and candidate[1] < best[1]:
             best = candidate
     improved = True
     while improved:
         improved = False
-        current = set(best[2])
+        current = set(best[1])
         for out in sorted(current):
             for into in range(layers):
                 if into in current:
@@ -146,4 +152,4 @@ def choose(compute_ms: Sequence[float], copy_ms: Sequence[float], count: int, sl
                 candidate = cost(tuple(sorted(current - {out} | {into})))
                 if gains(candidate, best):  # only a real gain moves a layer
                     best, improved = candidate, True
-    return Placement(best[2], best[0], float(sum(compute_ms)))
+    return Placement(best[1], best[0], float(sum(compute_ms)))

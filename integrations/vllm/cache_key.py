@@ -59,7 +59,7 @@ WRAPPED_LAYERS_CODE = ("ringflow.orchestrator.placement", "ringflow.orchestrator
                        "ringflow.graphs.stepped")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def wrapped_layers_code() -> str:
     """A digest of the source of :data:`WRAPPED_LAYERS_CODE` as installed."""
     import importlib

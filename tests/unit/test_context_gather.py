@@ -185,14 +185,15 @@ def exchanged(local, peer=peer_rows):
 
 
 class FakeCoordinator:
-    """vLLM 0.26's DCP ``GroupCoordinator``: ``all_gather(local, dim=0)`` returns every rank's."""
+    """vLLM 0.26's DCP ``GroupCoordinator``: ``all_gather(local, dim=0)`` returns every rank's
+    (``exchange``: the stand-in by default, a real process group's in the gloo test)."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, exchange=exchanged):
+        self.calls, self._exchange = 0, exchange
 
     def all_gather(self, input_, dim=-1):
         self.calls += 1
-        return exchanged(input_)
+        return self._exchange(input_)
 
 
 class FakeManager:
@@ -408,30 +409,12 @@ def test_a_dcp_model_needs_its_exchange():
                         torch.device("cpu"), "t", dcp_size=2)
 
 
-class GlooCoordinator:
-    """vLLM 0.26's DCP coordinator over a real process group (the world, as vLLM's own)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def all_gather(self, input_, dim=-1):
-        import torch.distributed as dist
-        self.calls += 1
-        out = torch.empty(input_.shape[0] * dist.get_world_size(), *input_.shape[1:])
-        dist.all_gather_into_tensor(out, input_.contiguous())
-        return out
-
-
-class GlooManager:
-    """vLLM 0.32's manager over a real process group: kv_gather(gathered_kv, local_kv)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def kv_gather(self, gathered_kv, local_kv):
-        import torch.distributed as dist
-        self.calls += 1
-        dist.all_gather_into_tensor(gathered_kv, local_kv.contiguous())
+def world_exchanged(local):
+    """Every rank's ``local`` over the world group (vLLM's own, in the gloo test)."""
+    import torch.distributed as dist
+    out = torch.empty(local.shape[0] * dist.get_world_size(), *local.shape[1:])
+    dist.all_gather_into_tensor(out, local.contiguous())
+    return out
 
 
 def _dcp_rank(rank, world, steps, style):
@@ -451,7 +434,7 @@ def _dcp_rank(rank, world, steps, style):
     fakes = [FakeLayer(kv_cache=caches[rank][i], _k_scale=torch.tensor(1.0)) for i in range(3)]
     for layer in fakes:
         model.layers.append(weakref.ref(layer))
-    coordinator, manager = GlooCoordinator(), GlooManager()
+    coordinator, manager = FakeCoordinator(world_exchanged), FakeManager(world_exchanged)
     cg._dcp_coordinator = lambda: coordinator
     chunks = [([0, 1], 6), ([3, 5], 5)]
     for _ in range(steps):
