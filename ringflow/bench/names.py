@@ -11,4 +11,5 @@ SCENARIOS = {
     "small-layers": "bench/small_layers",
     "depth-sweep": "bench/depth_sweep",
     "one-slot": "bench/one_slot",
+    "one-slot-placed": "bench/one_slot_placed",
 }
