@@ -26,8 +26,10 @@ pays without ringflow).
 
 Each request of (a) also records ringflow's host time in it (``host_ms_per_request``) and the
 caching allocator's trips to the driver (``allocator_per_request``: retries, which free cached
-blocks after a device sync, whole-device syncs, cudaMalloc and cudaFree): whether a slower
-request is host time, a hidden sync or the allocator.
+blocks after a device sync, whole-device syncs, cudaMalloc and cudaFree) and Python's garbage
+collections in this process (``gc_per_request``: collections by generation and their ms; vLLM
+freezes the heap after start-up, so what ringflow allocates per step is what they scan):
+whether a slower request is host time, a hidden sync, the allocator or the collector.
 
 ``--dcp N`` runs tensor parallel N with decode context parallel N (one GPU per rank): each
 rank's ring lives in its worker process, switched and read through ``collective_rpc``; the
@@ -36,6 +38,7 @@ reorder after it is not in it), and ringflow's host timers are not taken.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -270,15 +273,17 @@ def main() -> int:
     kv_tokens = config.cache_config.num_gpu_blocks * config.cache_config.block_size
     per_token = args.layers * (512 + 64) * 2
     rows = []
+    clock = GcClock()
     for n, prefix_len in enumerate(prefixes):
         prefix = tokens(1000 + n, prefix_len)
         bench.generate(prefix + tokens(1, args.suffix), on=False)  # caches the prefix
         times = {"off": [], "on": []}
         host_ms = {"off": [], "on": []}  # ringflow's context-path host time in each request
         allocator = {"off": [], "on": []}  # this process's allocator events in each request
+        collected = {"off": [], "on": []}  # this process's garbage collections in each request
         for r in range(args.rounds):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
-                before, counted = top_level_s(host), allocator_events()
+                before, counted, gcs = top_level_s(host), allocator_events(), clock.snapshot()
                 seconds, _ = bench.generate(prefix + tokens(10_000 * (n + 1) + 2 * r + on,
                                                             args.suffix), on)
                 times["on" if on else "off"].append(seconds)
@@ -286,6 +291,7 @@ def main() -> int:
                     round((top_level_s(host) - before) * 1e3, 3) if host else None)
                 allocator["on" if on else "off"].append(
                     {k: v - counted[k] for k, v in allocator_events().items()})
+                collected["on" if on else "off"].append(clock.since(gcs))
         gather = bench.gather_ms()
         if args.trace and n == 0:
             trace(bench, prefix, args.suffix)
@@ -296,6 +302,7 @@ def main() -> int:
                               args.layers, args.suffix, equal, chunks=rings.stats()["chunks"]))
         rows[-1]["host_ms_per_request"] = host_ms  # beside times: host-side or device-side?
         rows[-1]["allocator_per_request"] = allocator  # cudaMalloc retries, syncs, new blocks
+        rows[-1]["gc_per_request"] = collected  # collections by generation and their ms
     if args.long:
         times = {"off": [], "on": []}
         for r in range(max(2, args.rounds - 1)):
@@ -391,6 +398,34 @@ def probe_inside() -> dict:
 #: driver: a retry frees cached blocks (a device sync), a new block is a cudaMalloc
 ALLOCATOR_EVENTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
                     "num_device_free")
+
+
+class GcClock:
+    """Python's garbage collections in this process, by generation, and the time they took
+    (``gc.callbacks``): a collector pause inside a request shows up in its TTFT."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        self._began = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+    def snapshot(self) -> tuple:
+        return tuple(self.count), self.seconds
+
+    def since(self, snapshot: tuple) -> dict:
+        count, seconds = snapshot
+        return {"collections": [a - b for a, b in zip(self.count, count)],
+                "ms": round((self.seconds - seconds) * 1e3, 3)}
+
 
 
 def allocator_events() -> dict:
