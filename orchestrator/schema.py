@@ -234,6 +234,13 @@ FIELDS: dict[str, ProfileField] = {
         "kept unless NCCL is more than 10% faster; recorded in the plan's meta). consumer: "
         "context exchanges over NCCL on ringflow's own communicator whatever this says (peer "
         "is logged as not built for it)", DCP_TRANSPORTS, "auto"),
+    "kv_prefetch.min_context_tokens": _integer(  # None: auto (context.MIN_CONTEXT_AUTO)
+        "context: a step whose first MLA layer gathers fewer context tokens than this (per "
+        "rank, all chunks) runs vLLM's own gathers, logged once; 0: every step with context. "
+        "Omitted: 65,536 on one rank (below it, on the H200, ringflow's host time per "
+        "(layer, chunk) cost more than the local gather it hides), 0 under DCP (the exchange "
+        "is on the critical path)", 0, 1 << 40, None, nullable=True,
+        words="an integer >= 0, or omitted for 65,536 (one rank) / 0 (DCP)"),
     "kv_prefetch.verify": _flag("compare every slot with its layer's cache before attention "
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",

@@ -179,6 +179,7 @@ class KVPrefetchSpec:
     workspace_mib: float
     capacity_tokens: int | None
     dcp_transport: str
+    min_context_tokens: int | None
     verify: bool
 
     def to_mapping(self) -> dict:
@@ -187,6 +188,8 @@ class KVPrefetchSpec:
                "dcp_transport": self.dcp_transport}
         if self.capacity_tokens is not None:
             out["capacity_tokens"] = self.capacity_tokens
+        if self.min_context_tokens is not None:
+            out["min_context_tokens"] = self.min_context_tokens
         return out
 
 
@@ -202,4 +205,8 @@ def kv_prefetch_section(doc: Any, source: str | None) -> KVPrefetchSpec:
         raise ProfileError("kv_prefetch.capacity_tokens", "applies to consumer: full_kv_check "
                            "only; a context slot is vLLM's context workspace, sized by vLLM "
                            "(drop capacity_tokens)", source)
+    if spec.consumer == "full_kv_check" and spec.min_context_tokens is not None:
+        raise ProfileError("kv_prefetch.min_context_tokens", "applies to consumer: context "
+                           "only; full_kv_check gathers every step (drop min_context_tokens)",
+                           source)
     return spec

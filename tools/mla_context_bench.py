@@ -220,6 +220,10 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--dcp", type=int, default=1,
                         help="tensor parallel and decode context parallel size (GPUs)")
+    parser.add_argument("--min-context", type=int, default=0,
+                        help="the profile's kv_prefetch.min_context_tokens (default 0: every "
+                             "step prefetched, the consumer itself measured; -1: omitted, the "
+                             "plugin's default of Note [Short context])")
     parser.add_argument("--models", default="/tmp/mla-context-bench")
     parser.add_argument("--probe", action="store_true",
                         help="also time small Python and torch calls inside vLLM's forward and "
@@ -249,6 +253,8 @@ def main() -> int:
     workspace_mib = 160 * (args.dcp + 1) / args.dcp if args.dcp > 1 else 160
     profile = {"ringflow": {"name": "mla-context", "kv_prefetch": {
         "depth": 1, "workspace_mib": workspace_mib}}}
+    if args.min_context >= 0:
+        profile["ringflow"]["kv_prefetch"]["min_context_tokens"] = args.min_context
     engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
                   enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.85, seed=0, additional_config=profile,

@@ -56,6 +56,19 @@ Note [DCP context exchange]
     concurrently in different orders on different ranks (ringflow's on the gather stream,
     vLLM's on the compute stream); the full-KV lane has run that way on two H200s, and the
     consumer's fills are issued at the same plan points on every rank.
+
+Note [Short context]
+    Prefetching a unit costs host time inside vLLM's forward (about 0.5 ms per (layer, chunk)
+    measured on the H200: event records, waits and the fill's launch on a second stream,
+    profiles/results/README.md), and on one GPU it hides only the local gather (0.04 ms per
+    layer at a 32k context). With a cached 32k prefix and a 2k suffix that made the prefill
+    1.15 to 1.21x slower in three runs; at 64k it was 0.94 to 1.03x, at 128k 1.00 to 1.01x. A
+    step whose first layer gathers fewer than ``kv_prefetch.min_context_tokens`` context tokens
+    (per rank, all chunks) is therefore not planned: the later layers gather for themselves,
+    as without ringflow, and the log says so once. Omitted, it is ``MIN_CONTEXT_AUTO`` on one
+    rank and 0 under DCP, where the exchange it hides is on the critical path. The count is
+    the same on every rank of a DCP group (vLLM's all-gather needs equal rows), so the choice
+    is too.
 """
 
 from __future__ import annotations
@@ -83,6 +96,9 @@ from ringflow.units import MIB, mib
 log = logging.getLogger("ringflow")
 
 #: vLLM's MLA context gathers (whichever exist in the installed release)
+#: kv_prefetch.min_context_tokens when omitted, on one rank (Note [Short context])
+MIN_CONTEXT_AUTO = 65536
+
 GATHER_OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache",
               "gather_mla_context_cache_cpu", "cp_gather_and_upconvert_fp8_kv_cache")
 #: arguments a replay replaces: the layer's cache, the slot, the layer's scale
@@ -178,6 +194,10 @@ class ContextModel:
         self.dcp_size, self.exchange = dcp_size, exchange
         self.layers: list[weakref.ref] = []
         self.verify = spec.verify
+        #: steps with fewer context tokens per rank run vLLM's own gathers (Note [Short context])
+        self.min_context = (spec.min_context_tokens if spec.min_context_tokens is not None
+                            else 0 if dcp_size > 1 else MIN_CONTEXT_AUTO)
+        self.short_steps = 0  # steps left to vLLM for that
         #: False: vLLM gathers for itself, the ring stays reserved (a benchmark's A/B switch,
         #: flipped between requests)
         self.enabled = True
@@ -453,7 +473,7 @@ class Session:
                 self._stop_recording("ctx-dcp-none", "vLLM's DCP context path gathered a chunk "
                                      "without the exchange ringflow hooks (another vLLM?)")
             if model.calls and layers > 0:
-                if not self._fits():
+                if not self._fits() or self._short():
                     return
                 ring.start(layers, len(model.calls), model.fill)
         elif self.mode == "consume":
@@ -462,6 +482,21 @@ class Session:
                              f"{len(model.calls)} context chunks")
             else:
                 ring.end()
+
+    def _short(self) -> bool:
+        """Whether the step's context is below ``min_context_tokens``: then nothing is planned
+        and the later layers gather for themselves (Note [Short context])."""
+        model = self.model
+        tokens = sum(call.rows for call in model.calls)
+        if tokens >= model.min_context:
+            return False
+        model.short_steps += 1
+        model.state.log_once("ctx-short", "a step of %d context token(s) per rank runs vLLM's "
+                             "own context gathers: kv_prefetch.min_context_tokens is %d (set it "
+                             "to 0 to prefetch every step; logged once)", tokens,
+                             model.min_context)
+        model.calls = []
+        return True
 
     def _fits(self) -> bool:
         ws, ring = self.workspace, self.model.ring

@@ -29,9 +29,11 @@ def fake_gather(src_cache, dst, block_table, cu_seq_lens):
     dst[:n].copy_(rows[:n])
 
 
-def make_model(verify=False, layers=3, seed=0):
-    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {
-        "depth": 1, "workspace_mib": 1, "verify": verify}})
+def make_model(verify=False, layers=3, seed=0, min_context=0):
+    spec = {"depth": 1, "workspace_mib": 1, "verify": verify}
+    if min_context is not None:  # None: the profile omits it (auto)
+        spec["min_context_tokens"] = min_context
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": spec})
     model = cg.ContextModel(PluginState(), key=1, profile=profile, shape=(ROWS, W),
                             dtype=torch.float32, device=torch.device("cpu"), name="t")
     g = torch.Generator().manual_seed(seed)
@@ -95,6 +97,33 @@ def test_layer_0_records_and_the_others_read_their_rows_from_the_ring():
         assert model.ring.consumed == 4 * step and model.ring.steps == step
         assert not model.ring.in_step and model.ring.pool.leases() == []
     assert model.ring.abandoned == {}
+
+
+def test_a_step_below_min_context_tokens_is_left_to_vllm_and_said_once(caplog):
+    """Note [Short context]: the step's context (7 + 10 rows) against the threshold."""
+    model, fakes = make_model(min_context=18)
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        for _ in range(2):
+            md, args = metadata()
+            assert run_step(model, fakes, md, args) == ["record", "pass", "pass"]
+    assert model.ring.steps == model.ring.consumed == 0 and model.short_steps == 2
+    assert model.ring.abandoned == {} and model.calls == []
+    said = [r.getMessage() for r in caplog.records if "min_context_tokens" in r.getMessage()]
+    assert len(said) == 1 and "17 context token" in said[0], said
+    model, fakes = make_model(min_context=17)  # at the threshold: prefetched
+    md, args = metadata()
+    assert run_step(model, fakes, md, args) == ["record", "consume", "consume"]
+    assert model.ring.consumed == 4 and model.short_steps == 0
+
+
+def test_min_context_tokens_omitted_is_64k_on_one_rank_and_0_under_dcp():
+    model, fakes = make_model(min_context=None)
+    assert model.min_context == cg.MIN_CONTEXT_AUTO == 65536
+    md, args = metadata()
+    assert run_step(model, fakes, md, args) == ["record", "pass", "pass"]
+    assert model.short_steps == 1 and model.ring.steps == 0
+    dcp, _ = make_dcp_model()
+    assert dcp.min_context == 0
 
 
 def test_another_chunking_in_a_later_layer_falls_back_to_vllms_own_gather(caplog):

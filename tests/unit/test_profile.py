@@ -276,7 +276,14 @@ def test_a_kv_prefetch_section_is_validated_field_by_field():
     check = {"consumer": "full_kv_check", "verify": True, "workspace_mib": 8}
     assert Profile.from_mapping({"kv_prefetch": {**check, "capacity_tokens": 9}}
                                 ).kv_prefetch.capacity_tokens == 9
-    for doc, field in [({"workspace_mib": 8, "depth": -1}, "kv_prefetch.depth"),
+    assert p.kv_prefetch.min_context_tokens is None  # auto (Note [Short context])
+    short = Profile.from_mapping({"kv_prefetch": {"workspace_mib": 8, "min_context_tokens": 0}})
+    assert short.kv_prefetch.min_context_tokens == 0 and Profile.from_mapping(
+        short.to_mapping()) == short
+    for doc, field in [({"workspace_mib": 8, "min_context_tokens": -1},
+                        "kv_prefetch.min_context_tokens"),
+                       ({**check, "min_context_tokens": 4096}, "kv_prefetch.min_context_tokens"),
+                       ({"workspace_mib": 8, "depth": -1}, "kv_prefetch.depth"),
                        ({"depth": 1}, "kv_prefetch.workspace_mib"),
                        ({**check, "capacity_tokens": 0}, "kv_prefetch.capacity_tokens"),
                        # a context slot is vLLM's workspace; the full-KV check must be read

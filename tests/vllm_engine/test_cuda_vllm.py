@@ -40,8 +40,11 @@ STREAM = {"ringflow": {"name": "gpu", "offload": {"layers": [0, 2, 3], "depth": 
                                                   "workspace_mib": 256}}}
 KV = {"ringflow": {"name": "gpu", "kv_prefetch": {"consumer": "full_kv_check", "depth": 1,
                                                    "workspace_mib": 256, "verify": True}}}
-CTX = {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}
+#: tiny contexts: min_context_tokens 0 plans every step (Note [Short context])
+CTX = {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                   "min_context_tokens": 0}}}
 CTX_VERIFY = {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                          "min_context_tokens": 0,
                                                           "verify": True}}}
 #: a 64-row context workspace: the cached prefixes of one step take several chunks
 CHUNKED = {"prefix_caching": True, "workspace_rows": 64}

@@ -52,7 +52,8 @@ def kv(depth, mib=64, **extra):
 def ctx(depth=1, verify=False, mib=16):
     """MLA's context chunks read from the ring (the default consumer)."""
     return {"ringflow": {"name": "c", "kv_prefetch": {"depth": depth, "workspace_mib": mib,
-                                                     "verify": verify}}}
+                                                     "verify": verify,
+                                                     "min_context_tokens": 0}}}
 
 
 # several concurrent requests of different lengths, one longer than a prefill chunk, 12 steps
@@ -315,7 +316,8 @@ def test_lora_with_weight_streaming_is_refused_in_the_front_end(monkeypatch):
     monkeypatch.delenv("RINGFLOW_PROFILE", raising=False)
     monkeypatch.delenv("RINGFLOW_LAYER_OPS_ONLY", raising=False)
     streamed = {"ringflow": {"name": "s", "offload": {"layers": [1], "workspace_mib": 64}}}
-    kv = {"ringflow": {"name": "k", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}
+    kv = {"ringflow": {"name": "k", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                    "min_context_tokens": 0}}}
     started = []
 
     def create(args):
