@@ -94,6 +94,28 @@ class PeerExchange:
             copy_strided(out.view(shape)[:, peer], self.remote(peer, out).view(shape)[:, peer])
         self.barrier()
 
+    def gather_parts(self, gathered: torch.Tensor, local: torch.Tensor) -> None:
+        """vLLM's all-gather of ``local`` into ``gathered``, rank after rank, with copy
+        engines: every rank's ``local`` lies at the same place in its own storage (the MLA
+        context ring's slot, Note [DCP context exchange] in context_gather.py), so each rank
+        copies its own rows into its part and pulls every peer's from the peer's storage.
+        The same two barriers as :meth:`exchange`: after the owners wrote ``local``, after
+        the pulls (no rank rewrites ``local`` while a peer still reads it)."""
+        rows = local.shape[0]
+        if (gathered.shape[0] != rows * self.size or gathered.shape[1:] != local.shape[1:]
+                or gathered.dtype != local.dtype or not gathered.is_contiguous()
+                or local.dim() < 2):
+            raise KernelError(f"a peer all-gather of {tuple(local.shape)} {local.dtype} over "
+                              f"{self.size} ranks fills {self.size * rows} contiguous rows of "
+                              f"the same width and dtype, got {tuple(gathered.shape)} "
+                              f"{gathered.dtype}")
+        parts = gathered.view(self.size, rows, *local.shape[1:])
+        self.barrier()
+        for step in range(self.size):  # staggered: each rank starts with a different peer
+            peer = (self.rank + step) % self.size
+            copy_strided(parts[peer], local if peer == self.rank else self.remote(peer, local))
+        self.barrier()
+
 
 def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for two views of one shape and strides whose every step along dim 0

@@ -232,8 +232,9 @@ FIELDS: dict[str, ProfileField] = {
         "(all-gather on the SMs), peer (copy engines pulling from the peers' rings in symmetric "
         "memory; NCCL if unavailable, logged) or auto (both timed when the ring is built; peer "
         "kept unless NCCL is more than 10% faster; recorded in the plan's meta). consumer: "
-        "context exchanges over NCCL on ringflow's own communicator whatever this says (peer "
-        "is logged as not built for it)", DCP_TRANSPORTS, "auto"),
+        "context: nccl is an all-gather over ringflow's own communicator; peer and auto pull "
+        "the peers' rows with copy engines from a context ring in symmetric memory (auto "
+        "without timing; NCCL if unavailable, logged)", DCP_TRANSPORTS, "auto"),
     "kv_prefetch.min_context_tokens": _integer(  # None: auto (context.MIN_CONTEXT_AUTO)
         "context: a step whose first MLA layer gathers fewer context tokens than this (per "
         "rank, all chunks) runs vLLM's own gathers, logged once; 0: every step with context. "

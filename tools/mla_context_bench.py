@@ -220,6 +220,9 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--dcp", type=int, default=1,
                         help="tensor parallel and decode context parallel size (GPUs)")
+    parser.add_argument("--dcp-transport", default="auto", choices=("auto", "peer", "nccl"),
+                        help="kv_prefetch.dcp_transport under --dcp (default auto: the copy "
+                             "engines where symmetric memory works)")
     parser.add_argument("--min-context", type=int, default=0,
                         help="the profile's kv_prefetch.min_context_tokens (default 0: every "
                              "step prefetched, the consumer itself measured; -1: omitted, the "
@@ -253,6 +256,8 @@ def main() -> int:
     workspace_mib = 160 * (args.dcp + 1) / args.dcp if args.dcp > 1 else 160
     profile = {"ringflow": {"name": "mla-context", "kv_prefetch": {
         "depth": 1, "workspace_mib": workspace_mib}}}
+    if args.dcp > 1:
+        profile["ringflow"]["kv_prefetch"]["dcp_transport"] = args.dcp_transport
     if args.min_context >= 0:
         profile["ringflow"]["kv_prefetch"]["min_context_tokens"] = args.min_context
     engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
@@ -431,7 +436,6 @@ class GcClock:
         count, seconds = snapshot
         return {"collections": [a - b for a, b in zip(self.count, count)],
                 "ms": round((self.seconds - seconds) * 1e3, 3)}
-
 
 
 def allocator_events() -> dict:

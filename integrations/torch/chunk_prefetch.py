@@ -47,6 +47,8 @@ class ChunkPrefetcher:
         workspace_bytes: device budget of the ring.
         device: where the ring lives (CUDA: eager on a gather stream; CPU: synchronous).
         capture, gather_priority, poison: as for every executor.
+        storage: the ring, allocated by the caller (``SlotPool``'s; the DCP context ring
+            lies in memory every rank maps).
 
     Raises:
         BudgetError: the budget holds not one slot.
@@ -55,10 +57,12 @@ class ChunkPrefetcher:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, *, depth: int,
                  workspace_bytes: int, device: torch.device | str, capture: str = "join",
                  gather_priority: str = "normal", poison: bool = False,
-                 name: str = "context", lane: str = "ctx") -> None:
+                 name: str = "context", lane: str = "ctx",
+                 storage: torch.Tensor | None = None) -> None:
         try:
             self.pool = SlotPool(lane, tuple(shape), dtype, depth=depth,
-                                 workspace_bytes=workspace_bytes, device=device)
+                                 workspace_bytes=workspace_bytes, device=device,
+                                 storage=storage)
         except BudgetError as exc:
             raise BudgetError(lane, exc.slot_bytes, workspace_bytes,
                               what=f"context-chunk slot ({shape[0]:,} rows, the engine's "

@@ -38,8 +38,12 @@ Note [DCP context exchange]
     into the workspace; 0.32: ``MLADCPManager.kv_gather(gathered, local)``, into it) and which
     workspace rows it reads and fills. A unit's fill then replays the local gather into the
     slot and all-gathers those rows into the slot's gathered rows, rank after rank as vLLM's
-    all-gather lays them out, over a communicator of ringflow's own (``attention.dcp_group``:
-    NCCL, never the one vLLM's compute stream uses, so the two streams never share one). A
+    all-gather lays them out: over a communicator of ringflow's own (``attention.dcp_group``:
+    NCCL, never the one vLLM's compute stream uses, so the two streams never share one), or,
+    with ``dcp_transport`` peer or auto, by copy engines: the ring lies in symmetric memory,
+    every rank's local rows of a unit sit at the same place in its own slot, and each fill
+    copies them from every rank's slot into its own, between two barriers
+    (``PeerExchange.gather_parts``, Note [Peer exchange]). A
     consuming layer's exchange is checked against the recording and skipped: 0.32's call
     returns at once, 0.26's returns the slot's gathered rows, which vLLM then "copies" onto
     themselves (``Tensor.copy_`` of a view onto the same view moves nothing). vLLM's reorder
@@ -62,13 +66,13 @@ Note [Short context]
     measured on the H200: event records, waits and the fill's launch on a second stream,
     profiles/results/README.md), and on one GPU it hides only the local gather (0.04 ms per
     layer at a 32k context). With a cached 32k prefix and a 2k suffix that made the prefill
-    1.15 to 1.21x slower in three runs; at 64k it was 0.94 to 1.03x, at 128k 1.00 to 1.01x. A
-    step whose first layer gathers fewer than ``kv_prefetch.min_context_tokens`` context tokens
-    (per rank, all chunks) is therefore not planned: the later layers gather for themselves,
-    as without ringflow, and the log says so once. Omitted, it is ``MIN_CONTEXT_AUTO`` on one
-    rank and 0 under DCP, where the exchange it hides is on the critical path. The count is
-    the same on every rank of a DCP group (vLLM's all-gather needs equal rows), so the choice
-    is too.
+    1.15 to 1.21x slower in three of four runs (1.03x in the fourth); at 64k it was 0.94 to
+    1.03x, at 128k 1.00 to 1.01x. A step whose first layer gathers fewer than
+    ``kv_prefetch.min_context_tokens`` context tokens (per rank, all chunks) is therefore not
+    planned: the later layers gather for themselves, as without ringflow, and the log says so
+    once. Omitted, it is ``MIN_CONTEXT_AUTO`` on one rank and 0 under DCP, where the exchange
+    it hides is on the critical path. The count is the same on every rank of a DCP group
+    (vLLM's all-gather needs equal rows), so the choice is too.
 """
 
 from __future__ import annotations
@@ -85,8 +89,9 @@ from dataclasses import dataclass
 import torch
 
 from ringflow import envs
-from ringflow.errors import BudgetError, ConfigError, OutputError, ProfileError
+from ringflow.errors import BudgetError, ConfigError, KernelError, OutputError, ProfileError
 from ringflow.graphs.executor import poison_default
+from ringflow.graphs.slots import SlotPool
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
 from ringflow.integrations.vllm.hooks import wrap, wrap_function
 from ringflow.integrations.vllm.state import PluginState
@@ -95,10 +100,10 @@ from ringflow.units import MIB, mib
 
 log = logging.getLogger("ringflow")
 
-#: vLLM's MLA context gathers (whichever exist in the installed release)
 #: kv_prefetch.min_context_tokens when omitted, on one rank (Note [Short context])
 MIN_CONTEXT_AUTO = 65536
 
+#: vLLM's MLA context gathers (whichever exist in the installed release)
 GATHER_OPS = ("gather_and_maybe_dequant_cache", "cp_gather_cache",
               "gather_mla_context_cache_cpu", "cp_gather_and_upconvert_fp8_kv_cache")
 #: arguments a replay replaces: the layer's cache, the slot, the layer's scale
@@ -176,7 +181,8 @@ class ContextModel:
     """One model's MLA layers (construction = execution order) and its context-chunk ring.
 
     Under DCP (``dcp_size`` > 1) ``exchange`` all-gathers a unit's local rows across the group
-    (Note [DCP context exchange]).
+    (Note [DCP context exchange]); ``storage``, if given, is the ring (the peer transport's,
+    in memory every rank maps).
 
     Raises:
         ProfileError: the ring does not fit ``kv_prefetch.workspace_mib``.
@@ -185,13 +191,15 @@ class ContextModel:
 
     def __init__(self, state: PluginState, key: int, profile: Profile, shape: tuple[int, int],
                  dtype: torch.dtype, device: torch.device, name: str, *, dcp_size: int = 1,
-                 exchange: Exchange | None = None) -> None:
+                 exchange: Exchange | None = None, transport: str | None = None,
+                 storage: torch.Tensor | None = None) -> None:
         spec = profile.kv_prefetch
         if (dcp_size > 1) != (exchange is not None):
             raise ConfigError(f"'{name}': a context model under DCP (dcp_size {dcp_size}) needs "
                               f"an exchange, and only one under DCP takes it")
         self.state, self.key, self.name = state, key, name
         self.dcp_size, self.exchange = dcp_size, exchange
+        self.transport = transport  # the DCP exchange's: "nccl" or "peer" (None: no DCP)
         self.layers: list[weakref.ref] = []
         self.verify = spec.verify
         #: steps with fewer context tokens per rank run vLLM's own gathers (Note [Short context])
@@ -206,7 +214,8 @@ class ContextModel:
                                         workspace_bytes=int(spec.workspace_mib * MIB),
                                         device=device, capture=profile.capture,
                                         gather_priority=profile.gather_priority,
-                                        poison=poison_default(), name=name)
+                                        poison=poison_default(), name=name,
+                                        storage=storage)
         except BudgetError as exc:
             raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
         dump = envs.text("RINGFLOW_DUMP")
@@ -660,12 +669,13 @@ def attach(state: PluginState, layer, profile: Profile, config) -> bool:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if getattr(config.device_config, "device_type", "cpu") == "cuda"
                   else torch.device("cpu"))
-        size, exchange = dcp_size(config), None
+        size, exchange, transport, storage = dcp_size(config), None, None, None
         if size > 1:
-            exchange = _exchange_over_own_group(state, profile, config)
+            exchange, transport, storage = _dcp_exchange(state, profile, config, shape, dtype,
+                                                         device)
         model = ContextModel(state, key, profile, shape, dtype, device,
                              name=f"{profile.name}/model{key}/context", dcp_size=size,
-                             exchange=exchange)
+                             exchange=exchange, transport=transport, storage=storage)
         state.context_models[key] = model
         state.record("context-ring-allocated")
         log.info("%s; MLA's context gathers (prefix hits, chunked prefill) are read from it "
@@ -693,19 +703,31 @@ def _no_consumer(layer, config) -> str | None:
     return None
 
 
-def _exchange_over_own_group(state: PluginState, profile: Profile, config) -> Exchange:
-    """The DCP exchange of the context ring's fills: an NCCL all-gather over a communicator of
-    ringflow's own (a collective of every worker, made at the model's first MLA layer, which
-    every rank builds in the same order)."""
+def _dcp_exchange(state: PluginState, profile: Profile, config, shape: tuple[int, int],
+                  dtype: torch.dtype, device: torch.device
+                  ) -> tuple[Exchange, str, torch.Tensor | None]:
+    """The DCP exchange of the context ring's fills, its transport, and the ring's storage
+    when the transport needs its own (collective: every worker calls it at its model's first
+    MLA layer, in the same order). ``peer`` and ``auto``: copy engines pulling the peers' rows
+    from a ring in symmetric memory, or NCCL where that is unavailable (logged); ``nccl``: an
+    all-gather over a communicator of ringflow's own. ``auto`` is ``peer`` without timing the
+    two: an exchange timed alone does not show that the copy engines leave the SMs to the
+    attention it hides behind (Note [Peer exchange])."""
     from ringflow.integrations.vllm.attention import dcp_group
     from ringflow.kernels.kv_gathers import all_gather_parts
 
     transport = profile.kv_prefetch.dcp_transport
-    if transport == "peer":
-        state.log_once("ctx-dcp-peer", "kv_prefetch.dcp_transport is peer, which the context "
-                       "consumer does not have yet: its DCP exchange is an NCCL all-gather over "
-                       "ringflow's own communicator")
-    group = dcp_group(config, "nccl", who="MLA context prefetch")
+    group = dcp_group(config, transport, who="MLA context prefetch")
+    if transport in ("peer", "auto"):
+        peer, why = _peer_ring(profile, shape, dtype, device, group)
+        if peer is not None:
+            log.info("MLA context prefetch under DCP (%d ranks): each chunk's exchange is "
+                     "prefetched with the local gather, by copy engines pulling the peers' rows "
+                     "from a ring in symmetric memory (dcp_transport: %s)", group.size,
+                     transport)
+            return peer.gather_parts, "peer", peer.storage
+        log.warning("MLA context prefetch: DCP transport '%s' unavailable (%s); the exchange "
+                    "is an NCCL all-gather", transport, why)
     if torch.cuda.is_available():  # NCCL's own buffers now, before vLLM sizes the KV cache
         probe = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
         all_gather_parts(torch.empty(group.size, device=probe.device), probe, group.group)
@@ -713,7 +735,23 @@ def _exchange_over_own_group(state: PluginState, profile: Profile, config) -> Ex
     log.info("MLA context prefetch under DCP (%d ranks): each chunk's exchange is prefetched "
              "with the local gather, as an NCCL all-gather over ringflow's own communicator",
              group.size)
-    return lambda gathered, local: all_gather_parts(gathered, local, group.group)
+    return (lambda gathered, local: all_gather_parts(gathered, local, group.group)), "nccl", None
+
+
+def _peer_ring(profile: Profile, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device, group):
+    """The context ring in symmetric memory over ``group`` (collective), or None and why."""
+    from ringflow.kernels.peer_exchange import symmetric_exchange
+
+    if device.type != "cuda":
+        return None, "copy engines need a CUDA device"
+    spec = profile.kv_prefetch
+    try:
+        slots = SlotPool.fit("ctx", shape, dtype, spec.depth,
+                             int(spec.workspace_mib * MIB)).slots
+        return symmetric_exchange((slots, *shape), dtype, device, group.group), ""
+    except (BudgetError, KernelError) as exc:  # the budget's error is raised again, whole, below
+        return None, str(exc)
 
 
 def models(state: PluginState) -> list[ContextModel]:

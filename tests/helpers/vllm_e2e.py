@@ -148,7 +148,8 @@ def context_stats(model) -> dict:
     return {"layers": len(model.layers), "steps": ring.steps, "consumed": ring.consumed,
             "abandoned": dict(ring.abandoned), "checked": model.checked,
             "mismatches": list(model.mismatches), "reserved_bytes": model.reserved_bytes,
-            "dcp_size": model.dcp_size, "short_steps": model.short_steps,
+            "dcp_size": model.dcp_size, "transport": model.transport,
+            "short_steps": model.short_steps,
             "plans": sorted((s.executor.dag.meta["layers"], s.executor.dag.meta["chunks"])
                             for s in ring._steppers.values())}
 

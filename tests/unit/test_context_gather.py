@@ -13,6 +13,8 @@ from ringflow.integrations.vllm import context_gather as cg
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.profile import Profile
 
+from helpers.rings import ProcessRings, ThreadRings
+
 ROWS, W, BLOCKS, BLOCK = 16, 4, 6, 4
 #: (block table, tokens) of each context chunk of a step
 CHUNKS = [([0, 1], 7), ([3, 5, 2], 10)]
@@ -446,18 +448,31 @@ def world_exchanged(local):
     return out
 
 
-def _dcp_rank(rank, world, steps, style):
-    """One rank: its own caches, ringflow's fills all-gathered over a group of ringflow's own;
-    every consuming layer must read every rank's rows, rank after rank."""
+def dcp_rows(world):
+    return 6 * world + 6  # vLLM's: 6 rows per rank, and the local gather's 6 before them
+
+
+def _dcp_rank(rank, world, steps, style, rings=None):
+    """One rank: its own caches, ringflow's fills all-gathered over a group of ringflow's own
+    (``rings``: by the copy-engine transport's pulls from every rank's ring, in shared memory
+    here); every consuming layer must read every rank's rows, rank after rank."""
     import torch.distributed as dist
 
     from ringflow.kernels.kv_gathers import all_gather_parts
+    from ringflow.kernels.peer_exchange import PeerExchange
     own = dist.new_group(list(range(world)), backend="gloo")
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": 1, "workspace_mib": 1}})
-    rows = 6 * world + 6  # vLLM's: 6 rows per rank, and the local gather's 6 before them
+    rows = dcp_rows(world)
+    if rings is None:
+        handle, storage = None, None
+        exchange = lambda gathered, local: all_gather_parts(gathered, local, own)  # noqa: E731
+    else:
+        handle, storage = ProcessRings(rings, own), rings[rank]
+        exchange = PeerExchange(storage, handle, world, rank).gather_parts
     model = cg.ContextModel(PluginState(), 1, profile, (rows, W), torch.float32,
-                            torch.device("cpu"), "t", dcp_size=world,
-                            exchange=lambda gathered, local: all_gather_parts(gathered, local, own))
+                            torch.device("cpu"), "t", dcp_size=world, exchange=exchange,
+                            storage=storage)
+    assert storage is None or model.ring.pool.storage is storage
     caches = [[torch.randn(BLOCKS, BLOCK, W, generator=torch.Generator().manual_seed(100 * r + i))
                for i in range(3)] for r in range(world)]  # every rank's, to know the answer
     fakes = [FakeLayer(kv_cache=caches[rank][i], _k_scale=torch.tensor(1.0)) for i in range(3)]
@@ -485,6 +500,8 @@ def _dcp_rank(rank, world, steps, style):
     # layer 0's only: the others were prefetched
     assert coordinator.calls + manager.calls == steps * len(chunks)
     assert model.ring.consumed == steps * 2 * len(chunks) and model.ring.abandoned == {}
+    if handle is not None:  # two barriers per fill: after the owners' writes, after the pulls
+        assert handle.barriers == 2 * model.ring.consumed
 
 
 @pytest.mark.parametrize("world,style", [(2, "0.26"), (3, "0.26"), (2, "0.32")])
@@ -494,6 +511,51 @@ def test_under_dcp_the_fills_all_gather_across_real_ranks_in_vllms_order(tmp_pat
     'vLLM' all-gathers over the world, and every consuming layer reads every rank's rows."""
     from ringflow.testing.spawn import spawn_group
     spawn_group(world, _dcp_rank, 2, style, rendezvous=str(tmp_path / "rdzv"))
+
+
+@pytest.mark.parametrize("world,style", [(2, "0.26"), (3, "0.32")])
+def test_under_dcp_the_peer_transport_pulls_every_ranks_rows_in_vllms_order(tmp_path, world,
+                                                                           style):
+    """The copy-engine transport (dcp_transport: peer): each rank's ring is one every rank
+    maps; a fill writes the local rows into the slot, then copies every rank's from the same
+    rows of that rank's slot. Rings start as NaN, so a pull before its owner wrote fails."""
+    from ringflow.testing.spawn import spawn_group
+    rings = [torch.full((2, dcp_rows(world), W), float("nan")).share_memory_()
+             for _ in range(world)]
+    spawn_group(world, _dcp_rank, 2, style, rings, rendezvous=str(tmp_path / "rdzv"))
+
+
+def test_a_peer_all_gather_lays_ranks_out_as_vllms_all_gather_and_checks_its_shapes():
+    """PeerExchange.gather_parts with threads for ranks (the kv_gathers tests' stand-in): the
+    result is every rank's local rows, rank after rank, in the slot's gathered rows; the other
+    slot is untouched; a target of the wrong size is refused before any copy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ringflow.errors import KernelError
+    from ringflow.kernels.peer_exchange import PeerExchange
+
+    world, rows = 3, 5
+    rings = [torch.full((2, rows + rows * world, W), float("nan")) for _ in range(world)]
+    handle = ThreadRings(rings)
+    mine = [torch.randn(rows, W, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+
+    def rank(r):
+        slot = rings[r][1]
+        slot[:rows] = mine[r]
+        PeerExchange(rings[r], handle, world, r).gather_parts(slot[rows:], slot[:rows])
+        return slot[rows:].clone()
+
+    with ThreadPoolExecutor(world) as pool:
+        outs = list(pool.map(rank, range(world)))
+    for r, out in enumerate(outs):
+        assert torch.equal(out, torch.cat(mine)), r
+    assert handle.barriers == 2 * world
+    assert torch.isnan(torch.stack(rings)[:, 0]).all()
+    exchange = PeerExchange(rings[0], ThreadRings([rings[0]] * world), world, 0)
+    before = rings[0].clone()
+    with pytest.raises(KernelError, match="fills 15 contiguous rows"):
+        exchange.gather_parts(rings[0][1][rows: rows + 10], rings[0][1][:rows])
+    assert torch.equal(rings[0].nan_to_num(7), before.nan_to_num(7))
 
 
 def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_consumer(

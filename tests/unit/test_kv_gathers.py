@@ -12,6 +12,8 @@ from ringflow.kernels.peer_exchange import PeerExchange
 from ringflow.kernels import reference as ref
 from ringflow.testing.spawn import spawn_group
 
+from helpers.rings import ThreadRings
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # `pytest -m cuda` selects it
 
 
@@ -97,26 +99,6 @@ def _dcp_rank(rank: int, world: int, lens: list[int], interleave: int, row: int)
 ])
 def test_dcp_all_gather_over_gloo_reproduces_the_full_kv(tmp_path, world, lens, interleave):
     spawn_group(world, _dcp_rank, lens, interleave, 6, rendezvous=str(tmp_path / "rdzv"))
-
-
-class ThreadRings:
-    """Stands in for symmetric memory between threads: every 'rank' maps every ring, and the
-    barrier is a real one, so a pull before its owner's pack reads NaN and fails the test."""
-
-    def __init__(self, rings: list[torch.Tensor]) -> None:
-        import threading
-        self.rings, self.wall = rings, threading.Barrier(len(rings))
-        self.barriers, self._count = 0, threading.Lock()
-
-    def get_buffer(self, rank, shape, dtype, offset):
-        ring = self.rings[rank]
-        assert dtype == ring.dtype
-        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
-
-    def barrier(self, channel=0, timeout_ms=0):
-        with self._count:
-            self.barriers += 1
-        self.wall.wait(timeout=30)
 
 
 @pytest.mark.parametrize("world,lens,interleave", [(2, [1, 3, 10, 17], 1), (4, [2, 9, 0, 16], 2),

@@ -337,6 +337,15 @@ def kv_dcp(transport: str) -> dict:
                                                         "verify": True,
                                                         "dcp_transport": transport}}}
 WORKER_RPC = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # kv stats come back from the workers
+# the context consumer's exchange: eager over NCCL; default graphs `auto`, which is the copy
+# engines wherever symmetric memory works (it does on two H200s), with no timing
+CTX_DCP_TRANSPORT = {"eager": "nccl", "default": "auto"}
+
+
+def ctx_dcp(transport: str, verify: bool) -> dict:
+    return {"ringflow": {"name": "ctx", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                       "dcp_transport": transport,
+                                                       "verify": verify}}}
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +365,9 @@ def two_gpus():
                "context": {"prefix_caching": True}, "env": WORKER_RPC}
         cases += [{"name": f"dcp/{mode}/ctx/off", **ctx},
                   {"name": f"dcp/{mode}/ctx/read", **ctx, "env": {**WORKER_RPC, **POISON},
-                   "additional_config": CTX},
-                  {"name": f"dcp/{mode}/ctx/verify", **ctx, "additional_config": CTX_VERIFY}]
+                   "additional_config": ctx_dcp(CTX_DCP_TRANSPORT[mode], False)},
+                  {"name": f"dcp/{mode}/ctx/verify", **ctx,
+                   "additional_config": ctx_dcp(CTX_DCP_TRANSPORT[mode], True)}]
     base = {"model": "llama", "mode": "eager", "max_tokens": 12, "engine": TWO}
     cases += [{"name": "tp2/layer-ops", **base, "additional_config": STREAM,
                "env": {**WORKER_RPC, "RINGFLOW_LAYER_OPS_ONLY": "1"}},
@@ -406,7 +416,8 @@ def test_mla_context_under_dcp2_reads_the_prefetched_exchange(two_gpus, mode):
     """vLLM TP2 + DCP2, MLA prefix hits: on both workers the layers after the first read each
     context chunk's local gather and its all-gather across the DCP group from a ring slot
     (poisoned after its read), vLLM's own exchange skipped; tokens as ringflow off; verify
-    finds every consumed gather and exchange equal to vLLM's own."""
+    finds every consumed gather and exchange equal to vLLM's own. Eager exchanges over NCCL,
+    the default graph mode by copy engines (auto: peer)."""
     off = ok(two_gpus[f"dcp/{mode}/ctx/off"])
     for name in ("read", "verify"):
         run_ = ok(two_gpus[f"dcp/{mode}/ctx/{name}"])
@@ -414,6 +425,8 @@ def test_mla_context_under_dcp2_reads_the_prefetched_exchange(two_gpus, mode):
         assert len(run_["context"]) == 2, run_["context"]  # one ring per worker
         for stats in run_["context"]:  # each worker's ring exchanged across the group
             assert stats["dcp_size"] == 2, stats
+            assert stats["transport"] == {"nccl": "nccl", "auto": "peer"}[
+                CTX_DCP_TRANSPORT[mode]], stats
             assert stats["abandoned"] == {} and stats["consumed"] > 0, stats
             if name == "verify":  # a gather and an exchange checked per consumed chunk
                 assert stats["checked"] == 2 * stats["consumed"], stats

@@ -1,0 +1,43 @@
+"""Stand-ins for symmetric memory in CPU tests of the copy-engine exchange (Note [Peer
+exchange]): every rank maps every rank's ring, and the barrier is a real one, so a pull
+before its owner's write reads the NaN the rings start with."""
+
+import torch
+
+
+class ThreadRings:
+    """Stands in for symmetric memory between threads: every 'rank' maps every ring, and the
+    barrier is a real one, so a pull before its owner's pack reads NaN and fails the test."""
+
+    def __init__(self, rings: list[torch.Tensor]) -> None:
+        import threading
+        self.rings, self.wall = rings, threading.Barrier(len(rings))
+        self.barriers, self._count = 0, threading.Lock()
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        ring = self.rings[rank]
+        assert dtype == ring.dtype
+        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        with self._count:
+            self.barriers += 1
+        self.wall.wait(timeout=30)
+
+
+class ProcessRings:
+    """Stands in for symmetric memory between processes: every rank's ring in shared memory,
+    mapped by all, and a real barrier (gloo), so a pull before its owner's write reads NaN."""
+
+    def __init__(self, rings, group) -> None:
+        self.rings, self.group, self.barriers = rings, group, 0
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        ring = self.rings[rank]
+        assert dtype == ring.dtype
+        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    def barrier(self, channel=0, timeout_ms=0):
+        import torch.distributed as dist
+        self.barriers += 1
+        dist.barrier(group=self.group)
