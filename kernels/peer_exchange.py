@@ -113,8 +113,18 @@ class PeerExchange:
         self.barrier()
         for step in range(self.size):  # staggered: each rank starts with a different peer
             peer = (self.rank + step) % self.size
-            copy_strided(parts[peer], local if peer == self.rank else self.remote(peer, local))
+            copy_strided(parts[peer], local if peer == self.rank else self._at(peer, local))
         self.barrier()
+
+    def _at(self, rank: int, view: torch.Tensor) -> torch.Tensor:
+        """``view`` in ``rank``'s storage, sliced from one mapped view of the whole storage (a
+        step's context length changes the views; :meth:`remote` would map each anew)."""
+        whole = self.remote(rank, self.storage.view(-1))
+        offset, rem = divmod(view.data_ptr() - self.storage.data_ptr(), view.element_size())
+        if (view.dtype != whole.dtype or not view.is_contiguous() or rem or offset < 0
+                or offset + view.numel() > whole.numel()):
+            raise KernelError("a peer view must be a contiguous part of the exchange's storage")
+        return whole[offset: offset + view.numel()].view(view.shape)
 
 
 def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -236,8 +236,8 @@ FIELDS: dict[str, ProfileField] = {
         "the peers' rows with copy engines from a context ring in symmetric memory (auto "
         "without timing; NCCL if unavailable, logged)", DCP_TRANSPORTS, "auto"),
     "kv_prefetch.min_context_tokens": _integer(  # None: auto (context.MIN_CONTEXT_AUTO)
-        "context: a step whose first MLA layer gathers fewer context tokens than this (per "
-        "rank, all chunks) runs vLLM's own gathers, logged once; 0: every step with context. "
+        "context: a step whose prefills have fewer context tokens than this (all chunks, all "
+        "DCP ranks) runs vLLM's own gathers, logged once; 0: every step with context. "
         "Omitted: 65,536 on one rank (below it, on the H200, ringflow's host time per "
         "(layer, chunk) cost more than the local gather it hides), 0 under DCP (the exchange "
         "is on the critical path)", 0, 1 << 40, None, nullable=True,

@@ -67,12 +67,13 @@ Note [Short context]
     profiles/results/README.md), and on one GPU it hides only the local gather (0.04 ms per
     layer at a 32k context). With a cached 32k prefix and a 2k suffix that made the prefill
     1.15 to 1.21x slower in three of four runs (1.03x in the fourth); at 64k it was 0.94 to
-    1.03x, at 128k 1.00 to 1.01x. A step whose first layer gathers fewer than
-    ``kv_prefetch.min_context_tokens`` context tokens (per rank, all chunks) is therefore not
+    1.03x, at 128k 1.00 to 1.01x. A step whose prefills have fewer than
+    ``kv_prefetch.min_context_tokens`` context tokens (all chunks, all ranks) is therefore not
     planned: the later layers gather for themselves, as without ringflow, and the log says so
     once. Omitted, it is ``MIN_CONTEXT_AUTO`` on one rank and 0 under DCP, where the exchange
-    it hides is on the critical path. The count is the same on every rank of a DCP group
-    (vLLM's all-gather needs equal rows), so the choice is too.
+    it hides is on the critical path. The count comes from vLLM's host-side chunk metadata
+    (``context_tokens``), not from the gathers' destination, which on CUDA is the whole
+    workspace; it is the same on every rank of a DCP group, so the choice is too.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ class ContextModel:
         self.transport = transport  # the DCP exchange's: "nccl" or "peer" (None: no DCP)
         self.layers: list[weakref.ref] = []
         self.verify = spec.verify
-        #: steps with fewer context tokens per rank run vLLM's own gathers (Note [Short context])
+        #: steps with less context run vLLM's own gathers (Note [Short context])
         self.min_context = (spec.min_context_tokens if spec.min_context_tokens is not None
                             else 0 if dcp_size > 1 else MIN_CONTEXT_AUTO)
         self.short_steps = 0  # steps left to vLLM for that
@@ -255,6 +256,21 @@ class ContextModel:
             self.exchange(slot[target: target + gathered], slot[source: source + rows])
 
 
+def context_tokens(chunked, dcp_size: int = 1) -> int | None:
+    """The context tokens of a step's prefills, all ranks together, from the host-side counts
+    in vLLM's chunked-context metadata (0.26: ``seq_tot`` per chunk, the rank's padded share
+    under DCP; 0.32: each chunk's ``num_context_tokens``), the same on every rank. Not from the
+    gathers' ``dst``: vLLM's CUDA gathers are handed the whole workspace. None: neither is
+    there."""
+    per_chunk = getattr(chunked, "seq_tot", None)
+    if per_chunk is not None:
+        return int(sum(per_chunk)) * dcp_size
+    chunks = getattr(chunked, "chunks", None)
+    if chunks is not None and all(hasattr(c, "num_context_tokens") for c in chunks):
+        return int(sum(c.num_context_tokens for c in chunks))
+    return None
+
+
 def _cache_of(layer) -> torch.Tensor:
     cache = layer.kv_cache
     return cache[0] if isinstance(cache, list) else cache  # older vLLM: one per virtual engine
@@ -268,7 +284,8 @@ class Session:
 
     def __init__(self, model: ContextModel, index: int, attn_metadata, dcp: bool = False) -> None:
         self.model, self.index = model, index
-        self.workspace = attn_metadata.prefill.chunked_context.workspace
+        self.chunked = attn_metadata.prefill.chunked_context
+        self.workspace = self.chunked.workspace
         self.saved = None  # the workspace's own storage, kept where it may be re-pointed
         self.calls = 0
         #: why the step is given up once this layer is done (its reads still use the slot)
@@ -496,14 +513,17 @@ class Session:
         """Whether the step's context is below ``min_context_tokens``: then nothing is planned
         and the later layers gather for themselves (Note [Short context])."""
         model = self.model
-        tokens = sum(call.rows for call in model.calls)
+        if not model.min_context:
+            return False
+        tokens = context_tokens(self.chunked, model.dcp_size)
+        if tokens is None:  # another vLLM: the rows its gathers wrote (a bound from above)
+            tokens = sum(call.rows for call in model.calls) * model.dcp_size
         if tokens >= model.min_context:
             return False
         model.short_steps += 1
-        model.state.log_once("ctx-short", "a step of %d context token(s) per rank runs vLLM's "
-                             "own context gathers: kv_prefetch.min_context_tokens is %d (set it "
-                             "to 0 to prefetch every step; logged once)", tokens,
-                             model.min_context)
+        model.state.log_once("ctx-short", "a step of %d context token(s) runs vLLM's own "
+                             "context gathers: kv_prefetch.min_context_tokens is %d (set it to "
+                             "0 to prefetch every step; logged once)", tokens, model.min_context)
         model.calls = []
         return True
 
@@ -746,11 +766,14 @@ def _peer_ring(profile: Profile, shape: tuple[int, int], dtype: torch.dtype,
     if device.type != "cuda":
         return None, "copy engines need a CUDA device"
     spec = profile.kv_prefetch
-    try:
+    try:  # as ContextModel's pool will fit it (the same on every rank: nothing collective yet)
         slots = SlotPool.fit("ctx", shape, dtype, spec.depth,
                              int(spec.workspace_mib * MIB)).slots
+    except BudgetError as exc:
+        raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
+    try:
         return symmetric_exchange((slots, *shape), dtype, device, group.group), ""
-    except (BudgetError, KernelError) as exc:  # the budget's error is raised again, whole, below
+    except KernelError as exc:  # every rank has it (symmetric_exchange agrees first)
         return None, str(exc)
 
 

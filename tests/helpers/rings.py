@@ -29,8 +29,9 @@ class ProcessRings:
     """Stands in for symmetric memory between processes: every rank's ring in shared memory,
     mapped by all, and a real barrier (gloo), so a pull before its owner's write reads NaN."""
 
-    def __init__(self, rings, group) -> None:
+    def __init__(self, rings, group, slow: bool = False) -> None:
         self.rings, self.group, self.barriers = rings, group, 0
+        self.slow = slow  # this rank is late: 0.2 s after every barrier
 
     def get_buffer(self, rank, shape, dtype, offset):
         ring = self.rings[rank]
@@ -38,6 +39,10 @@ class ProcessRings:
         return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
 
     def barrier(self, channel=0, timeout_ms=0):
+        import time
+
         import torch.distributed as dist
         self.barriers += 1
         dist.barrier(group=self.group)
+        if self.slow:
+            time.sleep(0.2)

@@ -118,6 +118,32 @@ def test_a_step_below_min_context_tokens_is_left_to_vllm_and_said_once(caplog):
     assert model.ring.consumed == 4 and model.short_steps == 0
 
 
+@pytest.mark.parametrize("style", ["0.26", "0.32"])
+def test_the_threshold_counts_vllms_context_tokens_not_the_workspace_its_gathers_are_given(
+        style):
+    """vLLM's CUDA gathers are handed the whole workspace (``dst=workspace``, the length in
+    ``num_tokens``): the step's count comes from the chunk metadata (0.26 ``seq_tot``, 0.32
+    each chunk's ``num_context_tokens``), 17 here, not 2 chunks x 16 rows."""
+    for threshold, modes in ((18, ["record", "pass", "pass"]),
+                             (17, ["record", "consume", "consume"])):
+        model, fakes = make_model(min_context=threshold)
+        md, args = metadata()
+        chunked = md.prefill.chunked_context
+        if style == "0.26":
+            chunked.seq_tot = [toks for _, _, toks in args]
+        else:
+            chunked.chunks = [SimpleNamespace(num_context_tokens=toks) for _, _, toks in args]
+        whole = [(table, cu, ROWS) for table, cu, _ in args]  # dst: the whole workspace
+        got = []
+        for i, layer in enumerate(fakes):
+            session, reads = run_layer(model, i, layer, md, whole)
+            got.append(session.mode)
+            for (table, _, toks), read in zip(args, reads):
+                assert torch.equal(read[:toks], want(layer, table, toks)), (i, toks)
+        assert got == modes, (threshold, got)
+        assert model.short_steps == (threshold == 18)
+
+
 def test_min_context_tokens_omitted_is_64k_on_one_rank_and_0_under_dcp():
     model, fakes = make_model(min_context=None)
     assert model.min_context == cg.MIN_CONTEXT_AUTO == 65536
@@ -452,7 +478,7 @@ def dcp_rows(world):
     return 6 * world + 6  # vLLM's: 6 rows per rank, and the local gather's 6 before them
 
 
-def _dcp_rank(rank, world, steps, style, rings=None):
+def _dcp_rank(rank, world, steps, style, rings=None, depth=1, slow_rank=None):
     """One rank: its own caches, ringflow's fills all-gathered over a group of ringflow's own
     (``rings``: by the copy-engine transport's pulls from every rank's ring, in shared memory
     here); every consuming layer must read every rank's rows, rank after rank."""
@@ -461,13 +487,14 @@ def _dcp_rank(rank, world, steps, style, rings=None):
     from ringflow.kernels.kv_gathers import all_gather_parts
     from ringflow.kernels.peer_exchange import PeerExchange
     own = dist.new_group(list(range(world)), backend="gloo")
-    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": 1, "workspace_mib": 1}})
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": depth,
+                                                                "workspace_mib": 1}})
     rows = dcp_rows(world)
     if rings is None:
         handle, storage = None, None
         exchange = lambda gathered, local: all_gather_parts(gathered, local, own)  # noqa: E731
     else:
-        handle, storage = ProcessRings(rings, own), rings[rank]
+        handle, storage = ProcessRings(rings, own, slow=rank == slow_rank), rings[rank]
         exchange = PeerExchange(storage, handle, world, rank).gather_parts
     model = cg.ContextModel(PluginState(), 1, profile, (rows, W), torch.float32,
                             torch.device("cpu"), "t", dcp_size=world, exchange=exchange,
@@ -523,6 +550,16 @@ def test_under_dcp_the_peer_transport_pulls_every_ranks_rows_in_vllms_order(tmp_
     rings = [torch.full((2, dcp_rows(world), W), float("nan")).share_memory_()
              for _ in range(world)]
     spawn_group(world, _dcp_rank, 2, style, rings, rendezvous=str(tmp_path / "rdzv"))
+
+
+def test_no_rank_refills_a_slot_a_slower_peer_still_pulls_from(tmp_path):
+    """The second barrier (Note [Peer exchange]): one slot (depth 0), so each fill writes its
+    local rows where the last unit's were; rank 1 is 0.2 s late after every barrier. Without
+    the barrier after the pulls (or with it before them), rank 0 would have refilled its slot
+    with the next unit's rows and rank 1 would read those."""
+    from ringflow.testing.spawn import spawn_group
+    rings = [torch.full((1, dcp_rows(2), W), float("nan")).share_memory_() for _ in range(2)]
+    spawn_group(2, _dcp_rank, 1, "0.26", rings, 0, 1, rendezvous=str(tmp_path / "rdzv"))
 
 
 def test_a_peer_all_gather_lays_ranks_out_as_vllms_all_gather_and_checks_its_shapes():
