@@ -515,15 +515,17 @@ class Session:
         model = self.model
         if not model.min_context:
             return False
-        tokens = context_tokens(self.chunked, model.dcp_size)
+        tokens, source = context_tokens(self.chunked, model.dcp_size), "vLLM's chunk metadata"
         if tokens is None:  # another vLLM: the rows its gathers wrote (a bound from above)
             tokens = sum(call.rows for call in model.calls) * model.dcp_size
+            source = "the rows vLLM's gathers wrote"
         if tokens >= model.min_context:
             return False
         model.short_steps += 1
-        model.state.log_once("ctx-short", "a step of %d context token(s) runs vLLM's own "
-                             "context gathers: kv_prefetch.min_context_tokens is %d (set it to "
-                             "0 to prefetch every step; logged once)", tokens, model.min_context)
+        model.state.log_once("ctx-short", "a step of %d context token(s) (counted from %s) runs "
+                             "vLLM's own context gathers: kv_prefetch.min_context_tokens is %d "
+                             "(set it to 0 to prefetch every step; logged once)", tokens, source,
+                             model.min_context)
         model.calls = []
         return True
 

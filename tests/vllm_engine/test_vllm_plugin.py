@@ -434,6 +434,9 @@ CONTEXT_CASES = [
     {"name": "ctx/chunked/off", "context": {**CHUNKED, "chunk": 48}},
     {"name": "ctx/chunked/d1", "context": {**CHUNKED, "chunk": 48}, "env": POISON,
      "additional_config": ctx(1)},
+    # min_context_tokens omitted: one rank's default (64k) leaves these short steps to vLLM
+    {"name": "ctx/short", "context": CHUNKED, "env": POISON, "additional_config": {
+        "ringflow": {"name": "c", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}},
     {"name": "ctx/whole/off", "context": {"prefix_caching": True}},
     {"name": "ctx/whole/d1", "context": {"prefix_caching": True}, "env": POISON,
      "additional_config": ctx(1)},
@@ -489,6 +492,19 @@ def test_verify_checks_every_consumed_context_slot_against_vllms_gather(context_
     assert stats["checked"] == stats["consumed"] > 0 and stats["mismatches"] == []
     assert any("verify: 1 consumed context slot(s) checked against vLLM's own gather, 0 "
                "differed" in line for line in run["log"]), run["log"]
+
+
+def test_steps_below_the_default_min_context_are_left_to_vllm_and_said_once(context_runs):
+    """Note [Short context] on vLLM's CPU build: contexts of a few hundred tokens are under the
+    one-rank default of 65,536, counted from vLLM's own chunk metadata; nothing is planned or
+    read from the ring, the output is vLLM's, and the log says so once."""
+    runs, _ = context_runs
+    run = runs["ctx/short"]
+    same(run, runs["ctx/off"])
+    [stats] = run["context"]
+    assert stats["consumed"] == 0 and stats["steps"] == 0 and stats["short_steps"] >= 1, stats
+    said = [l for l in run["log"] if "min_context_tokens is 65536" in l]
+    assert len(said) == 1 and "counted from vLLM's chunk metadata" in said[0], run["log"]
 
 
 def test_layers_without_a_consumer_gather_nothing_and_say_so_once(context_runs):
