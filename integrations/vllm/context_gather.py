@@ -693,8 +693,7 @@ def attach(state: PluginState, layer, profile: Profile, config) -> bool:
                   else torch.device("cpu"))
         size, exchange, transport, storage = dcp_size(config), None, None, None
         if size > 1:
-            exchange, transport, storage = _dcp_exchange(state, profile, config, shape, dtype,
-                                                         device)
+            exchange, transport, storage = _dcp_exchange(profile, config, shape, dtype, device)
         model = ContextModel(state, key, profile, shape, dtype, device,
                              name=f"{profile.name}/model{key}/context", dcp_size=size,
                              exchange=exchange, transport=transport, storage=storage)
@@ -725,9 +724,8 @@ def _no_consumer(layer, config) -> str | None:
     return None
 
 
-def _dcp_exchange(state: PluginState, profile: Profile, config, shape: tuple[int, int],
-                  dtype: torch.dtype, device: torch.device
-                  ) -> tuple[Exchange, str, torch.Tensor | None]:
+def _dcp_exchange(profile: Profile, config, shape: tuple[int, int], dtype: torch.dtype,
+                  device: torch.device) -> tuple[Exchange, str, torch.Tensor | None]:
     """The DCP exchange of the context ring's fills, its transport, and the ring's storage
     when the transport needs its own (collective: every worker calls it at its model's first
     MLA layer, in the same order). ``peer`` and ``auto``: copy engines pulling the peers' rows

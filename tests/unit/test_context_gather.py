@@ -719,3 +719,43 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
             assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     assert model.ring.consumed == 4 and model.ring.abandoned == {}
     assert [c.exchange.kind for c in model.calls] == ["kv_gather"]
+
+
+@pytest.mark.parametrize("transport,symmetric,chosen", [
+    ("nccl", "works", "nccl"), ("peer", "works", "peer"), ("auto", "works", "peer"),
+    ("auto", "fails", "nccl"), ("peer", "fails", "nccl")])
+def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
+        monkeypatch, caplog, transport, symmetric, chosen):
+    """``_dcp_exchange`` (CUDA only, so stood in for here): peer and auto take a ring in
+    symmetric memory of the pool's own shape, nccl never asks for one, a failure falls back to
+    NCCL with a warning; a budget short of one slot is the profile's error."""
+    from ringflow.errors import KernelError, ProfileError
+    from ringflow.integrations.vllm import attention
+    from ringflow.kernels import peer_exchange
+
+    group = SimpleNamespace(size=2, group=object())
+    monkeypatch.setattr(attention, "dcp_group", lambda config, transport, who: group)
+    asked = []
+
+    def allocate(shape, dtype, device, g):
+        asked.append(shape)
+        if symmetric == "fails":
+            raise KernelError("no symmetric memory here")
+        return SimpleNamespace(storage=torch.empty(shape), gather_parts=lambda g, loc: None)
+
+    monkeypatch.setattr(peer_exchange, "symmetric_exchange", allocate)
+    profile = Profile.from_mapping({"name": "t", "kv_prefetch": {
+        "depth": 1, "workspace_mib": 1, "dcp_transport": transport}})
+    shape = (DCP_ROWS, W)
+    with caplog.at_level(logging.WARNING, logger="ringflow"):
+        exchange, got, storage = cg._dcp_exchange(profile, None, shape, torch.float32,
+                                                  torch.device("cuda", 0))
+    assert got == chosen and callable(exchange)
+    assert asked == ([] if transport == "nccl" else [(2, *shape)])
+    assert (storage is not None) == (chosen == "peer")
+    warned = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warned) == (symmetric == "fails")
+    tight = Profile.from_mapping({"name": "t", "kv_prefetch": {
+        "depth": 1, "workspace_mib": 0.0001, "dcp_transport": "peer"}})
+    with pytest.raises(ProfileError, match="workspace_mib"):
+        cg._dcp_exchange(tight, None, shape, torch.float32, torch.device("cuda", 0))
