@@ -56,22 +56,21 @@ class PeerExchange:
     def __init__(self, storage: torch.Tensor, handle, size: int, rank: int) -> None:
         self.storage, self.size, self.rank = storage, size, rank
         self._handle = handle
-        self._remote: dict[tuple, torch.Tensor] = {}
+        self._remote: dict[int, torch.Tensor] = {}  # rank -> its whole storage, as bytes
 
     def remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
-        """``view`` (contiguous, inside :attr:`storage`) as it lies in ``rank``'s memory."""
+        """``view`` (contiguous, inside :attr:`storage`) as it lies in ``rank``'s memory: a
+        slice of ``rank``'s whole storage, mapped once (views of every shape come from it; a
+        step's context length changes them)."""
         offset = view.data_ptr() - self.storage.data_ptr()
-        end = offset + view.numel() * view.element_size()
-        if not view.is_contiguous() or offset < 0 or \
-                end > self.storage.numel() * self.storage.element_size():
+        size = view.numel() * view.element_size()
+        whole = self.storage.numel() * self.storage.element_size()
+        if not view.is_contiguous() or offset < 0 or offset + size > whole:
             raise KernelError("a peer view must be a contiguous part of the exchange's storage")
-        key = (rank, offset, tuple(view.shape), view.dtype)
-        peer = self._remote.get(key)
-        if peer is None:  # made once per part; a captured graph keeps the address anyway
-            peer = self._handle.get_buffer(rank, tuple(view.shape), view.dtype,
-                                           offset // view.element_size())
-            self._remote[key] = peer
-        return peer
+        peer = self._remote.get(rank)
+        if peer is None:  # a captured graph keeps the address anyway
+            peer = self._remote[rank] = self._handle.get_buffer(rank, (whole,), torch.uint8, 0)
+        return peer[offset: offset + size].view(view.dtype).view(view.shape)
 
     def barrier(self) -> None:
         """Every rank's current stream reaches this point before any goes on (no host sync).
@@ -113,18 +112,8 @@ class PeerExchange:
         self.barrier()
         for step in range(self.size):  # staggered: each rank starts with a different peer
             peer = (self.rank + step) % self.size
-            copy_strided(parts[peer], local if peer == self.rank else self._at(peer, local))
+            copy_strided(parts[peer], local if peer == self.rank else self.remote(peer, local))
         self.barrier()
-
-    def _at(self, rank: int, view: torch.Tensor) -> torch.Tensor:
-        """``view`` in ``rank``'s storage, sliced from one mapped view of the whole storage (a
-        step's context length changes the views; :meth:`remote` would map each anew)."""
-        whole = self.remote(rank, self.storage.view(-1))
-        offset, rem = divmod(view.data_ptr() - self.storage.data_ptr(), view.element_size())
-        if (view.dtype != whole.dtype or not view.is_contiguous() or rem or offset < 0
-                or offset + view.numel() > whole.numel()):
-            raise KernelError("a peer view must be a contiguous part of the exchange's storage")
-        return whole[offset: offset + view.numel()].view(view.shape)
 
 
 def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:

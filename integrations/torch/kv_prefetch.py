@@ -257,18 +257,12 @@ class KVPrefetcher:
     def _open_peer_ring(self, rows: int, workspace_bytes: int
                         ) -> tuple[PeerExchange | None, str]:
         """The ring in memory every DCP rank maps (collective), or None and why (logged)."""
-        why = "copy engines need a CUDA device"
-        if self.device.type == "cuda":
-            slots = SlotPool.fit(self.lane, (rows, *self.layout.unit), self.layout.dtype,
-                                 self.depth, workspace_bytes).slots
-            try:
-                return symmetric_exchange((slots, rows, *self.layout.unit), self.layout.dtype,
-                                          self.device, self.dcp.group), ""
-            except KernelError as exc:
-                why = str(exc)
-        log.warning("'%s': DCP transport '%s' unavailable (%s); the gather uses NCCL",
-                    self.name, self.dcp.transport, why)
-        return None, why
+        peer, why = peer_ring(self.lane, (rows, *self.layout.unit), self.layout.dtype,
+                              self.depth, workspace_bytes, self.device, self.dcp.group)
+        if peer is None:
+            log.warning("'%s': DCP transport '%s' unavailable (%s); the gather uses NCCL",
+                        self.name, self.dcp.transport, why)
+        return peer, why
 
     def _staging(self, slot: torch.Tensor) -> torch.Tensor | None:
         if not self.local_capacity:
@@ -506,6 +500,26 @@ class KVPrefetcher:
         """Fold the device-side counts of captured checks into :attr:`verification` (host
         sync) and return it."""
         return self.verification.read_device_counts(self.name)
+
+
+def peer_ring(lane: str, slot_shape: tuple[int, ...], dtype: torch.dtype, depth: int,
+              workspace_bytes: int, device: torch.device, group
+              ) -> tuple[PeerExchange | None, str]:
+    """The ring a ``SlotPool`` of these arguments would allocate, in symmetric memory over
+    ``group`` (collective: every rank calls it at the same point), or None and why: copy
+    engines need CUDA and symmetric memory on every rank (Note [Peer exchange]).
+
+    Raises:
+        BudgetError: the budget holds not one slot (the same on every rank, before any
+            collective).
+    """
+    if device.type != "cuda":
+        return None, "copy engines need a CUDA device"
+    slots = SlotPool.fit(lane, slot_shape, dtype, depth, workspace_bytes).slots
+    try:
+        return symmetric_exchange((slots, *slot_shape), dtype, device, group), ""
+    except KernelError as exc:  # every rank has it (symmetric_exchange agrees first)
+        return None, str(exc)
 
 
 def check_not_after_kv(kv_sized: bool, name: str) -> None:

@@ -90,9 +90,8 @@ from dataclasses import dataclass
 import torch
 
 from ringflow import envs
-from ringflow.errors import BudgetError, ConfigError, KernelError, OutputError, ProfileError
+from ringflow.errors import BudgetError, ConfigError, OutputError, ProfileError
 from ringflow.graphs.executor import poison_default
-from ringflow.graphs.slots import SlotPool
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
 from ringflow.integrations.vllm.hooks import wrap, wrap_function
 from ringflow.integrations.vllm.state import PluginState
@@ -733,13 +732,19 @@ def _dcp_exchange(profile: Profile, config, shape: tuple[int, int], dtype: torch
     all-gather over a communicator of ringflow's own. ``auto`` is ``peer`` without timing the
     two: an exchange timed alone does not show that the copy engines leave the SMs to the
     attention it hides behind (Note [Peer exchange])."""
+    from ringflow.integrations.torch.kv_prefetch import peer_ring
     from ringflow.integrations.vllm.attention import dcp_group
     from ringflow.kernels.kv_gathers import all_gather_parts
 
     transport = profile.kv_prefetch.dcp_transport
     group = dcp_group(config, transport, who="MLA context prefetch")
     if transport in ("peer", "auto"):
-        peer, why = _peer_ring(profile, shape, dtype, device, group)
+        spec = profile.kv_prefetch
+        try:  # the pool's own fit: the same on every rank, nothing collective yet
+            peer, why = peer_ring("ctx", shape, dtype, spec.depth,
+                                  int(spec.workspace_mib * MIB), device, group.group)
+        except BudgetError as exc:
+            raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
         if peer is not None:
             log.info("MLA context prefetch under DCP (%d ranks): each chunk's exchange is "
                      "prefetched with the local gather, by copy engines pulling the peers' rows "
@@ -756,25 +761,6 @@ def _dcp_exchange(profile: Profile, config, shape: tuple[int, int], dtype: torch
              "with the local gather, as an NCCL all-gather over ringflow's own communicator",
              group.size)
     return (lambda gathered, local: all_gather_parts(gathered, local, group.group)), "nccl", None
-
-
-def _peer_ring(profile: Profile, shape: tuple[int, int], dtype: torch.dtype,
-               device: torch.device, group):
-    """The context ring in symmetric memory over ``group`` (collective), or None and why."""
-    from ringflow.kernels.peer_exchange import symmetric_exchange
-
-    if device.type != "cuda":
-        return None, "copy engines need a CUDA device"
-    spec = profile.kv_prefetch
-    try:  # as ContextModel's pool will fit it (the same on every rank: nothing collective yet)
-        slots = SlotPool.fit("ctx", shape, dtype, spec.depth,
-                             int(spec.workspace_mib * MIB)).slots
-    except BudgetError as exc:
-        raise ProfileError("kv_prefetch.workspace_mib", str(exc), profile.source) from exc
-    try:
-        return symmetric_exchange((slots, *shape), dtype, device, group.group), ""
-    except KernelError as exc:  # every rank has it (symmetric_exchange agrees first)
-        return None, str(exc)
 
 
 def models(state: PluginState) -> list[ContextModel]:

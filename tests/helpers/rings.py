@@ -5,6 +5,13 @@ before its owner's write reads the NaN the rings start with."""
 import torch
 
 
+def _buffer(ring: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
+    """``get_buffer``'s answer: ``shape`` elements of ``dtype`` from element ``offset`` of
+    ``ring``'s memory (symmetric memory's own offsets count in the dtype asked for)."""
+    flat = ring.view(-1).view(dtype)
+    return flat[offset: offset + torch.Size(shape).numel()].view(shape)
+
+
 class ThreadRings:
     """Stands in for symmetric memory between threads: every 'rank' maps every ring, and the
     barrier is a real one, so a pull before its owner's pack reads NaN and fails the test."""
@@ -15,9 +22,7 @@ class ThreadRings:
         self.barriers, self._count = 0, threading.Lock()
 
     def get_buffer(self, rank, shape, dtype, offset):
-        ring = self.rings[rank]
-        assert dtype == ring.dtype
-        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+        return _buffer(self.rings[rank], shape, dtype, offset)
 
     def barrier(self, channel=0, timeout_ms=0):
         with self._count:
@@ -34,9 +39,7 @@ class ProcessRings:
         self.slow = slow  # this rank is late: 0.2 s after every barrier
 
     def get_buffer(self, rank, shape, dtype, offset):
-        ring = self.rings[rank]
-        assert dtype == ring.dtype
-        return ring.view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+        return _buffer(self.rings[rank], shape, dtype, offset)
 
     def barrier(self, channel=0, timeout_ms=0):
         import time

@@ -730,8 +730,8 @@ def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
     symmetric memory of the pool's own shape, nccl never asks for one, a failure falls back to
     NCCL with a warning; a budget short of one slot is the profile's error."""
     from ringflow.errors import KernelError, ProfileError
+    from ringflow.integrations.torch import kv_prefetch
     from ringflow.integrations.vllm import attention
-    from ringflow.kernels import peer_exchange
 
     group = SimpleNamespace(size=2, group=object())
     monkeypatch.setattr(attention, "dcp_group", lambda config, transport, who: group)
@@ -743,7 +743,7 @@ def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
             raise KernelError("no symmetric memory here")
         return SimpleNamespace(storage=torch.empty(shape), gather_parts=lambda g, loc: None)
 
-    monkeypatch.setattr(peer_exchange, "symmetric_exchange", allocate)
+    monkeypatch.setattr(kv_prefetch, "symmetric_exchange", allocate)
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": {
         "depth": 1, "workspace_mib": 1, "dcp_transport": transport}})
     shape = (DCP_ROWS, W)
