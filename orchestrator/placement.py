@@ -12,6 +12,14 @@ Note [Placement model]
     offloaded layers behind one slot are the bad case this model shows: the second copy cannot
     start before the first layer has computed.
 
+    A hidden copy is not free on the H200: a layer computing beside one runs slower (4 to 11%
+    measured, the same in the hand-written ring). ``slowdown`` charges it: each ms a layer's
+    compute shares with a copy in flight lengthens that compute by ``slowdown`` ms. It is a
+    property of the GPU and the layer shapes, not of the placement, so ``ringflow bench``
+    measures it per scenario (the compute-only and gather-only graphs replayed side by side:
+    (both - max) / min) and predicts with it; the placement search leaves it at 0, since it
+    charges every placement that hides the same copies alike.
+
 The search is deterministic given the times: the best evenly spaced placement (over every
 offset; of equal ones, the lexicographically smaller set), then single-layer moves while one
 shortens the prediction, so equal layers stay evenly spaced. "Best" and "shortens" read the
@@ -67,34 +75,63 @@ def _check(compute_ms: Sequence[float], copy_ms: Sequence[float], slots: int) ->
 
 
 def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],
-               offloaded: Sequence[int], slots: int, cross_forward: bool = True) -> float:
+               offloaded: Sequence[int], slots: int, cross_forward: bool = True,
+               slowdown: float = 0.0) -> float:
     """The steady-state forward time of offloading ``offloaded`` through ``slots`` slots
     (Note [Placement model])."""
     _check(compute_ms, copy_ms, slots)
-    layers, chosen = len(compute_ms), set(offloaded)
+    if not (math.isfinite(slowdown) and 0 <= slowdown <= 1):
+        raise ConfigError(f"slowdown is ms of compute lost per ms beside a copy, in 0..1; got "
+                          f"{slowdown}")
+    layers, chosen = len(compute_ms), sorted(set(offloaded))
+    offloaded_set = set(chosen)
     if not chosen:
         return float(sum(compute_ms))
-    reader_end: list[float] = []  # per copy, when the layer that reads it finished computing
-    copy_end = 0.0
-    done = 0.0  # when the previous layer finished
-    ends = []
+    # every forward's copies in order, and the next forward's, which the last one's tail may
+    # run (cross-forward) and so slow its last layers
+    copies = [layer for _ in range(FORWARDS + 1) for layer in chosen]
+    starts: list[float] = []    # of the copies issued so far
+    ends: list[float] = []
+    reader_end: list[float | None] = [None] * len(copies)  # when the layer reading it finished
+    forward_starts: list[float] = []
+
+    def issue() -> None:
+        """Every copy whose start is known: its slot's previous reader has finished and, without
+        cross-forward, its forward has begun."""
+        while len(starts) < len(copies):
+            j = len(starts)
+            held = reader_end[j - slots] if j >= slots else 0.0
+            if held is None or not cross_forward and j // len(chosen) >= len(forward_starts):
+                return
+            start = max(ends[-1] if ends else 0.0, held)
+            if not cross_forward:
+                start = max(start, forward_starts[j // len(chosen)])
+            starts.append(start)
+            ends.append(start + copy_ms[copies[j]])
+
+    def beside(t0: float, t1: float) -> float:
+        return sum(max(0.0, min(t1, e) - max(t0, s)) for s, e in zip(starts, ends))
+
+    done, forward_ends, j = 0.0, [], 0
     for _ in range(FORWARDS):
-        forward_start = done
+        forward_starts.append(done)
         for layer in range(layers):
+            issue()
             ready = done
-            if layer in chosen:
-                j = len(reader_end)
-                start = max(copy_end, reader_end[j - slots] if j >= slots else 0.0)
-                if not cross_forward:
-                    start = max(start, forward_start)
-                copy_end = start + copy_ms[layer]
-                ready = max(ready, copy_end)
-                reader_end.append(0.0)
-            done = ready + compute_ms[layer]
-            if layer in chosen:
-                reader_end[-1] = done
-        ends.append(done)
-    return ends[-1] - ends[-2]
+            if layer in offloaded_set:
+                ready = max(ready, ends[j])
+            took = compute_ms[layer]
+            for _ in range(60 if slowdown else 0):  # a fixed point: each step moves by <= slowdown
+                longer = compute_ms[layer] + slowdown * beside(ready, ready + took)
+                if longer - took < 1e-9:
+                    break
+                took = longer
+            done = ready + took
+            if layer in offloaded_set:
+                reader_end[j] = done
+                j += 1
+        forward_ends.append(done)
+    return forward_ends[-1] - forward_ends[-2]
 
 
 def _spaced(layers: int, count: int) -> list[tuple[int, ...]]:

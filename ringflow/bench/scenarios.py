@@ -9,6 +9,9 @@ replay, with CUDA events and fresh inputs before every replay:
 * ``captured``  ringflow's CapturedExecutor (one graph launch per forward);
 * ``hand``      :class:`HandRing`, the two-slot ring a user would write, captured the same way;
 * ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal;
+* ``beside``    the two in one graph on two branches with no edge between them: the floor of any
+  overlap of these copies with this compute on this GPU (a layer computing beside a copy runs
+  slower), whose excess over the ideal the placement model charges (Note [Placement model]);
 * ``cross``     ringflow captured with every lane cross-forward (Note [Forward boundary]): the
   next forward's first slots filled during this forward's last layers.
 
@@ -166,7 +169,16 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         for layer in range(profile.layers):
             work.compute(layer, lane, pools[0].storage[0] if layer in gathered else None)
 
-    _say(f"{name}: capturing sync, ringflow, hand ring, gather-only, compute-only")
+    side = torch.cuda.Stream()
+
+    def beside() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            gather_only()
+        compute_only()
+        torch.cuda.current_stream().wait_stream(side)
+
+    _say(f"{name}: capturing sync, ringflow, hand ring, gather-only, compute-only, both beside")
     variants = {
         "sync": CapturedExecutor(dag, pools, work.gather, work.compute, capture="sync"),
         "eager": EagerExecutor(dag, pools, work.gather, work.compute, gather_priority=priority),
@@ -175,6 +187,7 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         "hand": Graphed(HandRing(work, profile.layers, gathered, lane).run, graph_pool),
         "gather": Graphed(gather_only, graph_pool),
         "compute": Graphed(compute_only, graph_pool),
+        "beside": Graphed(beside, graph_pool),
     }
     # rings of its own: its carried slots stay leased between forwards
     cross_pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
@@ -237,21 +250,34 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     return result
 
 
+def slowdown(ms: dict[str, float]) -> float:
+    """Compute time lost per ms of compute beside a copy, from the ``beside`` graph (gather-only
+    and compute-only on two branches): its excess over the larger of the two, per ms of the
+    smaller, in 0..1 (1: the two serialise, as SM gathers beside a full GPU do). 0 for runs
+    recorded before ``beside`` was measured."""
+    if "beside" not in ms:
+        return 0.0
+    excess = ms["beside"] - max(ms["gather"], ms["compute"])
+    return min(1.0, max(0.0, excess / max(min(ms["gather"], ms["compute"]), 1e-9)))
+
+
 def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
                  slots: int) -> dict[str, float]:
     """What the placement model (Note [Placement model], the one ``offload: {count: N}``
     places by) predicts for this run: its measured gather-only and compute-only times spread
-    evenly over the gathered layers and over every layer. ``captured``: one forward alone;
-    ``cross``: a forward among forwards, cross-forward on. The model assumes the gathers run
-    beside the compute (copy engines); SM gathers that cannot overlap a full GPU measure
-    slower than it says."""
+    evenly over the gathered layers and over every layer, and its measured :func:`slowdown`.
+    ``captured``: one forward alone; ``cross``: a forward among forwards, cross-forward on;
+    ``*_unslowed``: the same with the slowdown left out (what the placement search sees)."""
     from ringflow.orchestrator.placement import forward_ms
 
     compute = [ms["compute"] / layers] * layers
     copy = [ms["gather"] / len(gathered) if i in gathered else 0.0 for i in range(layers)]
-    chosen = sorted(gathered)
-    return {"captured": forward_ms(compute, copy, chosen, slots, cross_forward=False),
-            "cross": forward_ms(compute, copy, chosen, slots, cross_forward=True)}
+    chosen, k = sorted(gathered), slowdown(ms)
+    return {"captured": forward_ms(compute, copy, chosen, slots, False, k),
+            "cross": forward_ms(compute, copy, chosen, slots, True, k),
+            "captured_unslowed": forward_ms(compute, copy, chosen, slots, False),
+            "cross_unslowed": forward_ms(compute, copy, chosen, slots, True),
+            "slowdown": k}
 
 
 def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
@@ -323,16 +349,24 @@ def table(rows: list[dict]) -> str:
                   f"cross: every lane cross-forward; carried: slots a forward starts with")
     placed = [r for r in rows if "predicted_ms" in r]
     if placed:
-        body = [f"{r['scenario']:<26} {r['predicted_ms']['captured']:>9.3f} "
-                f"{r['ms']['captured']:>9.3f} {r['captured_vs_predicted']:>6.3f} "
-                f"{r['predicted_ms']['cross']:>10.3f} {r['steady_ms']['cross']:>12.3f} "
-                f"{r['steady_cross_vs_predicted']:>6.3f}" for r in placed]
+        def row(r: dict) -> str:
+            pred, ms = r["predicted_ms"], r["ms"]
+            unslowed = pred.get("captured_unslowed", pred["captured"])
+            return (f"{r['scenario']:<26} {pred['captured']:>9.3f} {unslowed:>9.3f} "
+                    f"{ms['captured']:>9.3f} {r['captured_vs_predicted']:>6.3f} "
+                    f"{ms['captured'] / unslowed:>6.3f} {pred['cross']:>10.3f} "
+                    f"{r['steady_ms']['cross']:>12.3f} {r['steady_cross_vs_predicted']:>6.3f} "
+                    f"{pred.get('slowdown', 0.0):>8.3f}")
+
         lines += [""] + _section(
-            f"{'placement model':<26} {'predicted':>9} {'captured':>9} {'/pred':>6} "
-            f"{'pred cross':>10} {'steady cross':>12} {'/pred':>6}",
-            body, "predicted: the placement model (what offload {count: N} places by) from "
-                  "this run's gather-only and compute-only times spread evenly over the "
-                  "layers; it assumes gathers beside the compute (copy engines)")
+            f"{'placement model':<26} {'predicted':>9} {'unslowed':>9} {'captured':>9} "
+            f"{'/pred':>6} {'/unsl':>6} {'pred cross':>10} {'steady cross':>12} {'/pred':>6} "
+            f"{'slowdown':>8}",
+            [row(r) for r in placed],
+            "predicted: the placement model (what offload {count: N} places by) from this run's "
+            "gather-only and compute-only times spread evenly over the layers, charging "
+            "`slowdown` ms per ms of compute beside a copy (measured: gather and compute graphs "
+            "side by side); unslowed: the same without it, as the placement search sees it")
     return "\n".join(lines)
 
 

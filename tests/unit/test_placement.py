@@ -31,6 +31,25 @@ def test_without_cross_forward_the_first_copy_waits_for_its_forward():
     assert forward_ms([1.0, 1.0], [5.0, 5.0], [0], 1, cross_forward=True) == 6.0
 
 
+def test_a_hidden_copy_slows_the_compute_beside_it_by_the_slowdown():
+    # one slot, layer 2 offloaded: its 2 ms copy starts when layer 2 of the last forward
+    # finished and runs beside layers 3 and 0 (1 ms each): 2 ms shared, 0.25 ms each lost
+    compute, copy = [1.0] * 4, [2.0] * 4
+    assert forward_ms(compute, copy, [2], 1) == 4.0
+    assert forward_ms(compute, copy, [2], 1, slowdown=0.25) == pytest.approx(4.5)
+    # a copy longer than what hides it: the layers beside it are slower, but layer 2 waits for
+    # the copy to land either way, so the forward is not
+    assert forward_ms(compute, [5.0] * 4, [2], 1) == 6.0
+    assert forward_ms(compute, [5.0] * 4, [2], 1, slowdown=0.25) == 6.0
+    # two slots: the copies run back to back beside every layer but the first forward's
+    assert forward_ms(compute, copy, [1, 3], 2, slowdown=0.25) > forward_ms(compute, copy,
+                                                                             [1, 3], 2)
+    # nothing offloaded: nothing to slow
+    assert forward_ms(compute, copy, [], 1, slowdown=0.5) == 4.0
+    with pytest.raises(ConfigError, match="slowdown"):
+        forward_ms(compute, copy, [2], 1, slowdown=-0.1)
+
+
 def test_adjacent_layers_behind_one_slot_expose_a_copy_that_spacing_hides():
     """The issue's case: last 2 of every 8 through one slot is slower than its ideal; 8 layers
     one every four, placed by the planner, hide behind the resident layers between them."""
@@ -99,14 +118,16 @@ def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
     """``ringflow bench``'s predicted column: gather-only 6 ms over layers 0 and 2 (3 ms each),
     compute-only 4 ms over 4 layers, two slots. Without cross-forward layer 0 waits for its
     whole copy (3 ms) and layer 2's copy, queued behind it on the copy engine, lands 1 ms after
-    layer 1: 8 ms. With it, the copies of the next forward start in this one's tail: 6 ms."""
+    layer 1: 8 ms. With it, the copies of the next forward start in this one's tail: 6 ms.
+    A run recorded before ``beside`` was measured predicts with no slowdown."""
     from ringflow.bench.scenarios import predicted_ms, table
 
     ms = {"compute": 4.0, "gather": 6.0}
     got = predicted_ms(ms, 4, {0, 2}, 2)
-    assert got == {"captured": forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, False),
-                   "cross": forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, True)}
-    assert got["captured"] == 8.0 and got["cross"] == 6.0
+    assert got["captured"] == forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, False)
+    assert got["cross"] == forward_ms([1.0] * 4, [3.0, 0, 3.0, 0], [0, 2], 2, True)
+    assert got["captured"] == got["captured_unslowed"] == 8.0
+    assert got["cross"] == got["cross_unslowed"] == 6.0 and got["slowdown"] == 0.0
     row = {"scenario": "s", "ms": {k: 1.0 for k in ("sync", "eager", "captured", "hand")},
            "ideal_ms": 1.0, "ratios": {k: 1.0 for k in (
                "speedup_vs_sync", "captured_vs_ideal", "captured_vs_hand",
@@ -116,7 +137,26 @@ def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
            "steady_cross_hidden_pct": 0.0, "carried": [], "predicted_ms": got,
            "captured_vs_predicted": 1 / 8, "steady_cross_vs_predicted": 2 / 6}
     line = next(l for l in table([row]).splitlines() if l.startswith("s ") and "8.000" in l)
-    assert line.split()[1:] == ["8.000", "1.000", "0.125", "6.000", "2.000", "0.333"]
+    assert line.split()[1:] == ["8.000", "8.000", "1.000", "0.125", "0.125", "6.000", "2.000",
+                                "0.333", "0.000"]
+
+
+def test_the_bench_charges_the_slowdown_its_beside_graph_measured():
+    """Gather-only 2 ms, compute-only 8 ms, the two side by side 8.5 ms: 0.25 ms lost per ms
+    beside a copy. Layer 2's 2 ms copy hides behind layers 0 and 1 (one slot, cross-forward:
+    behind the tail and layer 0), so the forward is 8 + 0.25 * 2 ms. SM gathers that
+    serialise (beside = gather + compute) are a slowdown of 1; beside faster than the ideal
+    (noise) is none."""
+    from ringflow.bench.scenarios import predicted_ms, slowdown
+
+    ms = {"compute": 8.0, "gather": 2.0, "beside": 8.5}
+    assert slowdown(ms) == 0.25
+    got = predicted_ms(ms, 4, {2}, 1)
+    assert got["cross"] == pytest.approx(8.5) and got["cross_unslowed"] == 8.0
+    assert got["captured"] > got["captured_unslowed"]
+    assert slowdown({"compute": 8.0, "gather": 2.0, "beside": 10.0}) == 1.0
+    assert slowdown({"compute": 8.0, "gather": 2.0, "beside": 7.9}) == 0.0
+    assert slowdown({"compute": 8.0, "gather": 2.0}) == 0.0
 
 
 @pytest.mark.parametrize("compute,copy,needle", [
