@@ -109,6 +109,36 @@ def main() -> int:
     for llm in engines.values():  # warm-up: first graph replays, lazy allocations
         llm.generate(long[:2], prefill, use_tqdm=False)
         llm.generate(short[:4], decode, use_tqdm=False)
+    def summary(rounds: int) -> dict:
+        """Medians and ratios of the rounds so far, as the JSON record (written after every
+        round, so a run cut short by a time limit keeps what it measured)."""
+        base = results.get("resident")
+        for name, r in results.items():
+            r["prefill_tok_s_median"] = round(statistics.median(r["prefill_tok_s"]))
+            r["decode_tok_s_median"] = round(statistics.median(r["decode_tok_s"]), 1)
+        for name, r in results.items():
+            if base:
+                r["prefill_vs_resident"] = round(r["prefill_tok_s_median"] /
+                                                 base["prefill_tok_s_median"], 3)
+                r["decode_vs_resident"] = round(r["decode_tok_s_median"] /
+                                                base["decode_tok_s_median"], 3)
+                r["kv_tokens_vs_resident"] = r["kv_tokens"] - base["kv_tokens"]
+            twin = name.replace("ringflow", "vllm")
+            if name.startswith("ringflow") and twin in results:
+                v = results[twin]
+                r["prefill_vs_vllm"] = round(r["prefill_tok_s_median"] /
+                                             v["prefill_tok_s_median"], 3)
+                r["decode_vs_vllm"] = round(r["decode_tok_s_median"] /
+                                            v["decode_tok_s_median"], 3)
+                r["kv_tokens_vs_vllm"] = r["kv_tokens"] - v["kv_tokens"]
+        doc = records.record("python3 tools/vllm_bench.py", vllm=vllm.__version__,
+                             runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)", pattern=args.pattern,
+                             repeats=args.repeats, rounds_done=rounds,
+                             model="Llama 8B shapes, dummy", results=results)
+        if args.json:
+            records.write(args.json, doc)
+        return doc
+
     for round_ in range(args.repeats):
         for name, llm in engines.items():  # interleaved: every configuration once per round
             torch.cuda.synchronize()
@@ -118,30 +148,8 @@ def main() -> int:
             t0 = time.perf_counter()
             llm.generate(short, decode, use_tqdm=False)
             results[name]["decode_tok_s"].append(32 * 64 / (time.perf_counter() - t0))
+        summary(round_ + 1)
         print(f"[vllm-bench] round {round_} done", flush=True)
-
-    base = results.get("resident")
-    for name, r in results.items():
-        r["prefill_tok_s_median"] = round(statistics.median(r["prefill_tok_s"]))
-        r["decode_tok_s_median"] = round(statistics.median(r["decode_tok_s"]), 1)
-    for name, r in results.items():
-        if base:
-            r["prefill_vs_resident"] = round(r["prefill_tok_s_median"] /
-                                             base["prefill_tok_s_median"], 3)
-            r["decode_vs_resident"] = round(r["decode_tok_s_median"] /
-                                            base["decode_tok_s_median"], 3)
-            r["kv_tokens_vs_resident"] = r["kv_tokens"] - base["kv_tokens"]
-        twin = name.replace("ringflow", "vllm")
-        if name.startswith("ringflow") and twin in results:
-            v = results[twin]
-            r["prefill_vs_vllm"] = round(r["prefill_tok_s_median"] / v["prefill_tok_s_median"], 3)
-            r["decode_vs_vllm"] = round(r["decode_tok_s_median"] / v["decode_tok_s_median"], 3)
-            r["kv_tokens_vs_vllm"] = r["kv_tokens"] - v["kv_tokens"]
-    doc = records.record("python3 tools/vllm_bench.py", vllm=vllm.__version__,
-                         runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)", pattern=args.pattern,
-                         repeats=args.repeats, model="Llama 8B shapes, dummy", results=results)
-    if args.json:
-        records.write(args.json, doc)
     print("| config | startup s | KV tokens | prefill tok/s | decode tok/s | prefill/res | "
           "decode/res | prefill/vLLM | decode/vLLM | KV vs vLLM |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
