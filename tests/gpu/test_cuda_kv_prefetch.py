@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.rings import symmetric_view
 from ringflow.integrations.torch.kv_prefetch import DcpGroup, KVLayout, KVPrefetcher
 from ringflow.kernels import dcp_all_gather, page_gather, paged_gather
 from ringflow.kernels import reference as ref
@@ -159,7 +160,7 @@ class _OneGpuRings:
         self.rings = rings
 
     def get_buffer(self, rank, shape, dtype, offset):
-        return self.rings[rank].view(-1)[offset: offset + torch.Size(shape).numel()].view(shape)
+        return symmetric_view(self.rings[rank], shape, dtype, offset)
 
     def barrier(self, channel=0, timeout_ms=0):
         pass

@@ -5,7 +5,7 @@ before its owner's write reads the NaN the rings start with."""
 import torch
 
 
-def _buffer(ring: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
+def symmetric_view(ring: torch.Tensor, shape, dtype, offset: int) -> torch.Tensor:
     """``get_buffer``'s answer: ``shape`` elements of ``dtype`` from element ``offset`` of
     ``ring``'s memory (symmetric memory's own offsets count in the dtype asked for)."""
     flat = ring.view(-1).view(dtype)
@@ -22,7 +22,7 @@ class ThreadRings:
         self.barriers, self._count = 0, threading.Lock()
 
     def get_buffer(self, rank, shape, dtype, offset):
-        return _buffer(self.rings[rank], shape, dtype, offset)
+        return symmetric_view(self.rings[rank], shape, dtype, offset)
 
     def barrier(self, channel=0, timeout_ms=0):
         with self._count:
@@ -39,7 +39,7 @@ class ProcessRings:
         self.slow = slow  # this rank is late: 0.2 s after every barrier
 
     def get_buffer(self, rank, shape, dtype, offset):
-        return _buffer(self.rings[rank], shape, dtype, offset)
+        return symmetric_view(self.rings[rank], shape, dtype, offset)
 
     def barrier(self, channel=0, timeout_ms=0):
         import time
