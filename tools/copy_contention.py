@@ -39,7 +39,10 @@ from ringflow.orchestrator.profile import Profile
 from ringflow.timing import interleaved_ms
 from ringflow.units import MIB
 
-QUERY = "clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active"
+#: what to sample, newest drivers first (instant power: the plain figure is a 1 s average)
+QUERIES = ["clocks.sm,clocks.mem,power.draw.instant,clocks_event_reasons.active",
+           "clocks.sm,clocks.mem,power.draw,clocks_event_reasons.active",
+           "clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active"]
 
 
 class Sampler:
@@ -48,20 +51,21 @@ class Sampler:
     def __init__(self, period_s: float = 0.1) -> None:
         self.samples: list[tuple[float, list[str]]] = []
         self.period, self.stop = period_s, threading.Event()
-        self.query = QUERY
+        self.queries = list(QUERIES)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _once(self) -> list[str] | None:
         try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={self.query}", "-i", "0",
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={self.queries[0]}", "-i", "0",
                                   "--format=csv,noheader,nounits"], capture_output=True,
                                  text=True, timeout=5)
         except (OSError, subprocess.SubprocessError):
             return None
-        if out.returncode and "event_reasons" in self.query:  # older drivers' name
-            self.query = self.query.replace("clocks_event_reasons", "clocks_throttle_reasons")
+        if out.returncode or "[N/A]" in out.stdout or "Not Supported" in out.stdout:
+            if len(self.queries) > 1:  # this driver lacks a field: the next query
+                self.queries.pop(0)
             return None
-        return [v.strip() for v in out.stdout.strip().split(",")] if not out.returncode else None
+        return [v.strip() for v in out.stdout.strip().split(",")]
 
     def _run(self) -> None:
         while not self.stop.is_set():
@@ -88,7 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="one-slot-placed", choices=sorted(SCENARIOS))
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--hold-s", type=float, default=1.0,
+    parser.add_argument("--hold-s", type=float, default=3.0,
                         help="seconds each variant runs back to back while clocks are sampled")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -173,7 +177,7 @@ def main() -> int:
         while time.perf_counter() - t0 < args.hold_s:
             run()
             torch.cuda.synchronize()
-        clocks[name] = sampler.window(t0 + 0.2, time.perf_counter())
+        clocks[name] = sampler.window(t0 + 0.5, time.perf_counter())
     sampler.stop.set()
     sampler.thread.join()
 
@@ -188,6 +192,7 @@ def main() -> int:
             "beside/eager": excess("beside/eager", "gather", "compute"),
             "gemm+gather": excess("gemm+gather", "gather", "gemm")}
     doc = records.record("python3 tools/copy_contention.py", scenario=args.scenario,
+                         sampled=sampler.queries[0],
                          rounds=args.rounds, gemm_reps=reps[0], gemm_n=n, ms=ms, rows=rows,
                          clocks=clocks, copied_bytes=sum(work.store[i % len(work.store)]
                                                          .nbytes for i in range(len(order))))
