@@ -17,7 +17,12 @@ synthetic workload) and times, interleaved round by round, each replayed as a CU
   beside the copies (does the kind of compute matter? peer copies left a GEMM untouched,
   ``p2p-floor-h200x2.json``).
 
-While each runs back to back for about a second, ``nvidia-smi`` is sampled for the SM clock,
+Two checks of the timing itself, since a GPU at its power limit runs a forward faster when
+the SMs idled just before: ``compute`` and ``beside`` timed right after a copy-only forward and
+right after a compute-only one (``order``), and five variants timed 6 forwards back to back
+(``steady``, each in its own steady state).
+
+While each runs back to back for a few seconds, ``nvidia-smi`` is sampled for the SM clock,
 power and the clock-event reasons (does the GPU lower its clock when copies add power?).
 Prints a table; ``--json`` writes the record.
 """
@@ -36,7 +41,7 @@ from ringflow.bench.hand_ring import Graphed
 from ringflow.bench.names import SCENARIOS
 from ringflow.bench.scenarios import scenario_parts
 from ringflow.orchestrator.profile import Profile
-from ringflow.timing import interleaved_ms
+from ringflow.timing import elapsed_ms, interleaved_medians, interleaved_ms
 from ringflow.units import MIB
 
 #: what to sample, newest drivers first (instant power: the plain figure is a 1 s average)
@@ -167,6 +172,16 @@ def main() -> int:
     only = {"chunked": Graphed(chunked, pool).run, "d2h": Graphed(d2h, pool).run}
     ms = interleaved_ms({**graphs, **{f"{k}-only": v for k, v in only.items()}}, args.rounds,
                         warmup=2)
+
+    def after(prev, run) -> float:
+        prev()
+        return elapsed_ms(run)  # queued right behind prev's work
+
+    order = interleaved_medians({f"{a} after {b}": (lambda a=a, b=b: after(graphs[b], graphs[a]))
+                                 for a in ("compute", "beside") for b in ("gather", "compute")},
+                                args.rounds)
+    steady = interleaved_ms({k: graphs[k] for k in ("compute", "beside", "beside/eager", "gemm",
+                                                     "gemm+gather")}, args.rounds, repeat=6)
     sampler = Sampler()
     sampler.thread.start()
     time.sleep(0.5)
@@ -194,6 +209,13 @@ def main() -> int:
     doc = records.record("python3 tools/copy_contention.py", scenario=args.scenario,
                          sampled=sampler.queries[0],
                          rounds=args.rounds, gemm_reps=reps[0], gemm_n=n, ms=ms, rows=rows,
+                         order_ms=order, steady_ms=steady,
+                         steady_slowdown_per_ms_beside={
+                             "beside": (steady["beside"] - steady["compute"]) / ms["gather"],
+                             "beside/eager": (steady["beside/eager"] - steady["compute"]) /
+                             ms["gather"],
+                             "gemm+gather": (steady["gemm+gather"] - steady["gemm"]) /
+                             ms["gather"]},
                          clocks=clocks, copied_bytes=sum(work.store[i % len(work.store)]
                                                          .nbytes for i in range(len(order))))
     if args.json:
@@ -210,6 +232,10 @@ def main() -> int:
               f"| {','.join(k.get('event_reasons', []))} |")
     print(f"| idle | - | - | - | {clocks['idle'].get('sm_mhz')} | {clocks['idle'].get('watts')} "
           f"| {','.join(clocks['idle'].get('event_reasons', []))} |")
+    print("order (ms):", {k: round(v, 2) for k, v in order.items()})
+    print("steady, 6 back to back (ms):", {k: round(v, 2) for k, v in steady.items()})
+    print("steady slowdown per ms beside:",
+          {k: round(v, 3) for k, v in doc["steady_slowdown_per_ms_beside"].items()})
     return 0
 
 

@@ -210,7 +210,11 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     # fresh queries every round (waits for the GPU)
     ms = interleaved_ms(runs, replays, warmup=2,
                         before_round=lambda r: work.refresh(10_000 + r, sources=False))
-    steady = interleaved_ms({k: runs[k] for k in ("sync", "captured", "cross", "hand")}, replays,
+    # compute-only and beside too: on a GPU at its power limit a forward timed alone runs
+    # faster after a copy-only forward left the SMs idle; back to back, each is timed in its
+    # own steady state (Note [Placement model])
+    steady = interleaved_ms({k: runs[k] for k in ("sync", "captured", "cross", "hand", "compute",
+                                                  "beside")}, replays,
                             warmup=1, repeat=STEADY_RUN,
                             before_round=lambda r: work.refresh(20_000 + r, sources=False))
     before = _allocations()
@@ -228,7 +232,12 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
              "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
     extra["predicted_ms"] = predicted_ms(ms, profile.layers, gathered, pools[0].slots)
     extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
-    extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_ms"]["cross"]
+    extra["predicted_steady_ms"] = predicted_ms(
+        {"gather": ms["gather"], "compute": steady["compute"], "beside": steady["beside"]},
+        profile.layers, gathered, pools[0].slots)
+    extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_steady_ms"]["cross"]
+    extra["steady_cross_vs_resident"] = steady["cross"] / steady["compute"]
+    extra["steady_captured_vs_resident"] = steady["captured"] / steady["compute"]
     if timeline_dir is not None or trace_dir is not None:
         from ringflow.bench.timeline import plot_timeline, record_timeline, write_trace
 
@@ -337,36 +346,46 @@ def table(rows: list[dict]) -> str:
               "outputs bit-identical to sync (else the variants that differ)")
     steady = [r for r in rows if "steady_ms" in r]
     if steady:
-        body = [f"{r['scenario']:<26} {r['steady_ms']['sync']:>8.3f} "
-                f"{r['steady_ms']['captured']:>9.3f} {r['steady_ms']['cross']:>8.3f} "
-                f"{r['steady_ms']['hand']:>8.3f} {r['ideal_ms']:>8.3f} "
-                f"{r['steady_cross_vs_ideal']:>11.3f} "
-                f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}" for r in steady]
+        def steady_row(r: dict) -> str:
+            st = r["steady_ms"]
+            resident = st.get("compute")  # absent in runs recorded before it was timed
+            return (f"{r['scenario']:<26} {st['sync']:>8.3f} {st['captured']:>9.3f} "
+                    f"{st['cross']:>8.3f} {st['hand']:>8.3f} "
+                    f"{resident if resident is not None else float('nan'):>9.3f} "
+                    f"{r['ideal_ms']:>8.3f} {r['steady_cross_vs_ideal']:>11.3f} "
+                    f"{r.get('steady_cross_vs_resident', float('nan')):>9.3f} "
+                    f"{r['steady_cross_hidden_pct']:>6.1f}% {len(r['carried']):>8}")
+
         lines += [""] + _section(
             f"{'steady state':<26} {'sync':>8} {'captured':>9} {'cross':>8} {'hand':>8} "
-            f"{'ideal':>8} {'cross/ideal':>11} {'hidden':>7} {'carried':>8}",
-            body, f"steady state: ms per forward over {STEADY_RUN} forwards back to back; "
-                  f"cross: every lane cross-forward; carried: slots a forward starts with")
+            f"{'resident':>9} {'ideal':>8} {'cross/ideal':>11} {'cross/res':>9} {'hidden':>7} "
+            f"{'carried':>8}",
+            [steady_row(r) for r in steady],
+            f"steady state: ms per forward over {STEADY_RUN} forwards back to back; cross: every "
+            f"lane cross-forward; resident: compute-only (all layers resident) back to back; "
+            f"ideal: the single-forward one; carried: slots a forward starts with")
     placed = [r for r in rows if "predicted_ms" in r]
     if placed:
         def row(r: dict) -> str:
             pred, ms = r["predicted_ms"], r["ms"]
             unslowed = pred.get("captured_unslowed", pred["captured"])
+            cross = r.get("predicted_steady_ms", pred)  # steady-state inputs where recorded
             return (f"{r['scenario']:<26} {pred['captured']:>9.3f} {unslowed:>9.3f} "
                     f"{ms['captured']:>9.3f} {r['captured_vs_predicted']:>6.3f} "
-                    f"{ms['captured'] / unslowed:>6.3f} {pred['cross']:>10.3f} "
+                    f"{ms['captured'] / unslowed:>6.3f} {cross['cross']:>10.3f} "
                     f"{r['steady_ms']['cross']:>12.3f} {r['steady_cross_vs_predicted']:>6.3f} "
-                    f"{pred.get('slowdown', 0.0):>8.3f}")
+                    f"{pred.get('slowdown', 0.0):>8.3f} {cross.get('slowdown', 0.0):>8.3f}")
 
         lines += [""] + _section(
             f"{'placement model':<26} {'predicted':>9} {'unslowed':>9} {'captured':>9} "
             f"{'/pred':>6} {'/unsl':>6} {'pred cross':>10} {'steady cross':>12} {'/pred':>6} "
-            f"{'slowdown':>8}",
+            f"{'slowdown':>8} {'steady':>8}",
             [row(r) for r in placed],
             "predicted: the placement model (what offload {count: N} places by) from this run's "
             "gather-only and compute-only times spread evenly over the layers, charging "
             "`slowdown` ms per ms of compute beside a copy (measured: gather and compute graphs "
-            "side by side); unslowed: the same without it, as the placement search sees it")
+            "side by side); unslowed: the same without it, as the placement search sees it; "
+            "pred cross and the steady slowdown from compute-only and beside back to back")
     return "\n".join(lines)
 
 

@@ -23,6 +23,14 @@ def test_a_scenario_measures_every_variant_and_predicts_with_the_slowdown_beside
     assert pred["slowdown"] == bench.slowdown(ms) and 0.0 <= pred["slowdown"] <= 1.0
     assert pred["captured"] >= pred["captured_unslowed"]
     assert result["captured_vs_predicted"] == ms["captured"] / pred["captured"]
+    # back to back: the cross-forward prediction from compute-only and beside timed that way
+    steady, ahead = result["steady_ms"], result["predicted_steady_ms"]
+    assert ahead["slowdown"] == bench.slowdown({"gather": ms["gather"],
+                                                "compute": steady["compute"],
+                                                "beside": steady["beside"]})
+    assert result["steady_cross_vs_predicted"] == steady["cross"] / ahead["cross"]
+    assert result["steady_cross_vs_resident"] == steady["cross"] / steady["compute"]
     row = next(line for line in bench.table([result]).splitlines()
                if line.startswith("beside ") and f"{pred['captured']:.3f}" in line)
-    assert row.split()[-1] == f"{pred['slowdown']:.3f}"  # the table reads the row back
+    # the table reads the row back
+    assert row.split()[-2:] == [f"{pred['slowdown']:.3f}", f"{ahead['slowdown']:.3f}"]
