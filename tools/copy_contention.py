@@ -177,7 +177,7 @@ def main() -> int:
         prev()
         return elapsed_ms(run)  # queued right behind prev's work
 
-    order = interleaved_medians({f"{a} after {b}": (lambda a=a, b=b: after(graphs[b], graphs[a]))
+    after_ms = interleaved_medians({f"{a} after {b}": (lambda a=a, b=b: after(graphs[b], graphs[a]))
                                  for a in ("compute", "beside") for b in ("gather", "compute")},
                                 args.rounds)
     steady = interleaved_ms({k: graphs[k] for k in ("compute", "beside", "beside/eager", "gemm",
@@ -209,7 +209,7 @@ def main() -> int:
     doc = records.record("python3 tools/copy_contention.py", scenario=args.scenario,
                          sampled=sampler.queries[0],
                          rounds=args.rounds, gemm_reps=reps[0], gemm_n=n, ms=ms, rows=rows,
-                         order_ms=order, steady_ms=steady,
+                         order_ms=after_ms, steady_ms=steady,
                          steady_slowdown_per_ms_beside={
                              "beside": (steady["beside"] - steady["compute"]) / ms["gather"],
                              "beside/eager": (steady["beside/eager"] - steady["compute"]) /
@@ -232,7 +232,7 @@ def main() -> int:
               f"| {','.join(k.get('event_reasons', []))} |")
     print(f"| idle | - | - | - | {clocks['idle'].get('sm_mhz')} | {clocks['idle'].get('watts')} "
           f"| {','.join(clocks['idle'].get('event_reasons', []))} |")
-    print("order (ms):", {k: round(v, 2) for k, v in order.items()})
+    print("order (ms):", {k: round(v, 2) for k, v in after_ms.items()})
     print("steady, 6 back to back (ms):", {k: round(v, 2) for k, v in steady.items()})
     print("steady slowdown per ms beside:",
           {k: round(v, 3) for k, v in doc["steady_slowdown_per_ms_beside"].items()})
