@@ -12,13 +12,16 @@ Note [Placement model]
     offloaded layers behind one slot are the bad case this model shows: the second copy cannot
     start before the first layer has computed.
 
-    A hidden copy is not free on the H200: a layer computing beside one runs slower (4 to 11%
-    measured, the same in the hand-written ring). ``slowdown`` charges it: each ms a layer's
-    compute shares with a copy in flight lengthens that compute by ``slowdown`` ms. It is a
-    property of the GPU and the layer shapes, not of the placement, so ``ringflow bench``
-    measures it per scenario (the compute-only and gather-only graphs replayed side by side:
-    (both - max) / min) and predicts with it; the placement search leaves it at 0, since it
-    charges every placement that hides the same copies alike.
+    A hidden copy is almost free. ``slowdown`` charges what it costs: each ms a layer's
+    compute shares with a copy in flight lengthens that compute by ``slowdown`` ms. Measured on
+    the H200 with the layers back to back, as an engine runs them, it is 0 to 0.017
+    (``tools/copy_contention.py``, ``ringflow bench``'s steady columns). Single forwards
+    timed alone once suggested 0.04 to 0.23. Most of that was the GPU's 700 W power limit:
+    these layers run at it, so a forward timed right after a copy-only one (SMs idle, power
+    spare) runs 5% faster than one timed after a compute-heavy one. ``ringflow bench``
+    measures it per scenario, from the compute-only and gather-only graphs replayed side by
+    side ((both - max) / min), and predicts with it. The placement search leaves it at 0,
+    because it charges every placement that hides the same copies alike.
 
 The search is deterministic given the times: the best evenly spaced placement (over every
 offset; of equal ones, the lexicographically smaller set), then single-layer moves while one

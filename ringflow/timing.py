@@ -56,8 +56,12 @@ def interleaved_medians(samplers: Mapping[str, Callable[[], float]], rounds: int
     A sampler does its work once and returns the milliseconds it measured (its own timer:
     one stream's events, several streams' spans). Interleaving puts every variant under the
     same conditions (clocks, temperature, whatever else the machine runs), so their ratios
-    come from one run. ``before_round(r)`` runs before round ``r`` (fresh inputs, say); the
-    first ``warmup`` rounds are not counted.
+    come from one run. Not quite the same: a GPU at its power limit runs a sample faster
+    right after a variant that left its SMs idle (5% on the H200, after a copy-only forward:
+    ``tools/copy_contention.py``), so a single-call sample depends on the variant before it;
+    samples of several calls back to back (``repeat``) are each variant's own steady state.
+    ``before_round(r)`` runs before round ``r`` (fresh inputs, say); the first ``warmup``
+    rounds are not counted.
     """
     samples: dict[str, list[float]] = {name: [] for name in samplers}
     for r in range(warmup + rounds):
