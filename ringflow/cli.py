@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="per-layer weight copy time: one value, or one per layer (commas)")
     place.add_argument("--no-cross-forward", action="store_true",
                        help="copies start with their forward (offload.cross_forward: false)")
+    place.add_argument("--slowdown", type=float, default=0.0,
+                       help="ms of compute lost per ms beside a copy, charged in the predicted "
+                            "times (ringflow bench measures it per scenario; Note [Placement "
+                            "model]); the choice itself does not depend on it (default 0)")
 
     run = sub.add_parser("run", help="run the synthetic workload through the executors and "
                                      "check them against a reference (on a CPU: the "
@@ -209,10 +213,16 @@ def _cmd_place(args: argparse.Namespace) -> int:
     copy = per_layer(args.copy_ms, "--copy-ms")
     cross = not args.no_cross_forward
     placed = choose(compute, copy, args.count, args.slots, cross)
+
+    def predict(layers) -> float:
+        return forward_ms(compute, copy, layers, args.slots, cross, args.slowdown)
+
+    ms = predict(placed.layers)
     print(f"offload.layers {{count: {args.count}}} of {args.layers} through {args.slots} "
           f"slot(s): layers {list(placed.layers)}")
-    print(f"predicted forward {placed.forward_ms:.3f} ms; all resident {placed.resident_ms:.3f} "
-          f"ms ({placed.ratio:.3f}x)")
+    print(f"predicted forward {ms:.3f} ms; all resident {placed.resident_ms:.3f} "
+          f"ms ({ms / placed.resident_ms:.3f}x)"
+          + (f", charging {args.slowdown} ms per ms beside a copy" if args.slowdown else ""))
     rivals = {"the last layers": list(range(args.layers - args.count, args.layers))}
     if args.layers % args.count == 0 and args.count > 1:
         every = args.layers // args.count
@@ -223,7 +233,7 @@ def _cmd_place(args: argparse.Namespace) -> int:
         rivals[f"{{every: {every}, last: 2}}"] = [i for i in range(args.layers)
                                                   if i % every >= every - 2]
     for name, layers in rivals.items():
-        ms = forward_ms(compute, copy, layers, args.slots, cross)
+        ms = predict(layers)
         print(f"  {name}: {ms:.3f} ms ({ms / placed.resident_ms:.3f}x)")
     return 0
 

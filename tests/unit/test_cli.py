@@ -295,6 +295,18 @@ def test_place_prints_the_planners_choice_next_to_the_patterns_a_user_would_pick
     assert "{every: 8, last: 2}: 44.000 ms (1.375x)" in out
 
 
+def test_place_charges_the_slowdown_it_is_given_without_changing_the_choice(capsys):
+    args = ["place", "--layers", "32", "--count", "8", "--slots", "1", "--compute-ms", "1",
+            "--copy-ms", "3"]
+    assert main(args + ["--slowdown", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "layers [3, 7, 11, 15, 19, 23, 27, 31]" in out  # chosen as without it
+    # every 3 ms copy hides behind the three layers before it: 8 x 3 x 0.1 ms more
+    assert "predicted forward 34.400 ms; all resident 32.000 ms (1.075x), charging 0.1 ms" in out
+    assert main(args + ["--slowdown", "2"]) == 2
+    assert "slowdown" in capsys.readouterr().err
+
+
 def test_place_refuses_times_that_do_not_match_the_layers(capsys):
     assert main(["place", "--layers", "4", "--count", "2", "--compute-ms", "1,2",
                  "--copy-ms", "3"]) == 2
