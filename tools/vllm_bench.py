@@ -68,6 +68,8 @@ def main() -> int:
                         help="gpu_memory_utilization of each engine (default 0.17)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloader is a no-op in V2
 
     import torch
@@ -109,6 +111,7 @@ def main() -> int:
     for llm in engines.values():  # warm-up: first graph replays, lazy allocations
         llm.generate(long[:2], prefill, use_tqdm=False)
         llm.generate(short[:4], decode, use_tqdm=False)
+
     def summary(rounds: int) -> dict:
         """Medians and ratios of the rounds so far, as the JSON record (written after every
         round, so a run cut short by a time limit keeps what it measured)."""

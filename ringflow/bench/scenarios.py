@@ -17,7 +17,9 @@ replay, with CUDA events and fresh inputs before every replay:
 
 Single forwards are timed one by one (events around each); steady state times a run of
 back-to-back forwards (the way an engine runs step after step) and divides: the ``steady``
-table holds sync, captured, cross and hand that way.
+table holds sync, captured, cross and hand that way, and compute-only (all layers resident) and
+``beside``, since a single forward on a GPU at its power limit runs faster after a variant
+that left the SMs idle (``tools/copy_contention.py``).
 
 Outputs of eager, captured and hand are checked bit-identical to sync. Reported: median ms,
 ratios, percent of the gather hidden = (sync - captured) / min(gather, compute), pool bytes,
