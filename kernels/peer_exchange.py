@@ -24,7 +24,16 @@ Note [Peer exchange]
     barriers pair up.
 
     NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first
-    allocation unless the caller set it); nothing here creates a multicast object.
+    allocation unless the caller set it); nothing here creates a multicast object. torch reads
+    the variable at each check, so it holds for the whole process: vLLM's own symmetric-memory
+    paths in the same worker see no multicast either (set it to 0 beforehand to keep it).
+
+    Each ring is a symmetric block of its own. ``symm_mem.empty`` carves tensors out of an
+    implicit pool (torch 2.13's default), where a tensor may start partway into a block:
+    ``get_buffer`` counts its offsets from the block's start, and every tensor of a block
+    shares one signal pad, so a peer's rows would be read from the wrong bytes and two rings'
+    barriers would pair with each other. :func:`symmetric_exchange` allocates the block
+    directly, at offset 0 with its own pad.
 """
 
 from __future__ import annotations
@@ -121,11 +130,11 @@ def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:
     is a run of contiguous bytes: on CUDA one 2-D memcpy on the current stream (a copy engine,
     no SMs; capture-safe); elsewhere (the CPU tests) a torch copy."""
     if dst.shape != src.shape or dst.stride() != src.stride() or dst.dtype != src.dtype or \
-            dst.dim() < 2 or not dst[0].is_contiguous():
+            dst.dim() < 2 or dst.numel() and not dst[0].is_contiguous():
         raise KernelError(f"a strided copy needs two views of one shape, strides and dtype whose "
                           f"rows (dim 0) are contiguous, got {tuple(dst.shape)} {dst.stride()} "
                           f"and {tuple(src.shape)} {src.stride()}")
-    if not dst.is_cuda or dst.numel() == 0:
+    if not dst.is_cuda or dst.numel() == 0:  # no rows (a chunk of no tokens): nothing to copy
         dst.copy_(src)
         return
     from ringflow.cudart import checked, runtime
@@ -142,6 +151,23 @@ def copy_strided(dst: torch.Tensor, src: torch.Tensor) -> None:
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+def symmetric_block(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``shape`` of ``dtype`` in a symmetric-memory block of its own (Note [Peer exchange]:
+    offset 0, its own signal pad), not carved from torch's implicit pool."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    shape = tuple(shape)
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.insert(0, step)
+        step *= n
+    try:
+        return _SymmetricMemory.empty_strided_p2p(shape, tuple(stride), dtype, device)
+    except TypeError:  # a torch whose call still names the group: it has no implicit pool
+        from torch.distributed import _symmetric_memory as symm_mem
+        return symm_mem.empty(*shape, dtype=dtype, device=device)
 
 
 def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -> PeerExchange:
@@ -161,7 +187,7 @@ def symmetric_exchange(shape, dtype: torch.dtype, device: torch.device, group) -
         name = group.group_name
         if _torch_version() < (2, 11) and not symm_mem.is_symm_mem_enabled_for_group(name):
             symm_mem.enable_symm_mem_for_group(name)  # needed before rendezvous until 2.11
-        storage = symm_mem.empty(*shape, dtype=dtype, device=device)
+        storage = symmetric_block(shape, dtype, device)
     except Exception as exc:  # not built with it, out of memory, old driver...
         why = exc
     # every rank goes on to the rendezvous, or none does: one that failed alone would leave the

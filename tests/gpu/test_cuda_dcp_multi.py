@@ -35,6 +35,11 @@ def _rank(rank: int, world: int, transport: str) -> None:
 
     # the kernel alone, on a side stream, then replayed from a graph
     if transport == "peer":  # no staging: the peers' rows land in order
+        # a small tensor in torch's implicit symmetric pool first: a ring carved from the same
+        # pool would start partway into its block, where get_buffer's offsets do not count
+        # from (Note [Peer exchange]); the ring must be a block of its own
+        from torch.distributed import _symmetric_memory as symm_mem
+        neighbour = symm_mem.empty(4096, dtype=torch.bfloat16, device=device)  # noqa: F841
         exchange = symmetric_exchange((rows, ROW), torch.bfloat16, device, lane)
         slot = exchange.storage.fill_(float("nan"))
 

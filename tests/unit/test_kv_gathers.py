@@ -281,3 +281,46 @@ def test_paged_gather_reads_rows_interleaved_with_other_heads(device):
     out = torch.full((700, 2, 128), float("nan"), device=device)
     paged_gather(rows, table, seq, out)
     assert torch.equal(out.cpu(), ref.paged_gather_ref(rows.contiguous(), table, seq, 700))
+
+
+def test_a_strided_copy_of_no_rows_copies_nothing_and_still_checks_its_views():
+    """A context chunk of no tokens gives the peer exchange views of zero rows: nothing to copy
+    (no IndexError from looking at a first row that does not exist), mismatches still refused."""
+    from ringflow.errors import KernelError
+    from ringflow.kernels.peer_exchange import copy_strided
+
+    src, dst = torch.ones(0, 2, 4), torch.full((0, 2, 4), float("nan"))
+    copy_strided(dst[:, 1], src[:, 1])
+    with pytest.raises(KernelError, match="strided copy"):
+        copy_strided(dst[:, 1], torch.ones(0, 3, 4)[:, 1])
+
+
+def test_a_ring_is_a_symmetric_block_of_its_own_not_carved_from_the_pool(monkeypatch):
+    """Note [Peer exchange]: torch's implicit pool would place the ring partway into a block,
+    where get_buffer's offsets do not count from; the ring is allocated as its own block, with
+    contiguous strides (and through symm_mem.empty only on a torch whose call needs a group)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    from ringflow.kernels import peer_exchange
+
+    calls = []
+
+    def direct(size, stride, dtype, device):
+        calls.append((size, stride, dtype, device))
+        return torch.empty(size, dtype=dtype)
+
+    monkeypatch.setattr(_SymmetricMemory, "empty_strided_p2p", staticmethod(direct))
+    ring = peer_exchange.symmetric_block((3, 5, 7), torch.bfloat16, torch.device("cpu"))
+    assert ring.shape == (3, 5, 7)
+    assert calls == [((3, 5, 7), (35, 7, 1), torch.bfloat16, torch.device("cpu"))]
+
+    def needs_a_group(size, stride, dtype, device, group_name):
+        raise AssertionError("not called with a group")
+
+    pooled = []
+    monkeypatch.setattr(_SymmetricMemory, "empty_strided_p2p", staticmethod(needs_a_group))
+    from torch.distributed import _symmetric_memory as symm_mem
+    monkeypatch.setattr(symm_mem, "empty",
+                        lambda *shape, dtype, device: pooled.append(shape) or torch.empty(shape))
+    peer_exchange.symmetric_block((2, 4), torch.float32, torch.device("cpu"))
+    assert pooled == [(2, 4)]
