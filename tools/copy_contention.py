@@ -37,7 +37,7 @@ import time
 import torch
 
 from ringflow.bench import records
-from ringflow.bench.hand_ring import Graphed
+from ringflow.bench.hand_ring import Graphed, side_by_side
 from ringflow.bench.names import SCENARIOS
 from ringflow.bench.scenarios import scenario_parts
 from ringflow.orchestrator.profile import Profile
@@ -147,15 +147,6 @@ def main() -> int:
 
     side = torch.cuda.Stream()
 
-    def together(copy, comp):
-        def run() -> None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                copy()
-            comp()
-            torch.cuda.current_stream().wait_stream(side)
-        return run
-
     # the GEMM loop sized to the compute's length
     probe = Graphed(compute_only)
     compute_ms = interleaved_ms({"c": probe.run}, 3, warmup=1)["c"]
@@ -163,12 +154,12 @@ def main() -> int:
     reps[0] = max(1, round(compute_ms / one))
     pool = torch.cuda.graph_pool_handle()
     graphs = {"compute": probe.run, "gather": Graphed(gather_only, pool).run,
-              "beside": Graphed(together(gather_only, compute_only), pool).run,
-              "beside/chunked": Graphed(together(chunked, compute_only), pool).run,
-              "beside/d2h": Graphed(together(d2h, compute_only), pool).run,
-              "beside/eager": together(gather_only, compute_only),
+              "beside": Graphed(side_by_side(gather_only, compute_only, side), pool).run,
+              "beside/chunked": Graphed(side_by_side(chunked, compute_only, side), pool).run,
+              "beside/d2h": Graphed(side_by_side(d2h, compute_only, side), pool).run,
+              "beside/eager": side_by_side(gather_only, compute_only, side),
               "gemm": Graphed(gemm, pool).run,
-              "gemm+gather": Graphed(together(gather_only, gemm), pool).run}
+              "gemm+gather": Graphed(side_by_side(gather_only, gemm, side), pool).run}
     only = {"chunked": Graphed(chunked, pool).run, "d2h": Graphed(d2h, pool).run}
     ms = interleaved_ms({**graphs, **{f"{k}-only": v for k, v in only.items()}}, args.rounds,
                         warmup=2)

@@ -47,6 +47,19 @@ class HandRing:
         compute.wait_stream(self.stream)
 
 
+def side_by_side(first, second, side: torch.cuda.Stream):
+    """A callable that runs ``first`` on ``side`` and ``second`` on the current stream, with no
+    edge between them, and joins: captured, two branches of one graph (the bench's ``beside``
+    variant, ``tools/copy_contention.py``)."""
+    def run() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first()
+        second()
+        torch.cuda.current_stream().wait_stream(side)
+    return run
+
+
 class Graphed:
     """Any forward callable captured once and replayed (warm-up first, outside the capture)."""
 

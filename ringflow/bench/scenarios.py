@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ringflow.bench import records
-from ringflow.bench.hand_ring import Graphed, HandRing
+from ringflow.bench.hand_ring import Graphed, HandRing, side_by_side
 from ringflow.bench.workload import SyntheticWorkload
 from ringflow.errors import ConfigError, DeviceError
 from ringflow.graphs.captured import CapturedExecutor
@@ -171,15 +171,6 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         for layer in range(profile.layers):
             work.compute(layer, lane, pools[0].storage[0] if layer in gathered else None)
 
-    side = torch.cuda.Stream()
-
-    def beside() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            gather_only()
-        compute_only()
-        torch.cuda.current_stream().wait_stream(side)
-
     _say(f"{name}: capturing sync, ringflow, hand ring, gather-only, compute-only, both beside")
     variants = {
         "sync": CapturedExecutor(dag, pools, work.gather, work.compute, capture="sync"),
@@ -189,7 +180,8 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
         "hand": Graphed(HandRing(work, profile.layers, gathered, lane).run, graph_pool),
         "gather": Graphed(gather_only, graph_pool),
         "compute": Graphed(compute_only, graph_pool),
-        "beside": Graphed(beside, graph_pool),
+        "beside": Graphed(side_by_side(gather_only, compute_only, torch.cuda.Stream()),
+                          graph_pool),
     }
     # rings of its own: its carried slots stay leased between forwards
     cross_pools = [SlotPool.for_profile(profile, lane_name, "cuda") for lane_name in profile.lanes]
