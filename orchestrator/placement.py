@@ -23,6 +23,14 @@ Note [Placement model]
     side ((both - max) / min), and predicts with it. The placement search leaves it at 0,
     because it charges every placement that hides the same copies alike.
 
+    A hand-off is not free either. ``handoff_ms`` is the latency of one dependency between a
+    copy and a compute: a copy that waits for its slot's reader starts ``handoff_ms`` after the
+    reader ends, and a layer that waits for its copy starts ``handoff_ms`` after the copy lands.
+    It matters only where layers take microseconds (64 layers of 9 us: two hand-offs of ~5 us
+    per layer are the forward's critical path). ``ringflow bench`` measures it from the
+    synchronous graph, which is every gather and compute in one chain with exactly two
+    hand-offs per gathered layer: (sync - gather-only - compute-only) / (2 x gathered layers).
+
 The search is deterministic given the times: the best evenly spaced placement (over every
 offset; of equal ones, the lexicographically smaller set), then single-layer moves while one
 shortens the prediction, so equal layers stay evenly spaced. "Best" and "shortens" read the
@@ -79,13 +87,16 @@ def _check(compute_ms: Sequence[float], copy_ms: Sequence[float], slots: int) ->
 
 def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],
                offloaded: Sequence[int], slots: int, cross_forward: bool = True,
-               slowdown: float = 0.0) -> float:
+               slowdown: float = 0.0, handoff_ms: float = 0.0) -> float:
     """The steady-state forward time of offloading ``offloaded`` through ``slots`` slots
     (Note [Placement model])."""
     _check(compute_ms, copy_ms, slots)
     if not (math.isfinite(slowdown) and 0 <= slowdown <= 1):
         raise ConfigError(f"slowdown is ms of compute lost per ms beside a copy, in 0..1; got "
                           f"{slowdown}")
+    if not (math.isfinite(handoff_ms) and handoff_ms >= 0):
+        raise ConfigError(f"handoff_ms is the latency of one copy/compute dependency, >= 0 ms; "
+                          f"got {handoff_ms}")
     layers, chosen = len(compute_ms), sorted(set(offloaded))
     offloaded_set = set(chosen)
     if not chosen:
@@ -106,6 +117,8 @@ def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],
             held = reader_end[j - slots] if j >= slots else 0.0
             if held is None or not cross_forward and j // len(chosen) >= len(forward_starts):
                 return
+            if j >= slots:
+                held += handoff_ms  # the reader's end reaches the copy
             start = max(ends[-1] if ends else 0.0, held)
             if not cross_forward:
                 start = max(start, forward_starts[j // len(chosen)])
@@ -122,7 +135,7 @@ def forward_ms(compute_ms: Sequence[float], copy_ms: Sequence[float],
             issue()
             ready = done
             if layer in offloaded_set:
-                ready = max(ready, ends[j])
+                ready = max(ready, ends[j] + handoff_ms)  # the copy's end reaches the layer
             took = compute_ms[layer]
             for _ in range(60 if slowdown else 0):  # a fixed point: each step moves by <= slowdown
                 longer = compute_ms[layer] + slowdown * beside(ready, ready + took)

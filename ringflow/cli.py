@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="ms of compute lost per ms beside a copy, charged in the predicted "
                             "times (ringflow bench measures it per scenario; Note [Placement "
                             "model]); the choice itself does not depend on it (default 0)")
+    place.add_argument("--handoff-ms", type=float, default=0.0,
+                       help="latency of one copy/compute dependency, charged in the predicted "
+                            "times (ringflow bench measures it from its sync graph; it matters "
+                            "for layers of microseconds); the choice does not use it (default 0)")
 
     run = sub.add_parser("run", help="run the synthetic workload through the executors and "
                                      "check them against a reference (on a CPU: the "
@@ -215,14 +219,16 @@ def _cmd_place(args: argparse.Namespace) -> int:
     placed = choose(compute, copy, args.count, args.slots, cross)
 
     def predict(layers) -> float:
-        return forward_ms(compute, copy, layers, args.slots, cross, args.slowdown)
+        return forward_ms(compute, copy, layers, args.slots, cross, args.slowdown,
+                          args.handoff_ms)
 
     ms = predict(placed.layers)
     print(f"offload.layers {{count: {args.count}}} of {args.layers} through {args.slots} "
           f"slot(s): layers {list(placed.layers)}")
     print(f"predicted forward {ms:.3f} ms; all resident {placed.resident_ms:.3f} "
           f"ms ({ms / placed.resident_ms:.3f}x)"
-          + (f", charging {args.slowdown} ms per ms beside a copy" if args.slowdown else ""))
+          + (f", charging {args.slowdown} ms per ms beside a copy" if args.slowdown else "")
+          + (f", {args.handoff_ms} ms per copy/compute hand-off" if args.handoff_ms else ""))
     rivals = {"the last layers": list(range(args.layers - args.count, args.layers))}
     if args.layers % args.count == 0 and args.count > 1:
         every = args.layers // args.count

@@ -228,7 +228,7 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
     extra["predicted_steady_ms"] = predicted_ms(
         {"gather": ms["gather"], "compute": steady["compute"], "beside": steady["beside"]},
-        profile.layers, gathered, pools[0].slots)
+        profile.layers, gathered, pools[0].slots, extra["predicted_ms"]["handoff_ms"])
     extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_steady_ms"]["cross"]
     extra["steady_cross_vs_resident"] = steady["cross"] / steady["compute"]
     extra["steady_captured_vs_resident"] = steady["captured"] / steady["compute"]
@@ -264,11 +264,22 @@ def slowdown(ms: dict[str, float]) -> float:
     return min(1.0, max(0.0, excess / max(min(ms["gather"], ms["compute"]), 1e-9)))
 
 
+def handoff_ms(ms: dict[str, float], gathered: int) -> float:
+    """The latency of one copy/compute dependency inside a graph, from the ``sync`` graph:
+    every gather and compute in one chain, two hand-offs per gathered layer, so what it takes
+    beyond gather-only plus compute-only, per hand-off (>= 0; Note [Placement model]). 0 for
+    runs without a sync time."""
+    if "sync" not in ms or not gathered:
+        return 0.0
+    return max(0.0, ms["sync"] - ms["gather"] - ms["compute"]) / (2 * gathered)
+
+
 def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
-                 slots: int) -> dict[str, float]:
+                 slots: int, handoff: float | None = None) -> dict[str, float]:
     """What the placement model (Note [Placement model], the one ``offload: {count: N}``
     places by) predicts for this run: its measured gather-only and compute-only times spread
-    evenly over the gathered layers and over every layer, and its measured :func:`slowdown`.
+    evenly over the gathered layers and over every layer, its measured :func:`slowdown` and
+    :func:`handoff_ms` (``handoff``: given, for inputs without a sync time).
     ``captured``: one forward alone; ``cross``: a forward among forwards, cross-forward on;
     ``*_unslowed``: the same with the slowdown left out (what the placement search sees)."""
     from ringflow.orchestrator.placement import forward_ms
@@ -276,11 +287,12 @@ def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
     compute = [ms["compute"] / layers] * layers
     copy = [ms["gather"] / len(gathered) if i in gathered else 0.0 for i in range(layers)]
     chosen, k = sorted(gathered), slowdown(ms)
-    return {"captured": forward_ms(compute, copy, chosen, slots, False, k),
-            "cross": forward_ms(compute, copy, chosen, slots, True, k),
-            "captured_unslowed": forward_ms(compute, copy, chosen, slots, False),
-            "cross_unslowed": forward_ms(compute, copy, chosen, slots, True),
-            "slowdown": k}
+    h = handoff_ms(ms, len(chosen)) if handoff is None else handoff
+    return {"captured": forward_ms(compute, copy, chosen, slots, False, k, h),
+            "cross": forward_ms(compute, copy, chosen, slots, True, k, h),
+            "captured_unslowed": forward_ms(compute, copy, chosen, slots, False, 0.0, h),
+            "cross_unslowed": forward_ms(compute, copy, chosen, slots, True, 0.0, h),
+            "slowdown": k, "handoff_ms": h}
 
 
 def _eager_dispatch_us(executor: EagerExecutor, nodes: int) -> float:
@@ -368,18 +380,21 @@ def table(rows: list[dict]) -> str:
                     f"{ms['captured']:>9.3f} {r['captured_vs_predicted']:>6.3f} "
                     f"{ms['captured'] / unslowed:>6.3f} {cross['cross']:>10.3f} "
                     f"{r['steady_ms']['cross']:>12.3f} {r['steady_cross_vs_predicted']:>6.3f} "
-                    f"{pred.get('slowdown', 0.0):>8.3f} {cross.get('slowdown', 0.0):>8.3f}")
+                    f"{pred.get('slowdown', 0.0):>8.3f} {cross.get('slowdown', 0.0):>8.3f} "
+                    f"{1000 * pred.get('handoff_ms', 0.0):>10.2f}")
 
         lines += [""] + _section(
             f"{'placement model':<26} {'predicted':>9} {'unslowed':>9} {'captured':>9} "
             f"{'/pred':>6} {'/unsl':>6} {'pred cross':>10} {'steady cross':>12} {'/pred':>6} "
-            f"{'slowdown':>8} {'steady':>8}",
+            f"{'slowdown':>8} {'steady':>8} {'handoff us':>10}",
             [row(r) for r in placed],
             "predicted: the placement model (what offload {count: N} places by) from this run's "
             "gather-only and compute-only times spread evenly over the layers, charging "
             "`slowdown` ms per ms of compute beside a copy (measured: gather and compute graphs "
-            "side by side); unslowed: the same without it, as the placement search sees it; "
-            "pred cross and the steady slowdown from compute-only and beside back to back")
+            "side by side) and `handoff` per copy/compute dependency (measured: sync graph - "
+            "gather-only - compute-only, per hand-off); unslowed: the same without the "
+            "slowdown, as the placement search sees it; pred cross and the steady slowdown from "
+            "compute-only and beside back to back")
     return "\n".join(lines)
 
 

@@ -22,6 +22,10 @@ def test_a_scenario_measures_every_variant_and_predicts_with_the_slowdown_beside
     pred = result["predicted_ms"]
     assert pred["slowdown"] == bench.slowdown(ms) and 0.0 <= pred["slowdown"] <= 1.0
     assert pred["captured"] >= pred["captured_unslowed"]
+    # the hand-off from the sync graph, two per gathered layer
+    gathered = profile.layers if profile.gathered_layers is None else len(profile.gathered_layers)
+    assert pred["handoff_ms"] == bench.handoff_ms(ms, gathered) >= 0.0
+    assert result["predicted_steady_ms"]["handoff_ms"] == pred["handoff_ms"]
     assert result["captured_vs_predicted"] == ms["captured"] / pred["captured"]
     # back to back: the cross-forward prediction from compute-only and beside timed that way
     steady, ahead = result["steady_ms"], result["predicted_steady_ms"]

@@ -127,3 +127,45 @@ def test_dcp_gather_across_gpus_equals_the_full_kv(tmp_path, world, transport):
         pytest.skip("a group of one exchanges nothing")
     from ringflow.testing.spawn import spawn_group
     spawn_group(world, _rank, transport, backend="nccl", rendezvous=str(tmp_path / "rdzv"))
+
+
+def _block_rank(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from ringflow.kernels.peer_exchange import symmetric_exchange
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world)))
+    # a tensor of torch's implicit pool first: a ring carved from that pool would start
+    # partway into its block, and get_buffer would map the block's start instead
+    neighbour = symm_mem.empty(4096, dtype=torch.bfloat16, device=device)
+    neighbour.fill_(-1.0)
+    rings = [symmetric_exchange((257, 64), torch.bfloat16, device, group) for _ in range(2)]
+    for i, ring in enumerate(rings):
+        ring.storage.copy_(torch.arange(257 * 64, device=device).view(257, 64)
+                           .to(torch.bfloat16) + 1000 * rank + 100 * i)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    for i, ring in enumerate(rings):
+        part = ring.storage[3:200]
+        for peer in range(world):  # every rank's ring, as this rank maps it, byte for byte
+            want = (torch.arange(257 * 64, device=device).view(257, 64).to(torch.bfloat16)
+                    + 1000 * peer + 100 * i)[3:200]
+            assert torch.equal(ring.remote(peer, part), want), f"rank {rank} ring {i} peer {peer}"
+        ring.barrier()  # each ring's barrier runs on its own signal pad
+    torch.cuda.synchronize()
+    assert bool((neighbour == -1.0).all())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_ring_is_a_symmetric_block_of_its_own_that_every_rank_maps(tmp_path, world):
+    """Note [Peer exchange]: a ring at offset 0 of a block of its own, next to a tensor of
+    torch's implicit pool, so that ``remote`` reads exactly the ring's bytes on every rank (on
+    one GPU: its own, mapped back through the symmetric handle)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs of one host (nvidia-h200-x{world}); this machine has "
+                    f"{torch.cuda.device_count()}")
+    from ringflow.testing.spawn import spawn_group
+    spawn_group(world, _block_rank, backend="nccl", rendezvous=str(tmp_path / "rdzv"))

@@ -305,6 +305,16 @@ def test_place_charges_the_slowdown_it_is_given_without_changing_the_choice(caps
     assert "predicted forward 34.400 ms; all resident 32.000 ms (1.075x), charging 0.1 ms" in out
     assert main(args + ["--slowdown", "2"]) == 2
     assert "slowdown" in capsys.readouterr().err
+    # 2 ms copies, each waiting 0.5 ms for its reader's end and its layer 0.5 ms for the copy's:
+    # 3 ms, hidden behind the three 1 ms layers between two offloaded ones; 0.6 ms shows 0.2
+    args[-1] = "2"
+    assert main(args + ["--handoff-ms", "0.5"]) == 0
+    assert "predicted forward 32.000 ms; all resident 32.000 ms (1.000x), 0.5 ms per" in \
+        capsys.readouterr().out
+    assert main(args + ["--handoff-ms", "0.6"]) == 0  # 8 x 0.2 ms
+    assert "predicted forward 33.600 ms" in capsys.readouterr().out
+    assert main(args + ["--handoff-ms", "-1"]) == 2
+    assert "handoff_ms" in capsys.readouterr().err
 
 
 def test_place_refuses_times_that_do_not_match_the_layers(capsys):

@@ -138,7 +138,7 @@ def test_the_bench_prediction_spreads_the_measured_totals_over_the_layers():
            "captured_vs_predicted": 1 / 8, "steady_cross_vs_predicted": 2 / 6}
     line = next(l for l in table([row]).splitlines() if l.startswith("s ") and "8.000" in l)
     assert line.split()[1:] == ["8.000", "8.000", "1.000", "0.125", "0.125", "6.000", "2.000",
-                                "0.333", "0.000", "0.000"]
+                                "0.333", "0.000", "0.000", "0.00"]
 
 
 def test_the_bench_charges_the_slowdown_its_beside_graph_measured():
@@ -157,6 +157,38 @@ def test_the_bench_charges_the_slowdown_its_beside_graph_measured():
     assert slowdown({"compute": 8.0, "gather": 2.0, "beside": 10.0}) == 1.0
     assert slowdown({"compute": 8.0, "gather": 2.0, "beside": 7.9}) == 0.0
     assert slowdown({"compute": 8.0, "gather": 2.0}) == 0.0
+
+
+def test_each_copy_compute_handoff_is_on_the_path_where_layers_are_short():
+    """One slot, three layers, each computing 1 ms with a 2 ms copy: every copy waits for the
+    layer before it to end (the first for the previous forward's last layer) and every layer
+    for its copy, so each layer is two hand-offs, a copy and a compute: 3 (2h + c + k) = 12 ms
+    with h = 0.5 (9 with none). Behind two slots and long layers the hand-offs hide: 8 ms
+    layers leave the 2 ms copies 6 ms to spare."""
+    compute, copy = [1.0] * 3, [2.0] * 3
+    assert forward_ms(compute, copy, [0, 1, 2], 1, False) == 9.0
+    assert forward_ms(compute, copy, [0, 1, 2], 1, False, handoff_ms=0.5) == 12.0
+    long = [8.0] * 3
+    assert forward_ms(long, copy, [1, 2], 2, True, handoff_ms=0.5) == 24.0
+    with pytest.raises(ConfigError, match="handoff_ms"):
+        forward_ms(compute, copy, [0], 1, handoff_ms=-1.0)
+
+
+def test_the_bench_measures_the_handoff_from_its_sync_graph():
+    """The sync graph is every gather and compute in one chain, two hand-offs per gathered
+    layer: sync 10 ms over gather 3 + compute 5 with 4 gathered layers is 0.25 ms per
+    hand-off. Noise below the sum is none; a run without a sync time has none."""
+    from ringflow.bench.scenarios import handoff_ms, predicted_ms
+
+    ms = {"sync": 10.0, "gather": 3.0, "compute": 5.0}
+    assert handoff_ms(ms, 4) == 0.25
+    assert handoff_ms({**ms, "sync": 7.9}, 4) == 0.0
+    assert handoff_ms({"gather": 3.0, "compute": 5.0}, 4) == 0.0
+    got = predicted_ms(ms, 4, {0, 1, 2, 3}, 1)
+    assert got["handoff_ms"] == 0.25
+    assert got["captured"] == forward_ms([1.25] * 4, [0.75] * 4, [0, 1, 2, 3], 1, False, 0.0,
+                                         0.25)
+    assert got["captured"] > predicted_ms(ms, 4, {0, 1, 2, 3}, 1, handoff=0.0)["captured"]
 
 
 @pytest.mark.parametrize("compute,copy,needle", [
