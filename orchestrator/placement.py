@@ -26,10 +26,12 @@ Note [Placement model]
     A hand-off is not free either. ``handoff_ms`` is the latency of one dependency between a
     copy and a compute: a copy that waits for its slot's reader starts ``handoff_ms`` after the
     reader ends, and a layer that waits for its copy starts ``handoff_ms`` after the copy lands.
-    It matters only where layers take microseconds (64 layers of 9 us: two hand-offs of ~5 us
-    per layer are the forward's critical path). ``ringflow bench`` measures it from the
+    It matters only where layers take microseconds (64 layers of 9 us: two hand-offs of 3 to 4
+    us per layer are the forward's critical path). ``ringflow bench`` measures it from the
     synchronous graph, which is every gather and compute in one chain with exactly two
-    hand-offs per gathered layer: (sync - gather-only - compute-only) / (2 x gathered layers).
+    hand-offs per gathered layer: (sync - gather-only - compute-only) / (2 x gathered layers),
+    single forwards for the single prediction, back to back for the steady one. The search
+    leaves it at 0 (the vLLM plugin's layers take milliseconds).
 
 The search is deterministic given the times: the best evenly spaced placement (over every
 offset; of equal ones, the lexicographically smaller set), then single-layer moves while one

@@ -8,8 +8,10 @@ For each scenario the model (Note [Placement model], what ``offload: {count: N}`
 is given the run's own gather-only and compute-only times, spread evenly over the gathered
 layers and over every layer, the scenario's profile (``profiles/bench/``) and the ring the run
 used; ``captured`` is one forward alone, ``cross`` a forward among forwards with the
-cross-forward plan (runs that recorded ``steady_ms``). Runs from before ``ringflow bench``
-printed the prediction itself are checked this way.
+cross-forward plan (runs that recorded ``steady_ms``; from the steady compute-only, beside
+and sync times where those were recorded, as ``ringflow bench`` does). Runs from before
+``ringflow bench`` printed the prediction itself, or before the model had a term, are checked
+this way.
 """
 
 import argparse
@@ -41,7 +43,12 @@ def rows_of(path: Path, profiles: dict) -> list[dict]:
                "predicted_ms": round(predicted["captured"], 3),
                "captured_ms": round(run["ms"]["captured"], 3),
                "captured_vs_predicted": round(run["ms"]["captured"] / predicted["captured"], 4)}
-        cross = (run.get("steady_ms") or {}).get("cross")
+        steady = run.get("steady_ms") or {}
+        cross = steady.get("cross")
+        if "compute" in steady:  # steady inputs where recorded, as ringflow bench predicts
+            predicted = predicted_ms({"gather": run["ms"]["gather"], **{
+                k: steady[k] for k in ("compute", "beside", "sync") if k in steady}},
+                profile.layers, gathered, slots)
         if cross is not None:
             row.update(predicted_cross_ms=round(predicted["cross"], 3),
                        steady_cross_ms=round(cross, 3),

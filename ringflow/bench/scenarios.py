@@ -11,7 +11,8 @@ replay, with CUDA events and fresh inputs before every replay:
 * ``gather`` and ``compute`` alone, captured: the larger of the two is the ideal;
 * ``beside``    the two in one graph on two branches with no edge between them: the floor of any
   overlap of these copies with this compute on this GPU (a layer computing beside a copy runs
-  slower), whose excess over the ideal the placement model charges (Note [Placement model]);
+  slower), whose excess over the ideal the placement model charges (Note [Placement model]),
+  as it charges the sync graph's excess over gather plus compute as hand-offs between them;
 * ``cross``     ringflow captured with every lane cross-forward (Note [Forward boundary]): the
   next forward's first slots filled during this forward's last layers.
 
@@ -227,8 +228,8 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
     extra["predicted_ms"] = predicted_ms(ms, profile.layers, gathered, pools[0].slots)
     extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
     extra["predicted_steady_ms"] = predicted_ms(
-        {"gather": ms["gather"], "compute": steady["compute"], "beside": steady["beside"]},
-        profile.layers, gathered, pools[0].slots, extra["predicted_ms"]["handoff_ms"])
+        {"gather": ms["gather"], "compute": steady["compute"], "beside": steady["beside"],
+         "sync": steady["sync"]}, profile.layers, gathered, pools[0].slots)
     extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_steady_ms"]["cross"]
     extra["steady_cross_vs_resident"] = steady["cross"] / steady["compute"]
     extra["steady_captured_vs_resident"] = steady["captured"] / steady["compute"]
@@ -275,11 +276,11 @@ def handoff_ms(ms: dict[str, float], gathered: int) -> float:
 
 
 def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
-                 slots: int, handoff: float | None = None) -> dict[str, float]:
+                 slots: int) -> dict[str, float]:
     """What the placement model (Note [Placement model], the one ``offload: {count: N}``
     places by) predicts for this run: its measured gather-only and compute-only times spread
     evenly over the gathered layers and over every layer, its measured :func:`slowdown` and
-    :func:`handoff_ms` (``handoff``: given, for inputs without a sync time).
+    :func:`handoff_ms`.
     ``captured``: one forward alone; ``cross``: a forward among forwards, cross-forward on;
     ``*_unslowed``: the same with the slowdown left out (what the placement search sees)."""
     from ringflow.orchestrator.placement import forward_ms
@@ -287,7 +288,7 @@ def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
     compute = [ms["compute"] / layers] * layers
     copy = [ms["gather"] / len(gathered) if i in gathered else 0.0 for i in range(layers)]
     chosen, k = sorted(gathered), slowdown(ms)
-    h = handoff_ms(ms, len(chosen)) if handoff is None else handoff
+    h = handoff_ms(ms, len(chosen))
     return {"captured": forward_ms(compute, copy, chosen, slots, False, k, h),
             "cross": forward_ms(compute, copy, chosen, slots, True, k, h),
             "captured_unslowed": forward_ms(compute, copy, chosen, slots, False, 0.0, h),
