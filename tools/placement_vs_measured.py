@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def rows_of(path: Path, profiles: dict) -> list[dict]:
-    from ringflow.bench.scenarios import predicted_ms
+    from ringflow.bench.scenarios import predicted_ms, steady_inputs
     from ringflow.orchestrator.budget import PoolLayout
 
     doc = json.loads(path.read_text())
@@ -46,9 +46,8 @@ def rows_of(path: Path, profiles: dict) -> list[dict]:
         steady = run.get("steady_ms") or {}
         cross = steady.get("cross")
         if "compute" in steady:  # steady inputs where recorded, as ringflow bench predicts
-            predicted = predicted_ms({"gather": run["ms"]["gather"], **{
-                k: steady[k] for k in ("compute", "beside", "sync") if k in steady}},
-                profile.layers, gathered, slots)
+            predicted = predicted_ms(steady_inputs(run["ms"], steady), profile.layers, gathered,
+                                     slots)
         if cross is not None:
             row.update(predicted_cross_ms=round(predicted["cross"], 3),
                        steady_cross_ms=round(cross, 3),

@@ -227,9 +227,8 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
              "nodes": len(dag.nodes), "gather_priority": priority, "max_abs_diff": diff}
     extra["predicted_ms"] = predicted_ms(ms, profile.layers, gathered, pools[0].slots)
     extra["captured_vs_predicted"] = ms["captured"] / extra["predicted_ms"]["captured"]
-    extra["predicted_steady_ms"] = predicted_ms(
-        {"gather": ms["gather"], "compute": steady["compute"], "beside": steady["beside"],
-         "sync": steady["sync"]}, profile.layers, gathered, pools[0].slots)
+    extra["predicted_steady_ms"] = predicted_ms(steady_inputs(ms, steady), profile.layers,
+                                                gathered, pools[0].slots)
     extra["steady_cross_vs_predicted"] = steady["cross"] / extra["predicted_steady_ms"]["cross"]
     extra["steady_cross_vs_resident"] = steady["cross"] / steady["compute"]
     extra["steady_captured_vs_resident"] = steady["captured"] / steady["compute"]
@@ -273,6 +272,13 @@ def handoff_ms(ms: dict[str, float], gathered: int) -> float:
     if "sync" not in ms or not gathered:
         return 0.0
     return max(0.0, ms["sync"] - ms["gather"] - ms["compute"]) / (2 * gathered)
+
+
+def steady_inputs(ms: dict[str, float], steady: dict[str, float]) -> dict[str, float]:
+    """The model's inputs for a forward among forwards: compute-only, beside and sync timed
+    back to back where they were (runs recorded before some were timed use the single ones),
+    gather-only from the single forwards (a copy engine keeps no power state)."""
+    return {**ms, **{k: steady[k] for k in ("compute", "beside", "sync") if k in steady}}
 
 
 def predicted_ms(ms: dict[str, float], layers: int, gathered: set[int],
