@@ -106,9 +106,8 @@ def census(mode: str, config: str) -> dict:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA_8B))
     llm = start(model, mode, config, 0.3)
-    config_ = llm.llm_engine.vllm_config
-    return {"cudagraph_mode": str(config_.compilation_config.cudagraph_mode),
-            "captures": captures}
+    graphs = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+    return {"cudagraph_mode": str(graphs), "captures": captures}
 
 
 def signature(node: dict) -> str:
@@ -188,14 +187,13 @@ def main() -> int:
         if config != "plain" and plain is not None:
             results[key]["vs_plain"] = compare(plain, doc)
 
-    import torch
     import vllm
 
     from ringflow.bench import records
 
     doc = records.record("python3 tools/vllm_graph_census.py", vllm=vllm.__version__,
                          model="Llama 8B shapes, dummy", capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-                         results=results, gpu_name=torch.cuda.get_device_name())
+                         results=results)
     if args.json:
         records.write(args.json, doc)
     print("| engine | graphs | FULL graphs | nodes per FULL graph | kernels per FULL graph | "
