@@ -105,7 +105,7 @@ class PeerExchange:
     def gather_parts(self, gathered: torch.Tensor, local: torch.Tensor) -> None:
         """vLLM's all-gather of ``local`` into ``gathered``, rank after rank, with copy
         engines: every rank's ``local`` lies at the same place in its own storage (the MLA
-        context ring's slot, Note [DCP context exchange] in context_gather.py), so each rank
+        context ring's slot, Note [DCP context exchange] in dcp.py), so each rank
         copies its own rows into its part and pulls every peer's from the peer's storage.
         The same two barriers as :meth:`exchange`: after the owners wrote ``local``, after
         the pulls (no rank rewrites ``local`` while a peer still reads it)."""

@@ -19,7 +19,7 @@ GATHER_KINDS = ("h2d", "index", "paged")
 COMPUTE_KINDS = ("attention", "decoder")
 #: how a DCP group's KV parts are exchanged (integrations/torch/kv_prefetch.py)
 DCP_TRANSPORTS = ("nccl", "peer", "auto")
-#: who reads a kv_prefetch section's slots (integrations/vllm/context_gather.py, attention.py)
+#: who reads a kv_prefetch section's slots (integrations/vllm/context_hooks.py, attention.py)
 KV_CONSUMERS = ("context", "full_kv_check")
 
 

@@ -386,9 +386,9 @@ def probe_inside() -> dict:
     import threading
 
     import torch
-    from ringflow.integrations.vllm import context_gather as cg
+    from ringflow.integrations.vllm.context_session import Session
     found: dict = {}
-    original = cg.Session.__init__
+    original = Session.__init__
 
     def init(self, *args, **kwargs):
         if "inside" not in found:
@@ -401,7 +401,7 @@ def probe_inside() -> dict:
                 "switch_interval_s": sys.getswitchinterval()}
         original(self, *args, **kwargs)
 
-    cg.Session.__init__ = init
+    Session.__init__ = init
     return found
 
 
@@ -456,10 +456,11 @@ def top_level_s(spent: dict) -> float:
 def host_timers() -> dict:
     """Host seconds and calls of ringflow's context path, by function (both modes)."""
     from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
-    from ringflow.integrations.vllm import context_gather as cg
+    from ringflow.integrations.vllm.context_ring import ContextModel
+    from ringflow.integrations.vllm.context_session import Session
     spent: dict = {}
-    targets = [(cg.Session, "_consume"), (cg.Session, "close"),
-               (cg.Session, "__init__"), (cg.ContextModel, "fill"), (ChunkPrefetcher, "begin"),
+    targets = [(Session, "_consume"), (Session, "close"),
+               (Session, "__init__"), (ContextModel, "fill"), (ChunkPrefetcher, "begin"),
                (ChunkPrefetcher, "end"), (ChunkPrefetcher, "start")]
     for owner, name in targets:
         original = getattr(owner, name)

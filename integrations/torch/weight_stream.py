@@ -23,7 +23,7 @@ Note [Weights that change]
     the plan its sources changed, so no slot filled from the old weights, carried into the next
     forward or not, is read again. Resident layers are written where they live, as always.
     What moves weights some other way is not followed and is refused with one line by the vLLM
-    plugin (``REFUSED_WHILE_STREAMING`` and ``on_engine_sleep`` in integrations/vllm/plugin.py):
+    plugin (``refusal`` and ``on_engine_sleep`` in integrations/vllm/weights.py):
     sleep levels 1 and 2 (vLLM's allocator would move or drop the ring and the slots the
     captured graphs address), the weight-transfer engine, and LoRA adapters (in the front end).
 """

@@ -40,11 +40,10 @@ from ringflow.errors import BudgetError, ConfigError, EngineError, ProfileError,
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
-from ringflow.integrations.vllm import compat, context_gather, mla_check
+from ringflow.integrations.vllm import compat, context_attach, mla_check, surfaces
+from ringflow.integrations.vllm.dcp import dcp_group
 from ringflow.integrations.vllm.metadata import (common_for, context_lens, hook_builder,
                                                  metadata_for)
-from ringflow.integrations.vllm.config import profile_from
-from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.state import STATE, PluginState
 from ringflow.orchestrator.profile import Profile
 from ringflow.units import MIB, mib
@@ -102,12 +101,18 @@ class ModelLanes:
         return None
 
 
+def attached(state: PluginState, layer) -> bool:
+    """Whether ``layer`` joined a model's full-KV lanes or context ring."""
+    return layer in state.kv_layers or any(
+        layer is ref() for model in state.context_models.values() for ref in model.layers)
+
+
 def models(state: PluginState = STATE) -> list[ModelLanes]:
     """The models of this process that have full-KV lanes (``consumer: full_kv_check``)."""
     return list(state.models.values())
 
 
-def gathered_kv(layer) -> torch.Tensor | None:
+def gathered_kv(layer, state: PluginState = STATE) -> torch.Tensor | None:
     """The prefetched full context KV of attention ``layer`` while its attention runs.
 
     Rows: ``[capacity, *row]``, requests packed in batch order, each with its context tokens
@@ -116,7 +121,7 @@ def gathered_kv(layer) -> torch.Tensor | None:
     when this step has no prefetched KV for the layer (not enabled, step too large, or inside
     a retired step).
     """
-    owner = getattr(layer, "_ringflow_kv", None)
+    owner = state.kv_layers.get(layer)
     if owner is None:
         return None
     lanes, index = owner
@@ -124,24 +129,9 @@ def gathered_kv(layer) -> torch.Tensor | None:
     return None if lane is None else lane.gathered(index)
 
 
-# -- installation -------------------------------------------------------------------------------
+# -- hooks (installed from the table of surfaces, surfaces.py) ----------------------------------
 
-def install(state: PluginState) -> None:
-    """Wrap vLLM's attention classes, loader and KV-cache initialisation (the metadata builders
-    of the backends in use are wrapped as layers attach)."""
-    from vllm.model_executor.layers.attention import attention, mla_attention
-    from vllm.model_executor.model_loader import base_loader
-
-    _resolve_step_functions(state)
-    context_gather.install(state)
-    wrap(attention.Attention, "__init__", _after_init, state)
-    wrap(mla_attention.MLAAttention, "__init__", _after_init, state)
-    wrap(base_loader.BaseModelLoader, "load_model", _load_model_group, state)
-    for runner in compat.model_runner_classes():
-        wrap(runner, "initialize_kv_cache", on_initialize_kv_cache, state)
-
-
-def _load_model_group(state: PluginState, original, loader, *args, **kwargs):
+def load_model_group(state: PluginState, original, loader, *args, **kwargs):
     with state.model_load():
         return original(loader, *args, **kwargs)
 
@@ -161,20 +151,28 @@ def on_initialize_kv_cache(state: PluginState, original, runner, *args, **kwargs
 
 # -- attaching layers ---------------------------------------------------------------------------
 
-def _after_init(state: PluginState, original, layer, *args, **kwargs):
+def after_attention_init(state: PluginState, original, layer, *args, **kwargs):
+    """The hook on ``Attention.__init__`` and ``MLAAttention.__init__``: vLLM built a layer;
+    with a ``kv_prefetch`` profile it joins its model's lanes or context ring."""
     original(layer, *args, **kwargs)
-    if getattr(layer, "_ringflow_kv", None) is not None:
+    if layer in state.kv_layers:
         return
-    from vllm.config import get_current_vllm_config_or_none
-    config = get_current_vllm_config_or_none()
+    current = compat.get(state, "vllm.config.get_current_vllm_config_or_none")
+    config = current() if current is not None else None
     if config is None:
         return
-    profile = profile_from(config)
+    try:
+        profile = state.profile(config)
+    except RingflowError:  # the worker's load_model hook reports it, once
+        return
     if profile is None or profile.kv_prefetch is None:
         return
     try:
+        compat.require(state, surfaces.needed(profile),
+                       f"profile '{profile.name}' ({profile.source})")
+        resolve_step_functions(state)
         if profile.kv_prefetch.consumer == "context":
-            context_gather.attach(state, layer, profile, config)
+            context_attach.attach(state, layer, profile, config)
         else:
             attach(state, layer, profile, config)
     except RingflowError as exc:
@@ -214,7 +212,7 @@ def attach(state: PluginState, layer, profile: Profile, config) -> None:
     index = len(model.names)
     model.names.append(layer.layer_name)
     model.layers.append(weakref.ref(layer))
-    layer._ringflow_kv = (model, index)
+    state.kv_layers[layer] = (model, index)
     _hook_layer(layer, model, index)
 
 
@@ -229,8 +227,8 @@ def _layout_of(state: PluginState, layer, config) -> tuple[KVLayout, Callable] |
             return None
         row = layer.kv_lora_rank + layer.qk_rope_head_dim
         return KVLayout("rows", (row,), config.model_config.dtype, block_size), _identity
-    from vllm.v1.attention.backend import AttentionType
-    if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+    kinds = compat.get(state, "vllm.v1.attention.backend.AttentionType")
+    if kinds is None or getattr(layer, "attn_type", kinds.DECODER) != kinds.DECODER:
         return None
     dtype = getattr(layer, "kv_cache_torch_dtype", config.model_config.dtype)
     try:
@@ -306,7 +304,7 @@ def _begin(model: ModelLanes, index: int) -> KVPrefetcher | None:
     if context.attn_metadata is None:  # profiling and dummy runs: nothing to gather
         return None
     if model.connector is None:
-        model.connector = _has_kv_connector()
+        model.connector = _has_kv_connector(model.state)
         if model.connector:
             model.state.log_once("connector", "a KV connector loads KV layer by layer inside the "
                             "attention op, after the gather was issued; full-KV prefetch "
@@ -392,52 +390,24 @@ def _device(config) -> torch.device:
     return torch.device("cpu")
 
 
-def _has_kv_connector() -> bool:
-    try:
-        from vllm.distributed.kv_transfer import has_kv_transfer_group
-    except ImportError:
-        return False
-    return has_kv_transfer_group()
+def _has_kv_connector(state: PluginState) -> bool:
+    has_group = compat.get(state, "vllm.distributed.kv_transfer.has_kv_transfer_group")
+    return bool(has_group is not None and has_group())
 
 
-def _resolve_step_functions(state: PluginState) -> None:
-    """Look vLLM's per-step functions up once, at install (never per layer call)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-    steps = state.steps
-    steps.context_available, steps.context = is_forward_context_available, get_forward_context
-    try:
-        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-    except ImportError:  # a vLLM without dual-batch overlap: one micro-batch
+def resolve_step_functions(state: PluginState) -> None:
+    """Take vLLM's per-step functions from the table once, when the first layer attaches
+    (never per layer call); without them no step is seen (the feature is off, logged)."""
+    steps, found = state.steps, {key: compat.get(state, f"vllm.forward_context.{key}")
+                                 for key in ("get_forward_context", "is_forward_context_available")}
+    if None in found.values():
         return
-    steps.ubatch = dbo_current_ubatch_id
+    steps.context_available = found["is_forward_context_available"]
+    steps.context = found["get_forward_context"]
+    ubatch = compat.get(state, "vllm.v1.worker.ubatching.dbo_current_ubatch_id")
+    if ubatch is not None:  # a vLLM without dual-batch overlap: one micro-batch
+        steps.ubatch = ubatch
 
 
-def dcp_group(config, transport: str, who: str = "full-KV prefetch") -> DcpGroup | None:
-    """The gather lane's own communicator for the DCP all-gather: a new NCCL group over the
-    ranks of this worker's DCP group (a collective of every worker: each learns every DCP
-    group's ranks and creates them all, in one order). ``who`` names the user in errors."""
-    size = getattr(config.parallel_config, "decode_context_parallel_size", 1) or 1
-    if size == 1:
-        return None
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_dcp_group, get_world_group
-    dcp, world = get_dcp_group(), get_world_group()
-    try:
-        everyone: list = [None] * world.world_size
-        dist.all_gather_object(everyone, list(dcp.ranks), group=world.cpu_group)
-        groups = sorted({tuple(ranks) for ranks in everyone})
-        group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="nccl")
-    except Exception as exc:
-        raise EngineError(f"{who} under DCP needs a communicator of its own for "
-                          f"the gather lane, made over the DCP group's ranks ({exc}); this "
-                          f"needs NCCL. Remove kv_prefetch or run without DCP") from exc
-    if dist.get_rank(group) != dcp.rank_in_group:  # the token owner rule needs vLLM's order
-        raise EngineError(f"the gather lane's DCP communicator numbers this worker "
-                          f"{dist.get_rank(group)}, vLLM's DCP group {dcp.rank_in_group} "
-                          f"(ranks {list(dcp.ranks)} are not ascending); run {who} without "
-                          f"DCP or without kv_prefetch")
-    interleave = getattr(config.parallel_config, "cp_kv_cache_interleave_size", 1) or 1
-    return DcpGroup(group, dcp.world_size, dcp.rank_in_group, interleave, transport)
-
-
-__all__ = ["ModelLanes", "attach", "gathered_kv", "install", "models", "on_initialize_kv_cache"]
+__all__ = ["ModelLanes", "after_attention_init", "attach", "gathered_kv", "load_model_group",
+           "models", "on_initialize_kv_cache"]

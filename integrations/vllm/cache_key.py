@@ -8,7 +8,9 @@ Note [Compile-cache key]
     the *content* of a profile named by path are not. Without them an engine started with a
     profile after a plain run (or after another profile) could load a graph traced without
     ringflow's layer ops (streamed layers read with no wait) or with another partition. The
-    hook on ``VllmConfig.compute_hash`` folds :func:`factors` into vLLM's hash: nothing when
+    hook on ``VllmConfig.compute_hash`` (to vLLM 0.33) folds :func:`factors` into vLLM's hash,
+    the hook on ``VllmConfig.compile_factors`` (0.34, which hashes that dict) adds them under
+    the key ``ringflow``: nothing when
     ringflow is off (plain vLLM's key is unchanged), the resolved profile and every set switch
     marked ``compiled`` in :data:`ringflow.envs.SWITCHES` otherwise. A profile that streams
     weights also brings a digest of the code that decides which layers carry layer ops (the
@@ -34,14 +36,14 @@ from ringflow.integrations.vllm.state import PluginState
 log = logging.getLogger("ringflow")
 
 
-def factors(vllm_config) -> dict[str, object]:
+def factors(vllm_config, state: PluginState | None = None) -> dict[str, object]:
     """What ringflow changes in the model vLLM traces under ``vllm_config``; empty when
     ringflow changes nothing. A profile that does not load is keyed by its error (the plugin
-    reports it where the model loads)."""
+    reports it where the model loads). ``state``: parse the profile once (its cache)."""
     found: dict[str, object] = {name: os.environ[name] for name, switch in envs.SWITCHES.items()
                                 if switch.compiled and os.environ.get(name)}
     try:
-        profile = profile_from(vllm_config)
+        profile = state.profile(vllm_config) if state is not None else profile_from(vllm_config)
     except RingflowError as exc:
         found["profile_error"] = str(exc)
     else:
@@ -78,11 +80,24 @@ def keyed_hash(base: str, extra: dict[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[: len(base) or None]
 
 
-def on_compute_hash(state: PluginState, original, vllm_config) -> str:
+def on_compute_hash(state: PluginState, original, vllm_config, *args, **kwargs) -> str:
     """The hook on ``VllmConfig.compute_hash`` (Note [Compile-cache key])."""
-    base = original(vllm_config)
-    extra = factors(vllm_config)
+    base = original(vllm_config, *args, **kwargs)
+    return keyed_hash(base, _logged(state, factors(vllm_config, state)))
+
+
+def on_compile_factors(state: PluginState, original, vllm_config, *args, **kwargs):
+    """The hook on ``VllmConfig.compile_factors`` (vLLM 0.34: the compile-cache key is the hash
+    of this dict): ringflow's factors under ``"ringflow"``, nothing when there are none."""
+    found = original(vllm_config, *args, **kwargs)
+    extra = _logged(state, factors(vllm_config, state))
+    if extra and isinstance(found, dict):
+        found = {**found, "ringflow": extra}
+    return found
+
+
+def _logged(state: PluginState, extra: dict[str, object]) -> dict[str, object]:
     if extra:
         state.log_once("cache-key", "vLLM's compile-cache key includes ringflow's %s",
                        ", ".join(sorted(k for k in extra if k != "ringflow")), level=logging.INFO)
-    return keyed_hash(base, extra)
+    return extra

@@ -1,65 +1,301 @@
-"""The vLLM versions this plugin supports, and the engine surfaces that differ between them.
+"""Which vLLM runs here, and ringflow's hooks installed from the table of surfaces.
 
-Tested: vLLM 0.26 (the CUDA build, on an H200, both model runners) and 0.32 (the CPU build,
-in CI). Every hook that needs to know which vLLM it runs in asks here, so a new version is one
-place to teach:
+``surfaces.py`` lists every vLLM surface ringflow touches, per vLLM version range; this module
+finds each one in the running vLLM, checks its parameters, and installs ringflow's hook there
+(or keeps what ringflow reads, for :func:`get`). It is the only place that imports vLLM by a
+name from the table, so a new vLLM is taught in the table alone.
 
-* model runners: 0.26 and later have two GPU model runners (V1 ``GPUModelRunner`` and the V2
-  runner under ``vllm.v1.worker.gpu``), each with its own ``initialize_kv_cache``;
-* attention metadata: 0.32 builds it through ``AttentionGroup.build_metadata*``, 0.26 calls the
-  backends' metadata builders directly; both end in ``AttentionMetadataBuilder.build`` (and
-  ``update_block_table`` for groups that share a build), which is where the plugin listens.
+Note [ringflow never stops vLLM]
+    vLLM calls every general plugin's ``register`` with no ``try`` around it, in every process
+    it starts, whether or not a profile is set: an exception there stops vLLM. So nothing here
+    raises: a surface that is missing, renamed or whose parameters changed turns its feature
+    off with one warning line naming vLLM's version and the surface, and vLLM runs as without
+    ringflow. Only a profile that needs a feature that is off stops start-up, with one typed
+    line (:func:`require`), where the profile is read.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import re
+from dataclasses import dataclass, field
+
+from ringflow.errors import EngineError
+from ringflow.integrations.vllm import surfaces
+from ringflow.integrations.vllm.hooks import wrap, wrap_function
+from ringflow.integrations.vllm.surfaces import FEATURES, SUPPORTED, Surface
 
 log = logging.getLogger("ringflow")
 
-#: oldest and newest (major, minor) the plugin was tested with, inclusive
-SUPPORTED = ((0, 26), (0, 32))
-
 
 def version_tuple(text: str) -> tuple[int, int] | None:
-    found = re.match(r"(\d+)\.(\d+)", text)
+    found = re.match(r"(\d+)\.(\d+)", text or "")
     return (int(found[1]), int(found[2])) if found else None
 
 
-def check_version() -> None:
-    """Log one line when vLLM's version is outside :data:`SUPPORTED`."""
-    import vllm
-
-    found = version_tuple(getattr(vllm, "__version__", ""))
-    low, high = SUPPORTED
-    if found is None or not low <= found <= high:
-        log.warning("ringflow: vLLM %s is outside the versions this plugin was tested with "
-                    "(%d.%d to %d.%d); it loads, but its hooks may not fire (each says so in "
-                    "the log if it cannot install)", getattr(vllm, "__version__", "?"),
-                    *low, *high)
-
-
-def model_runner_classes() -> list[type]:
-    """Every GPU model runner class this vLLM has (each initializes the KV cache itself)."""
-    from vllm.v1.worker import gpu_model_runner
-
-    classes = [gpu_model_runner.GPUModelRunner]
+def vllm_version() -> str:
     try:
-        from vllm.v1.worker.gpu import model_runner as v2
-    except ImportError:
-        return classes
-    return classes + [v2.GPUModelRunner]
+        import vllm
+    except Exception:  # noqa: BLE001 - a vLLM that does not import: nothing to hook
+        return "?"
+    return str(getattr(vllm, "__version__", "?"))
 
 
-def engine_core_class() -> type | None:
-    """vLLM's engine core (it pauses the scheduler, then asks the workers to sleep), or None
-    where this vLLM has none under that name."""
+@dataclass
+class Installed:
+    """What :func:`install` found in this process's vLLM: the hooks it installed, what it
+    keeps for :func:`get`, and each feature that is off with the surface that turned it off."""
+
+    version: str
+    hooked: list[str] = field(default_factory=list)
+    objects: dict[str, object] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)  # surface key -> why
+    off: dict[str, tuple[str, str]] = field(default_factory=dict)  # feature -> (key, why)
+    #: (owner, name, what the owner held before): what :func:`uninstall` puts back
+    installed: list[tuple[object, str, object]] = field(default_factory=list)
+
+    @property
+    def parsed(self) -> tuple[int, int] | None:
+        return version_tuple(self.version)
+
+
+class SurfaceMissing(LookupError):
+    """A surface is not where the table says, or its parameters changed."""
+
+
+def resolve(surface: Surface) -> object:
+    """The live object ``surface`` names (a class's own attribute, as the class holds it).
+
+    Raises:
+        SurfaceMissing: its module does not import, a name on the way is absent, or the
+            parameters ringflow relies on are not there.
+    """
     try:
-        from vllm.v1.engine.core import EngineCore
-    except ImportError:
+        target = importlib.import_module(surface.module)
+    except Exception as exc:  # noqa: BLE001 - any import failure means: not here
+        raise SurfaceMissing(f"module {surface.module} does not import ({type(exc).__name__}: "
+                             f"{exc})") from exc
+    for part in surface.path.split("."):  # a class's own attribute as the class holds it
+        target = (inspect.getattr_static(target, part, _ABSENT) if inspect.isclass(target)
+                  else getattr(target, part, _ABSENT))
+        if target is _ABSENT:
+            raise SurfaceMissing(f"{surface.key} is absent")
+    if isinstance(target, (staticmethod, classmethod)):
+        target = target.__func__
+    if surface.params:
+        check_params(surface, target)
+    return target
+
+
+_ABSENT = object()
+
+
+def params_of(function) -> list[str] | None:
+    """Parameter names, in order (``*args`` as ``*name``); None if they cannot be read."""
+    original = getattr(function, "__wrapped__", function)  # ringflow's own hooks wrap it
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
         return None
-    return EngineCore
+    return [("*" + p.name) if p.kind is p.VAR_POSITIONAL else p.name
+            for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+
+
+def params_match(surface: Surface, names: list[str]) -> bool:
+    """Whether ``names`` (a signature's) has what ``surface.params`` says, in order: from the
+    first (a ``*args`` takes the rest), or anywhere with ``surface.anywhere``."""
+    if surface.anywhere:
+        rest = iter(names)
+        return all(any(n == want for n in rest) for want in surface.params)
+    for i, want in enumerate(surface.params):
+        if i >= len(names) or names[i].startswith("*"):
+            return i < len(names)
+        if names[i] != want:
+            return False
+    return True
+
+
+def check_params(surface: Surface, target) -> None:
+    names = params_of(target)
+    if names is None:  # a builtin or an extension function: nothing to read, take it
+        return
+    if not params_match(surface, names):
+        raise SurfaceMissing(f"{surface.key} takes ({', '.join(names)}), not "
+                             f"({', '.join(surface.params)}{', ...' if surface.params else ''}) "
+                             f"as ringflow's hook expects")
+
+
+def _hook_for(surface: Surface):
+    module, name = surface.hook.split(":")
+    hook = getattr(importlib.import_module(module), name)
+    return hook(surface) if surface.factory else hook
+
+
+def install(state) -> Installed:
+    """Install every hook of the table that this vLLM has; keep what ringflow reads.
+
+    Never raises (Note [ringflow never stops vLLM]); the result, also on ``state.surfaces``,
+    says what is off and why.
+    """
+    found = Installed(vllm_version())
+    if getattr(state, "surfaces", None) is not None:  # installed before: what it replaced
+        found.installed = state.surfaces.installed
+    state.surfaces = found
+    version = found.parsed
+    low, high = SUPPORTED
+    if version is None or not low <= version <= high:
+        log.warning("vLLM %s is outside the versions ringflow supports (%d.%d to %d.%d); each "
+                    "surface it lacks is named below, and turns its feature off", found.version,
+                    *low, *high)
+    present: set[str] = set()
+    for surface in surfaces.SURFACES:
+        if surface.kind in ("attribute", "source"):  # checked in vLLM's source only
+            continue
+        try:
+            target = resolve(surface)
+            _install_one(state, surface, target, found)
+        except Exception as exc:  # noqa: BLE001 - Note [ringflow never stops vLLM]
+            found.missing[surface.key] = (str(exc) if isinstance(exc, SurfaceMissing)
+                                          else f"{type(exc).__name__}: {exc}")
+            continue
+        present.add(surface.key)
+    groups: dict[str, list[Surface]] = {}
+    for surface in surfaces.SURFACES:
+        if surface.group is not None:
+            groups.setdefault(surface.group, []).append(surface)
+    for surface in surfaces.SURFACES:
+        why = found.missing.get(surface.key)
+        if why is None or not surface.in_range(version):
+            continue  # there, or this vLLM is not expected to have it (another range's)
+        members = groups.get(surface.group, [surface])
+        if surface.required and not any(m.key in present for m in members):
+            found.off.setdefault(surface.feature, (surface.key, why))
+            log.warning("vLLM %s: %s; %s is off", found.version, why, FEATURES[surface.feature])
+        else:
+            log.info("vLLM %s: %s; ringflow goes on without it (its use there: %s)",
+                     found.version, why, surface.does)
+    return found
+
+
+def _install_one(state, surface: Surface, target, found: Installed) -> None:
+    if surface.kind == "read":
+        found.objects[surface.key] = target
+        return
+    if surface.kind == "instance" or surface.hook is None:
+        return  # hooked per object at run time (hook_class, or the instance hooks' owners)
+    module = importlib.import_module(surface.module)
+    owner_path, _, name = surface.path.rpartition(".")
+    hook = _hook_for(surface)
+    if surface.kind == "function":
+        _remember(found, module, name)
+        wrap_function(module, name, hook, state)
+    elif surface.kind == "method":
+        _remember(found, _walk(module, owner_path), name)
+        wrap(_walk(module, owner_path), name, hook, state)
+    elif surface.kind == "subclasses":
+        pending, seen = [_walk(module, owner_path)], set()
+        while pending:
+            cls = pending.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            pending.extend(cls.__subclasses__())
+            own = vars(cls).get(name)
+            if own is not None and not getattr(own, "__isabstractmethod__", False):
+                _remember(found, cls, name)
+                wrap(cls, name, hook, state)
+    else:
+        raise EngineError(f"surface {surface.key}: unknown kind {surface.kind!r}")
+    found.hooked.append(surface.key)
+
+
+def _remember(found: Installed, owner, name: str) -> None:
+    held = vars(owner).get(name, _ABSENT)
+    if not getattr(held, "_ringflow_hook", False):  # a second install finds its own hooks
+        found.installed.append((owner, name, held))
+
+
+def uninstall(state) -> None:
+    """Put back what :func:`install` and :func:`hook_class` replaced (tests install the table
+    again, on a vLLM changed in between)."""
+    found = getattr(state, "surfaces", None)
+    if found is None:
+        return
+    for owner, name, held in reversed(found.installed):
+        if held is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, held)
+    found.installed.clear()
+    state.surfaces = None
+
+
+def _walk(module, path: str):
+    owner = module
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def get(state, key: str):
+    """What ringflow reads at ``key`` (a ``read`` surface), or None where this vLLM lacks it
+    (its feature is then off, as the log said at start-up)."""
+    found = getattr(state, "surfaces", None)
+    return None if found is None else found.objects.get(key)
+
+
+def hook_class(state, key: str, cls: type) -> bool:
+    """Install the table's hook for ``key`` (an ``instance`` surface, a method) on ``cls``, a
+    class vLLM chose at run time (a backend's metadata builder). False: ``cls`` has no such
+    method, or its parameters changed (logged once)."""
+    surface = surfaces.by_key()[key]
+    name = surface.path.rpartition(".")[2]
+    method = getattr(cls, name, None)
+    if method is None:
+        return False
+    try:
+        if surface.params:
+            check_params(surface, method)
+        if getattr(state, "surfaces", None) is not None:
+            _remember(state.surfaces, cls, name)
+        wrap(cls, name, _hook_for(surface), state)
+    except (SurfaceMissing, EngineError) as exc:
+        state.log_once(f"hook:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked "
+                       "(%s); %s is off for its layers", vllm_version(), cls.__qualname__, name,
+                       exc, FEATURES[surface.feature])
+        return False
+    return True
+
+
+def instance_surface_ok(key: str, method) -> bool:
+    """Whether ``method`` (a bound method vLLM built, of an ``instance`` surface) still takes
+    what ringflow's per-object hook expects."""
+    surface = surfaces.by_key()[key]
+    names = params_of(method)
+    if names is None:
+        return True
+    return params_match(surface, ["self", *names]) if surface.params[:1] == ("self",) \
+        else params_match(surface, names)
+
+
+def require(state, features: set[str], who: str) -> None:
+    """Stop with one typed line when ``who`` (a profile) needs a feature this vLLM lacks.
+
+    Raises:
+        EngineError: naming the feature, the surface that is missing and vLLM's version.
+    """
+    found = getattr(state, "surfaces", None)
+    if found is None:
+        return
+    for feature in sorted(features):
+        if feature in found.off:
+            key, why = found.off[feature]
+            raise EngineError(f"{who} needs {FEATURES[feature]}, which ringflow cannot offer "
+                              f"on vLLM {found.version}: {why}; use a vLLM ringflow supports "
+                              f"({SUPPORTED[0][0]}.{SUPPORTED[0][1]} to {SUPPORTED[1][0]}."
+                              f"{SUPPORTED[1][1]}) or drop what needs it from the profile")
 
 
 def metadata_builder_class(layer) -> type | None:

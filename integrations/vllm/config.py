@@ -48,3 +48,22 @@ def profile_from(vllm_config) -> Profile | None:
                            "depth: ..., workspace_mib: ...} and/or kv_prefetch: {depth: ..., "
                            "workspace_mib: ...}", profile.source)
     return profile
+
+
+def source_key(vllm_config) -> tuple:
+    """What :func:`profile_from` reads, as a key: the ``additional_config`` section, the
+    ``RINGFLOW_PROFILE`` value, and the modification time of a file either names (an edited
+    file is a new profile)."""
+    import json
+    import os
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get("ringflow") if isinstance(extra, dict) else None
+    env = envs.text("RINGFLOW_PROFILE")
+    named = section if isinstance(section, str) else (
+        section.get("profile") if isinstance(section, dict) and set(section) == {"profile"}
+        else None) if section is not None else env
+    try:
+        stamp = os.stat(named).st_mtime_ns if named else None
+    except (OSError, TypeError, ValueError):
+        stamp = None
+    return json.dumps(section, sort_keys=True, default=str), env, stamp

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from ringflow import envs
 from ringflow.errors import ConfigError, RingflowError
+from ringflow.integrations.vllm import compat, surfaces
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.sections import Placed
@@ -23,7 +24,7 @@ from ringflow.orchestrator.sections import Placed
 log = logging.getLogger("ringflow")
 
 
-def check(additional_config, enable_lora: bool = False) -> None:
+def check(additional_config, enable_lora: bool = False, state: PluginState | None = None):
     """Raise the first ringflow error in ``additional_config`` and the environment.
 
     Raises:
@@ -36,9 +37,14 @@ def check(additional_config, enable_lora: bool = False) -> None:
             envs.flag(name)
     envs.warn_unknown(log)
     extra = additional_config if isinstance(additional_config, dict) else {}
-    profile = profile_from(SimpleNamespace(additional_config=extra))
+    config = SimpleNamespace(additional_config=extra)
+    profile = state.profile(config) if state is not None else profile_from(config)
     if enable_lora:
         refuse_lora(profile)
+    if profile is not None and state is not None:  # what this vLLM lacks, before it starts
+        compat.require(state, surfaces.needed(profile),
+                       f"profile '{profile.name}' ({profile.source})")
+    return profile
 
 
 def streams_weights(profile) -> bool:
@@ -56,6 +62,22 @@ def refuse_lora(profile) -> None:
                           f"(profile '{profile.name}' from {profile.source}): the adapters on "
                           f"streamed layers are not followed; drop --enable-lora or the "
                           f"profile's offload section")
+
+
+def refuse_extensible_kv_cache(profile, vllm_config) -> None:
+    """vLLM 0.34's extensible KV cache commits its size after warm-up and lends it to weight
+    updates (``extend_kv_cache``, ``set_kv_cache_reclaimable``): memory ringflow's credit and
+    rings were not sized against, and not followed, so a profile refuses it here.
+
+    Raises:
+        ConfigError: the engine has an extensible KV cache and the profile holds a ring.
+    """
+    cache = getattr(vllm_config, "cache_config", None)
+    if profile is not None and getattr(cache, "enable_extensible_kv_cache", False) is True:
+        raise ConfigError(f"vLLM's extensible KV cache (enable_extensible_kv_cache) is not "
+                          f"supported with a ringflow profile (profile '{profile.name}' from "
+                          f"{profile.source}): it resizes and lends the KV cache after ringflow's "
+                          f"rings were counted; turn one of them off")
 
 
 def check_layers(profile, vllm_config) -> None:
@@ -81,9 +103,11 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
     """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
     try:
         check(getattr(engine_args, "additional_config", None),
-              bool(getattr(engine_args, "enable_lora", False)))
+              bool(getattr(engine_args, "enable_lora", False)), state)
         config = original(engine_args, *args, **kwargs)
-        check_layers(profile_from(config), config)  # needs the model's config vLLM just read
+        profile = state.profile(config)
+        check_layers(profile, config)  # needs the model's config vLLM just read
+        refuse_extensible_kv_cache(profile, config)
     except RingflowError as exc:
         log.error("%s", exc)  # one line, before vLLM starts any engine process
         raise

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from torch import nn
 
 from ringflow.errors import UnsupportedModelError
-from ringflow.integrations.vllm.hooks import wrap
 from ringflow.integrations.vllm.state import PluginState
 
 # the stacks recorded during the current model load (None: not loading). A dynamic extent (the
@@ -29,23 +28,6 @@ from ringflow.integrations.vllm.state import PluginState
 # recording(), so it cannot outlive the load that set it (record_stack ignores the plugin state)
 _recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
-
-
-def install(state: PluginState) -> None:
-    """Wrap ``wrap_modules`` of every offloader class vLLM defines (the global instance may be
-    any of them)."""
-    from vllm.model_executor.offloader.base import BaseOffloader
-
-    pending, seen = [BaseOffloader], set()
-    while pending:
-        cls = pending.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        pending.extend(cls.__subclasses__())
-        if "wrap_modules" in vars(cls) and not getattr(cls.wrap_modules, "__isabstractmethod__",
-                                                         False):
-            wrap(cls, "wrap_modules", record_stack, state)
 
 
 def record_stack(state: PluginState, original, offloader, modules, *args, **kwargs):

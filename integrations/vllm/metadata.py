@@ -14,24 +14,26 @@ import dataclasses
 
 import torch
 
-from ringflow.integrations.vllm.hooks import wrap
+from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.state import PluginState
 
 
+#: the builder methods hooked on each backend's builder class (the table's instance surfaces)
+BUILDER_SURFACES = tuple(f"vllm.v1.attention.backend.AttentionMetadataBuilder.{name}" for name in
+                         ("__init__", "build", "build_for_cudagraph_capture",
+                          "update_block_table"))
+
+
 def hook_builder(state: PluginState, cls: type | None) -> None:
-    """Listen where every vLLM version ends up building a backend's metadata
-    (integrations/vllm/compat.py)."""
+    """Listen where every vLLM version ends up building a backend's metadata: the builder
+    class of a backend in use, hooked as the table says (``compat.hook_class``)."""
     if cls is None:
         return
-    wrap(cls, "__init__", _remember_layer_names, state)
-    for name in ("build", "build_for_cudagraph_capture"):
-        if hasattr(cls, name):
-            wrap(cls, name, _keep_common_metadata, state)
-    if hasattr(cls, "update_block_table"):
-        wrap(cls, "update_block_table", _keep_swapped_block_table, state)
+    for key in BUILDER_SURFACES:
+        compat.hook_class(state, key, cls)
 
 
-def _remember_layer_names(state: PluginState, original, builder, *args, **kwargs):
+def remember_layer_names(state: PluginState, original, builder, *args, **kwargs):
     """Builders are made with the layers they serve (``__init__(kv_cache_spec, layer_names,
     ...)``); not every one keeps them (vLLM 0.32's MLA builder does not)."""
     original(builder, *args, **kwargs)
@@ -40,7 +42,7 @@ def _remember_layer_names(state: PluginState, original, builder, *args, **kwargs
         builder._ringflow_layers = names
 
 
-def _keep_common_metadata(state: PluginState, original, builder, *args, **kwargs):
+def keep_common_metadata(state: PluginState, original, builder, *args, **kwargs):
     """A metadata builder's ``build*``: keep the backend-neutral metadata it was given (block
     table in the kernel's block size) on what it returned, with the layers it serves."""
     result = original(builder, *args, **kwargs)
@@ -54,7 +56,7 @@ def _keep_common_metadata(state: PluginState, original, builder, *args, **kwargs
     return result
 
 
-def _keep_swapped_block_table(state: PluginState, original, builder, metadata, block_table,
+def keep_swapped_block_table(state: PluginState, original, builder, metadata, block_table,
                               slot_mapping, *args, **kwargs):
     """``update_block_table``: vLLM reuses one build for another KV-cache group with that
     group's block table; the kept metadata follows it."""

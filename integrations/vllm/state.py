@@ -35,19 +35,27 @@ class PluginState:
 
     ``lifecycle``: what happened, in order (``"kv-ring-allocated"``, ``"ring-allocated"``,
     ``"kv-cache-initialized"``): the order is what keeps the KV budget honest, and tests assert
-    it. ``streamers``: the live weight streamers (each owned by its worker, dying with it).
+    it. ``surfaces``: what ``compat.install`` found in this vLLM (hooks, what is off).
+    ``streamers``: each model runner's weight streamer, the one owner of it (it dies with the
+    runner); ``boundaries``: likewise the stand-in of ``RINGFLOW_LAYER_OPS_ONLY``.
+    ``profiles``: each profile parsed once per source (:meth:`profile`).
     ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
     their attention layers); ``context_models``: likewise each load's MLA context-chunk ring
-    (``context_gather.py``). ``kv_sized``: the KV cache of the current load is sized, so no
+    (``context_ring.py``). ``kv_sized``: the KV cache of the current load is sized, so no
     ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
     layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``). ``steps``: vLLM's
     per-step lookups (:class:`StepFunctions`).
     """
 
     lifecycle: list[str] = field(default_factory=list)
-    streamers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    surfaces: object = None
+    streamers: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    boundaries: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     latest_streamer: weakref.ref | None = None
+    profiles: dict = field(default_factory=dict)
     models: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    #: each attention layer with full-KV lanes -> (its model's lanes, its index)
+    kv_layers: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     context_models: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary)
     kv_sized: bool = False
@@ -74,9 +82,35 @@ class PluginState:
         """The most recently built weight streamer that is still alive, or None."""
         return None if self.latest_streamer is None else self.latest_streamer()
 
-    def add_streamer(self, streamer) -> None:
-        self.streamers.add(streamer)
+    def add_streamer(self, runner, streamer) -> None:
+        """``streamer`` streams ``runner``'s model; the state owns it while the runner lives."""
+        self.streamers[runner] = streamer
         self.latest_streamer = weakref.ref(streamer)
+
+    def ring_bytes(self) -> int:
+        """Device bytes of every KV ring (full-KV lanes, context rings) alive in this process."""
+        return sum(m.reserved_bytes for m in self.models.values()) + \
+            sum(m.reserved_bytes for m in self.context_models.values())
+
+    def profile(self, vllm_config):
+        """The profile ``vllm_config`` was started with (None: ringflow is off), parsed once per
+        source (the ``additional_config`` section, ``RINGFLOW_PROFILE`` and the named file's
+        modification time): vLLM's hooks ask for it once per layer and per step.
+
+        Raises:
+            ProfileError: as :func:`config.profile_from`, every time it is asked.
+        """
+        from ringflow.integrations.vllm.config import profile_from, source_key
+        key = source_key(vllm_config)
+        if key not in self.profiles:
+            try:
+                self.profiles[key] = profile_from(vllm_config)
+            except Exception as exc:  # kept: the same source raises the same error again
+                self.profiles[key] = exc
+        found = self.profiles[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
 
     def new_model_load(self) -> None:
         """A worker starts loading a model: rings may be allocated again until its KV cache is

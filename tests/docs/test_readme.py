@@ -48,7 +48,7 @@ SKIPPED = {
 # Blocks without a language (output, not code), by their file and first line, and why they
 # cannot be checked here; the others are in CHECKED below.
 SKIPPED_OUTPUT = {
-    ("README.md", "(EngineCore pid=...) INFO 12-01 10:00:00 [plugin.py:...] ringflow: profile"):
+    ("README.md", "(EngineCore pid=...) INFO 12-01 10:00:00 [weights.py:...] ringflow: profile"):
         "a sample of the vLLM plugin's two log lines on a GPU (needs vLLM and a GPU); "
         "tests/vllm_engine/test_cuda_vllm.py checks the real lines there",
 }

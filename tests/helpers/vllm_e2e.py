@@ -124,8 +124,8 @@ def context_engine(case: dict) -> None:
             check_and_update_config._context_case = True
             cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     _CONTEXT_CHUNK["chunk"] = options.get("chunk")
-    from ringflow.integrations.vllm import context_gather
-    fill = getattr(context_gather.ContextModel.fill, "_original", context_gather.ContextModel.fill)
+    from ringflow.integrations.vllm import context_ring
+    fill = getattr(context_ring.ContextModel.fill, "_original", context_ring.ContextModel.fill)
     if options.get("corrupt") or options.get("slow"):
         def changed(self, layer, chunk, slot):
             if options.get("slow"):  # on the gather stream: a read that does not wait sees poison
@@ -134,9 +134,9 @@ def context_engine(case: dict) -> None:
             if options.get("corrupt"):
                 slot.add_(1.0)
         changed._original = fill
-        context_gather.ContextModel.fill = changed
+        context_ring.ContextModel.fill = changed
     else:
-        context_gather.ContextModel.fill = fill
+        context_ring.ContextModel.fill = fill
 
 
 _CONTEXT_CHUNK: dict = {}
@@ -385,6 +385,64 @@ def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
               for step in o.outputs[0].logprobs] for o in outs])
 
 
+class _InstallOnly(Exception):
+    """A case that installs ringflow's hooks and starts no engine."""
+
+
+def change_surface(key: str):
+    """vLLM as a release that renamed surface ``key`` would meet ringflow, installed afresh
+    (``compat.uninstall``, then ``install``): a function or method keeps working for vLLM but
+    names its parameters differently (``__signature__``), what ringflow only reads is gone from
+    its module under its old name. Returns the function that puts vLLM and the hooks back."""
+    import importlib
+    import inspect
+
+    from ringflow.integrations.vllm import compat, surfaces
+    from ringflow.integrations.vllm.state import STATE
+    import vllm.v1.worker.cpu_worker  # noqa: F401 - vLLM's own modules hold their names first
+
+    surface = surfaces.by_key()[key]
+    module = importlib.import_module(surface.module)
+    *outer, name = surface.path.split(".")
+    owner = module
+    for part in outer:
+        owner = getattr(owner, part)
+    held = vars(owner)[name] if name in vars(owner) else None
+    compat.uninstall(STATE)
+    if surface.kind == "read":
+        setattr(owner, f"{name}_renamed", getattr(owner, name))
+        delattr(owner, name)
+
+        def restore():
+            setattr(owner, name, getattr(owner, f"{name}_renamed"))
+            delattr(owner, f"{name}_renamed")
+    else:
+        original = getattr(owner, name)
+
+        def renamed(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        signature = inspect.signature(original)
+        renamed.__signature__ = signature.replace(parameters=[
+            p.replace(name=f"renamed_{p.name}") for p in signature.parameters.values()])
+        setattr(owner, name, renamed)
+
+        def restore():
+            if held is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, held)
+
+    compat.install(STATE)
+
+    def put_back():
+        compat.uninstall(STATE)
+        restore()
+        compat.install(STATE)
+
+    return put_back
+
+
 def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -396,6 +454,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     saved = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
     first_line, first_event = len(lines.lines), len(STATE.lifecycle)
+    put_back = change_surface(case["surface"]) if case.get("surface") else None
     earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
     earlier |= {id(m) for m in STATE.context_models.values()}
     kwargs = engine_kwargs(case)
@@ -410,6 +469,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     started = time.perf_counter()
     llm = None
     try:
+        if case.get("install_only"):  # the hooks' installation is the case: no engine
+            raise _InstallOnly
         if case.get("dummy"):
             kwargs["load_format"] = "dummy"
         llm = LLM(model=write_model(root, case["model"], not case.get("dummy"),
@@ -460,11 +521,15 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
             result["context"] = [context_stats(model)
                                  for model in STATE.context_models.values()
                                  if id(model) not in earlier]
+    except _InstallOnly:
+        pass
     except Exception as exc:  # a profile error must stop vLLM: record what it said
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         del llm
         gc.collect()
+        if put_back is not None:
+            put_back()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -48,9 +48,10 @@ LAYERS = {
         ".torch.verification", ".torch.chunk_prefetch")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
-        "", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend", ".layers",
-        ".memory", ".metadata",
-        ".mla_check", ".context_gather", ".attention")], "vllm"),
+        "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",
+        ".layers", ".memory", ".metadata", ".weights",
+        ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
+        ".context_hooks", ".context_attach", ".attention")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (

@@ -148,7 +148,7 @@ class _MLALayer:
 def test_a_ring_requested_after_the_worker_sizes_its_kv_cache_is_refused():
     """ARCHITECTURE.md: 'buffers allocated lazily after the KV cache was sized'. The worker hook that
     allocates the KV cache ends the time in which a model may allocate its ring."""
-    from ringflow.integrations.vllm import attention, plugin
+    from ringflow.integrations.vllm import attention, weights
     from ringflow.integrations.vllm.state import PluginState
     from ringflow.orchestrator.profile import Profile
     profile = Profile.from_mapping({"kv_prefetch": {"depth": 1, "workspace_mib": 4}})
@@ -157,8 +157,8 @@ def test_a_ring_requested_after_the_worker_sizes_its_kv_cache_is_refused():
     state.model_group.set(1)
     target = _MLALayer("target.0")  # built before the KV cache: allocates a ring (kept alive)
     attention.attach(state, target, profile, config)
-    result = plugin.on_initialize_from_config(state, lambda worker: "caches",
-                                              NS(vllm_config=config))
+    result = weights.on_initialize_from_config(state, lambda worker: "caches",
+                                               NS(vllm_config=config, model_runner=_MLALayer("runner")))
     assert result == "caches"
     state.model_group.set(2)         # a model built after it (a late draft model)
     with pytest.raises(LifecycleError, match="'model group 2'.*after the KV cache was sized"):
@@ -311,7 +311,8 @@ def test_micro_batches_get_lanes_of_their_own(monkeypatch):
     running = NS(ubatch=0)
     # what vLLM's dbo_current_ubatch_id says; ringflow's own lookup runs unchanged
     monkeypatch.setattr(state.steps, "ubatch", lambda: running.ubatch)
-    layer = NS(_ringflow_kv=(lanes, 0))          # an attention layer the hook attached
+    layer = _MLALayer("m.0")                     # an attention layer the hook attached
+    state.kv_layers[layer] = (lanes, 0)
     stacks = [_dbo_stack(seed) for seed in (0, 1)]
     for ubatch, stack in enumerate(stacks):      # micro-batch 1 starts while 0 is in flight
         running.ubatch = ubatch
@@ -320,14 +321,14 @@ def test_micro_batches_get_lanes_of_their_own(monkeypatch):
         lane.begin(0, stack.source)
     for ubatch, stack in enumerate(stacks):
         running.ubatch = ubatch
-        got = attention.gathered_kv(layer)
+        got = attention.gathered_kv(layer, state)
         want = ref.paged_gather_ref(stack.caches[0], stack.block_table, stack.context_lens,
                                     len(got))
         assert torch.equal(got, want), f"micro-batch {ubatch} read another one's KV"
         start, end = rings[ubatch]
         assert start <= got.data_ptr() and got.data_ptr() + got.nbytes <= end
     running.ubatch = 2
-    assert lanes.lane() is None and attention.gathered_kv(layer) is None
+    assert lanes.lane() is None and attention.gathered_kv(layer, state) is None
     single = attention.ModelLanes(PluginState(), 2, profile, layout, lambda c: c,
                                   _config(False), name="s")
     assert len(single.lanes) == 1
@@ -355,7 +356,7 @@ def test_the_vllm_hooks_refuse_a_ring_once_the_kv_cache_is_sized():
     attention.attach(state, second, profile, config)
     model = state.models[9001]
     assert model.names == ["m.0", "m.1"] and model.layout.unit == (32,)
-    assert second._ringflow_kv == (model, 1)
+    assert state.kv_layers[second] == (model, 1)
 
 
 def test_a_workspace_resize_retires_the_step_and_replans_over_the_new_ring():

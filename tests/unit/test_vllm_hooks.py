@@ -26,3 +26,34 @@ def test_a_class_hook_receives_its_state_once_and_serves_no_other():
     with pytest.raises(EngineError, match="Worker.load is already hooked for another plugin state"):
         wrap(Worker, "load", hook, second)
     assert Worker().load(2) == 30 and seen == [first, first]  # still the first state's hook
+
+
+def test_an_mla_layer_with_its_own_context_method_is_named_once_and_gets_no_ring(caplog):
+    """vLLM's Kimi-K3 layer computes its MLA context itself, outside the hooked MLAAttention:
+    ringflow reserves nothing for it and says so once, by class."""
+    import logging
+
+    from torch import nn
+
+    from ringflow.integrations.vllm.weights import own_context_layers
+
+    class OwnContextMLA(nn.Module):  # what vLLM 0.32+'s Kimi-K3 attention looks like here
+        kv_lora_rank = 512
+
+        def _compute_prefill_context(self, q, attn_metadata):
+            raise AssertionError("not called")
+
+    class HookedMLA(nn.Module):  # an MLAAttention: its impl's context method is hooked
+        kv_lora_rank = 512
+
+    model = nn.Sequential(OwnContextMLA(), OwnContextMLA(), HookedMLA())
+    state = PluginState()
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert own_context_layers(state, model) == ["test_an_mla_layer_with_its_own_context_"
+                                                     "method_is_named_once_and_gets_no_ring."
+                                                     "<locals>.OwnContextMLA"]
+        own_context_layers(state, model)
+    named = [r.getMessage() for r in caplog.records if "computes its MLA context" in
+             r.getMessage()]
+    assert len(named) == 1 and "reserved no ring" in named[0]
+    assert state.context_models == {} and state.models == {}

@@ -284,7 +284,7 @@ def test_engine_sleep_is_refused_before_vllm_pauses_its_scheduler(monkeypatch):
     from types import SimpleNamespace
 
     from ringflow import EngineError
-    from ringflow.integrations.vllm import plugin
+    from ringflow.integrations.vllm import weights
     from ringflow.integrations.vllm.state import PluginState
 
     calls = []
@@ -297,12 +297,12 @@ def test_engine_sleep_is_refused_before_vllm_pauses_its_scheduler(monkeypatch):
     def sleep(core, level=1, mode="abort"):
         calls.append(level)
 
-    plugin.on_engine_sleep(PluginState(), sleep, plain, 1)
-    plugin.on_engine_sleep(PluginState(), sleep, streamed, 0)  # level 0 moves no memory
+    weights.on_engine_sleep(PluginState(), sleep, plain, 1)
+    weights.on_engine_sleep(PluginState(), sleep, streamed, 0)  # level 0 moves no memory
     with pytest.raises(EngineError, match=r"sleep\(level=2\) is not supported .*\(profile 's'\)"):
-        plugin.on_engine_sleep(PluginState(), sleep, streamed, level=2)
+        weights.on_engine_sleep(PluginState(), sleep, streamed, level=2)
     monkeypatch.setenv("RINGFLOW_LAYER_OPS_ONLY", "1")  # nothing streamed: vLLM's own sleep
-    plugin.on_engine_sleep(PluginState(), sleep, streamed, 1)
+    weights.on_engine_sleep(PluginState(), sleep, streamed, 1)
     assert calls == [1, 0, 1]
 
 
@@ -337,18 +337,31 @@ def test_weight_calls_streaming_cannot_follow_are_refused_with_one_line(caplog):
     from types import SimpleNamespace
 
     from ringflow import EngineError
-    from ringflow.integrations.vllm import plugin
+    from ringflow.integrations.vllm import surfaces, weights
     from ringflow.integrations.vllm.state import PluginState
 
+    class Runner:  # the state keys each streamer by its model runner
+        pass
+
+    class Streamer:
+        reserved_bytes = 0
+
     calls = []
-    hook = plugin.refused_while_streaming("sleep")
-    assert hook(PluginState(), lambda w, level: calls.append(level), SimpleNamespace(), 1) is None
+    sleep = surfaces.by_key()["vllm.v1.worker.gpu_worker.Worker.sleep"]
+    hook = weights.refusal(sleep)
+    state = PluginState()
+    worker = SimpleNamespace(model_runner=Runner())
+    assert hook(state, lambda w, level: calls.append(level), worker, 1) is None
     assert calls == [1]  # not streaming: vLLM's own call
+    streamer = Streamer()  # kept alive: the state holds it only while the runner lives
+    state.add_streamer(worker.model_runner, streamer)
     with pytest.raises(EngineError, match="sleep is not supported while ringflow streams"):
-        hook(PluginState(), lambda w, level: calls.append(level),
-             SimpleNamespace(_ringflow_streamer=object()), 1)
-    assert calls == [1] and set(plugin.REFUSED_WHILE_STREAMING) >= {"sleep", "wake_up",
-                                                                      "update_weights"}
+        hook(state, lambda w, level: calls.append(level), worker, 1)
+    assert calls == [1]
+    refused = {s.path.rpartition(".")[2] for s in surfaces.SURFACES
+               if s.hook and s.hook.endswith(":refusal")}
+    assert refused >= {"sleep", "wake_up", "update_weights", "discard", "extend_kv_cache",
+                       "set_kv_cache_reclaimable"}
 
 
 def test_layer_ops_only_streams_nothing_even_with_an_offload_section(eager):

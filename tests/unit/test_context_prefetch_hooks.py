@@ -1,34 +1,31 @@
 """MLA context prefetch without vLLM: what each layer's attention reads from the workspace is
-exactly what vLLM's own gather would have put there, whether it came from a slot or not."""
+exactly what vLLM's own gather would have put there, whether it came from a slot or not.
+
+vLLM's objects are the stand-ins of ``helpers/vllm_fakes.py``; ringflow's are driven through
+the hooks vLLM calls (``context_hooks``) or a layer's session (``context_session``)."""
 
 import functools
 import logging
-import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ringflow.integrations.vllm import context_gather as cg
+from ringflow.integrations.vllm import context_attach, context_hooks, dcp
+from ringflow.integrations.vllm.context_ring import MIN_CONTEXT_AUTO, ContextModel
+from ringflow.integrations.vllm.context_session import SESSION, Session, SessionMode
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.profile import Profile
 
 from helpers.rings import ProcessRings, ThreadRings
+from helpers.vllm_fakes import (FakeCoordinator, FakeDcpManager, FakeMLAImpl, FakeMLALayer,
+                                fake_gather, mla_layers, mla_metadata, vllm_config,
+                                vllm_mla_impl)
 
 ROWS, W, BLOCKS, BLOCK = 16, 4, 6, 4
 #: (block table, tokens) of each context chunk of a step
 CHUNKS = [([0, 1], 7), ([3, 5, 2], 10)]
-
-
-class FakeLayer(SimpleNamespace):
-    """An MLA layer as the fill sees it (a subclass: SimpleNamespace itself takes no weakref)."""
-
-
-def fake_gather(src_cache, dst, block_table, cu_seq_lens):
-    """vLLM's context gather: the block table's rows of the paged cache, in order, into dst."""
-    rows = src_cache[block_table].reshape(-1, src_cache.shape[-1])
-    n = int(cu_seq_lens[-1])
-    dst[:n].copy_(rows[:n])
+RECORD, CONSUME, PASS = SessionMode.RECORD, SessionMode.CONSUME, SessionMode.PASS
 
 
 def make_model(verify=False, layers=3, seed=0, min_context=0):
@@ -36,20 +33,17 @@ def make_model(verify=False, layers=3, seed=0, min_context=0):
     if min_context is not None:  # None: the profile omits it (auto)
         spec["min_context_tokens"] = min_context
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": spec})
-    model = cg.ContextModel(PluginState(), key=1, profile=profile, shape=(ROWS, W),
-                            dtype=torch.float32, device=torch.device("cpu"), name="t")
-    g = torch.Generator().manual_seed(seed)
-    fakes = [FakeLayer(kv_cache=torch.randn(BLOCKS, BLOCK, W, generator=g),
-                       _k_scale=torch.tensor(1.0)) for _ in range(layers)]
+    model = ContextModel(PluginState(), key=1, profile=profile, shape=(ROWS, W),
+                         dtype=torch.float32, device=torch.device("cpu"), name="t")
+    fakes = mla_layers(layers, BLOCKS, BLOCK, W, seed=seed)
     for layer in fakes:
-        model.layers.append(weakref.ref(layer))
+        model.add_layer(layer)
     return model, fakes  # the caller keeps the layers alive
 
 
 def metadata(chunks=CHUNKS):
     """One step's attention metadata and its per-chunk gather arguments (made once)."""
-    md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
-        workspace=torch.empty(ROWS, W))))
+    md = mla_metadata(torch.empty(ROWS, W))
     args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
     return md, args
 
@@ -62,8 +56,8 @@ def run_layer(model, index, layer, md, chunk_args):
     """One layer's context attention as vLLM runs it; returns its session and its reads."""
     ws = md.prefill.chunked_context.workspace
     ptr = ws.data_ptr()
-    session = cg.Session(model, index, md)
-    token = cg._SESSION.set(session)
+    session = Session(model, index, md)
+    token = SESSION.set(session)
     reads = []
     try:
         for table, cu, toks in chunk_args:
@@ -72,7 +66,7 @@ def run_layer(model, index, layer, md, chunk_args):
                 src_cache=layer.kv_cache, dst=dst, block_table=table, cu_seq_lens=cu))
             reads.append(md.prefill.chunked_context.workspace[:toks].clone())
     finally:
-        cg._SESSION.reset(token)
+        SESSION.reset(token)
     session.close(failed=False)
     assert ws.data_ptr() == ptr and md.prefill.chunked_context.workspace is ws
     return session, reads
@@ -94,7 +88,7 @@ def test_layer_0_records_and_the_others_read_their_rows_from_the_ring():
     model, fakes = make_model()
     for step in (1, 2):  # the second step replays its own recording through the cached plan
         md, args = metadata()
-        assert run_step(model, fakes, md, args) == ["record", "consume", "consume"]
+        assert run_step(model, fakes, md, args) == [RECORD, CONSUME, CONSUME]
         assert len(model.calls) == 2 and [c.rows for c in model.calls] == [7, 10]
         assert model.ring.consumed == 4 * step and model.ring.steps == step
         assert not model.ring.in_step and model.ring.pool.leases() == []
@@ -107,14 +101,14 @@ def test_a_step_below_min_context_tokens_is_left_to_vllm_and_said_once(caplog):
     with caplog.at_level(logging.INFO, logger="ringflow"):
         for _ in range(2):
             md, args = metadata()
-            assert run_step(model, fakes, md, args) == ["record", "pass", "pass"]
+            assert run_step(model, fakes, md, args) == [RECORD, PASS, PASS]
     assert model.ring.steps == model.ring.consumed == 0 and model.short_steps == 2
     assert model.ring.abandoned == {} and model.calls == []
     said = [r.getMessage() for r in caplog.records if "min_context_tokens" in r.getMessage()]
     assert len(said) == 1 and "17 context token" in said[0], said
     model, fakes = make_model(min_context=17)  # at the threshold: prefetched
     md, args = metadata()
-    assert run_step(model, fakes, md, args) == ["record", "consume", "consume"]
+    assert run_step(model, fakes, md, args) == [RECORD, CONSUME, CONSUME]
     assert model.ring.consumed == 4 and model.short_steps == 0
 
 
@@ -124,8 +118,8 @@ def test_the_threshold_counts_vllms_context_tokens_not_the_workspace_its_gathers
     """vLLM's CUDA gathers are handed the whole workspace (``dst=workspace``, the length in
     ``num_tokens``): the step's count comes from the chunk metadata (0.26 ``seq_tot``, 0.32
     each chunk's ``num_context_tokens``), 17 here, not 2 chunks x 16 rows."""
-    for threshold, modes in ((18, ["record", "pass", "pass"]),
-                             (17, ["record", "consume", "consume"])):
+    for threshold, modes in ((18, [RECORD, PASS, PASS]),
+                             (17, [RECORD, CONSUME, CONSUME])):
         model, fakes = make_model(min_context=threshold)
         md, args = metadata()
         chunked = md.prefill.chunked_context
@@ -146,12 +140,12 @@ def test_the_threshold_counts_vllms_context_tokens_not_the_workspace_its_gathers
 
 def test_min_context_tokens_omitted_is_64k_on_one_rank_and_0_under_dcp():
     model, fakes = make_model(min_context=None)
-    assert model.min_context == cg.MIN_CONTEXT_AUTO == 65536
+    assert model.min_context == MIN_CONTEXT_AUTO == 65536
     md, args = metadata()
-    assert run_step(model, fakes, md, args) == ["record", "pass", "pass"]
+    assert run_step(model, fakes, md, args) == [RECORD, PASS, PASS]
     assert model.short_steps == 1 and model.ring.steps == 0
-    dcp, _ = make_dcp_model()
-    assert dcp.min_context == 0
+    dcp_model, _ = make_dcp_model()
+    assert dcp_model.min_context == 0
 
 
 def test_another_chunking_in_a_later_layer_falls_back_to_vllms_own_gather(caplog):
@@ -162,7 +156,7 @@ def test_another_chunking_in_a_later_layer_falls_back_to_vllms_own_gather(caplog
     other = [(torch.tensor([4, 1]), torch.tensor([0, 6]), 6), args[1]]
     with caplog.at_level(logging.WARNING, logger="ringflow"):
         modes = run_step(model, fakes, md, args, per_layer={2: other})
-    assert modes == ["record", "consume", "pass"]
+    assert modes == [RECORD, CONSUME, PASS]
     assert len(model.ring.abandoned) == 1 and list(model.ring.abandoned.values()) == [1]
     (reason,) = model.ring.abandoned
     assert "layer 2" in reason
@@ -170,7 +164,7 @@ def test_another_chunking_in_a_later_layer_falls_back_to_vllms_own_gather(caplog
     assert len(named) == 1 and named[0].levelno == logging.WARNING
     assert not model.ring.in_step and model.ring.pool.leases() == []
     md, args = metadata()  # the next step is prefetched again
-    assert run_step(model, fakes, md, args) == ["record", "consume", "consume"]
+    assert run_step(model, fakes, md, args) == [RECORD, CONSUME, CONSUME]
 
 
 def test_verify_checks_every_consumed_chunk_and_catches_a_corrupt_slot(monkeypatch):
@@ -199,7 +193,7 @@ def test_a_layer_of_another_step_than_the_recorded_one_passes_through():
     assert model.ring.in_step
     other_md, other_args = metadata()
     session, reads = run_layer(model, 1, fakes[1], other_md, other_args)
-    assert session.mode == "pass" and model.ring.consumed == 0
+    assert session.mode is PASS and model.ring.consumed == 0
     for (table, _, toks), got in zip(other_args, reads):
         assert torch.equal(got, want(fakes[1], table, toks))
 
@@ -207,22 +201,31 @@ def test_a_layer_of_another_step_than_the_recorded_one_passes_through():
 def test_the_gather_hook_binds_positional_calls_into_the_session_and_is_inert_without_one():
     model, fakes = make_model(seed=4)
     md, args = metadata()
-    hook = cg._gather_hook("fake_gather")
+    hook = context_hooks.gather_hook("fake_gather")
     out = torch.empty(ROWS, W)
     table, cu, toks = args[0]
     hook(model.state, fake_gather, fakes[0].kv_cache, out, table, cu)  # no session: vLLM's op
     assert torch.equal(out[:toks], want(fakes[0], table, toks))
-    session = cg.Session(model, 0, md)
-    token = cg._SESSION.set(session)
+    session = Session(model, 0, md)
+    token = SESSION.set(session)
     try:
         ws = md.prefill.chunked_context.workspace
         hook(model.state, fake_gather, fakes[0].kv_cache, ws[:toks], table, cu_seq_lens=cu)
     finally:
-        cg._SESSION.reset(token)
+        SESSION.reset(token)
     (call,) = model.calls
     assert session.calls == 1 and set(call.args) == {"block_table", "cu_seq_lens"}
     assert call.args["block_table"] is table and call.args["cu_seq_lens"] is cu
     assert torch.equal(ws[:toks], want(fakes[0], table, toks))
+
+
+def test_the_session_mode_is_typed():
+    """A session's mode is a :class:`SessionMode`, never a bare string."""
+    model, fakes = make_model(seed=4)
+    md, args = metadata()
+    session, _ = run_layer(model, 0, fakes[0], md, args)
+    assert isinstance(session.mode, SessionMode) and session.mode is RECORD
+    assert {m.value for m in SessionMode} == {"record", "consume", "pass"}
 
 
 # -- under DCP (Note [DCP context exchange]) ----------------------------------------------------
@@ -241,30 +244,6 @@ def exchanged(local, peer=peer_rows):
     return torch.cat([local, peer(local)])
 
 
-class FakeCoordinator:
-    """vLLM 0.26's DCP ``GroupCoordinator``: ``all_gather(local, dim=0)`` returns every rank's
-    (``exchange``: the stand-in by default, a real process group's in the gloo test)."""
-
-    def __init__(self, exchange=exchanged):
-        self.calls, self._exchange = 0, exchange
-
-    def all_gather(self, input_, dim=-1):
-        self.calls += 1
-        return self._exchange(input_)
-
-
-class FakeManager:
-    """vLLM 0.32's ``MLADCPManager`` (the metadata's ``chunked_context.dcp_manager``):
-    ``kv_gather(gathered_kv, local_kv)`` fills ``gathered_kv``."""
-
-    def __init__(self, exchange=exchanged):
-        self.calls, self._exchange = 0, exchange
-
-    def kv_gather(self, gathered_kv, local_kv):
-        self.calls += 1
-        gathered_kv.copy_(self._exchange(local_kv))
-
-
 def make_dcp_model(verify=False, layers=3, seed=0, exchange=None):
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": {
         "depth": 1, "workspace_mib": 1, "verify": verify}})
@@ -272,35 +251,33 @@ def make_dcp_model(verify=False, layers=3, seed=0, exchange=None):
     def fill_exchange(gathered, local):
         gathered.copy_(exchanged(local))
 
-    model = cg.ContextModel(PluginState(), key=1, profile=profile, shape=(DCP_ROWS, W),
-                            dtype=torch.float32, device=torch.device("cpu"), name="t",
-                            dcp_size=DCP, exchange=exchange or fill_exchange)
-    g = torch.Generator().manual_seed(seed)
-    fakes = [FakeLayer(kv_cache=torch.randn(BLOCKS, BLOCK, W, generator=g),
-                       _k_scale=torch.tensor(1.0)) for _ in range(layers)]
+    model = ContextModel(PluginState(), key=1, profile=profile, shape=(DCP_ROWS, W),
+                         dtype=torch.float32, device=torch.device("cpu"), name="t",
+                         dcp_size=DCP, exchange=exchange or fill_exchange)
+    fakes = mla_layers(layers, BLOCKS, BLOCK, W, seed=seed, dcp=True)
     for layer in fakes:
-        model.layers.append(weakref.ref(layer))
+        model.add_layer(layer)
     return model, fakes
 
 
 def dcp_metadata(chunks=DCP_CHUNKS):
-    md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
-        workspace=torch.empty(DCP_ROWS, W))))
+    md = mla_metadata(torch.empty(DCP_ROWS, W))
     args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
     return md, args
 
 
-def vllm_dcp_context(impl, q, cache, md, k_scale, dcp_world_size, *, layer, chunk_args, style,
-                     coordinator, reads):
+def vllm_dcp_context(impl, q, cache, md, k_scale, dcp_world_size, *, state, layer, chunk_args,
+                     style, coordinator, reads, shift=0):
     """vLLM's ``_context_parallel_compute_prefill_context`` as it touches the workspace: the
     local gather (through ringflow's op hook), the exchange (0.26: ``all_gather`` and a copy;
-    0.32: ``kv_gather``), then the gathered rows are read."""
-    gather = cg._gather_hook("fake_gather")
+    0.32: ``kv_gather``), then the gathered rows are read. ``shift``: the gathered rows start
+    that many rows later than vLLM's layout puts them (another vLLM)."""
+    gather = context_hooks.gather_hook("fake_gather")
     for table, cu, toks in chunk_args:
-        gather(impl.state, fake_gather, src_cache=layer.kv_cache,
+        gather(state, fake_gather, src_cache=layer.kv_cache,
                dst=md.prefill.chunked_context.workspace, block_table=table, cu_seq_lens=cu)
         ws = md.prefill.chunked_context.workspace
-        offset = ws.shape[0] // (dcp_world_size + 1)
+        offset = ws.shape[0] // (dcp_world_size + 1) + shift
         local, gathered = ws[:toks], ws[offset: offset + toks * dcp_world_size]
         if style == "0.26":
             gathered.copy_(coordinator.all_gather(local, dim=0))
@@ -309,30 +286,32 @@ def vllm_dcp_context(impl, q, cache, md, k_scale, dcp_world_size, *, layer, chun
         reads.append(gathered.clone())
 
 
-def run_dcp_step(model, fakes, md, args, style, monkeypatch, per_layer=None):
+def run_dcp_step(model, fakes, md, args, style, monkeypatch, per_layer=None, shifted=()):
     """One step of every layer under DCP through ringflow's session hook; returns the modes,
-    the exchanges vLLM itself ran, and checks every read against vLLM's own result."""
-    coordinator, manager = FakeCoordinator(), FakeManager()
-    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
+    the exchanges vLLM itself ran, and checks every read against vLLM's own result
+    (``shifted``: the layers whose vLLM lays the gathered rows out one row later)."""
+    coordinator, manager = FakeCoordinator(exchanged), FakeDcpManager(exchanged)
+    monkeypatch.setattr(context_hooks, "dcp_coordinator", lambda: coordinator)
     modes = []
     md.prefill.chunked_context.dcp_manager = manager if style == "0.32" else None
     for i, layer in enumerate(fakes):
-        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
         chunk_args = (per_layer or {}).get(i, args)
         reads = []
-        original = functools.partial(vllm_dcp_context, layer=layer, chunk_args=chunk_args,
-                                     style=style, coordinator=coordinator, reads=reads)
+        original = functools.partial(vllm_dcp_context, state=model.state, layer=layer,
+                                     chunk_args=chunk_args, style=style,
+                                     coordinator=coordinator, reads=reads,
+                                     shift=int(i in shifted))
         sessions = []
-        real_session = cg.Session
+        real_session = context_hooks.Session
 
         def remember(*a, **k):
             sessions.append(real_session(*a, **k))
             return sessions[-1]
 
-        monkeypatch.setattr(cg, "Session", remember)
-        cg.on_dcp_prefill_context(model.state, original, impl, torch.zeros(1), None, md,
-                                  None, dcp_world_size=DCP)
-        monkeypatch.setattr(cg, "Session", real_session)
+        monkeypatch.setattr(context_hooks, "Session", remember)
+        context_hooks.on_dcp_prefill_context(model.state, original, layer.impl, torch.zeros(1),
+                                             None, md, None, dcp_world_size=DCP)
+        monkeypatch.setattr(context_hooks, "Session", real_session)
         modes.append(sessions[0].mode)
         assert "all_gather" not in vars(coordinator) and "kv_gather" not in vars(manager)
         for (table, _, toks), got in zip(chunk_args, reads):
@@ -347,7 +326,7 @@ def test_under_dcp_the_exchange_is_prefetched_with_the_gather_and_vllms_own_is_s
     for step in (1, 2):
         md, args = dcp_metadata()
         modes, vllm_exchanges = run_dcp_step(model, fakes, md, args, style, monkeypatch)
-        assert modes == ["record", "consume", "consume"]
+        assert modes == [RECORD, CONSUME, CONSUME]
         assert vllm_exchanges == len(DCP_CHUNKS)  # the recording layer's only
         assert [c.exchange.kind for c in model.calls] == [
             "all_gather" if style == "0.26" else "kv_gather"] * 2
@@ -368,14 +347,14 @@ def test_under_dcp_a_corrupt_exchange_is_read_by_attention_and_caught_by_verify(
         run_dcp_step(model, fakes, md, args, "0.26", monkeypatch)
     model, fakes = make_dcp_model(verify=True, seed=6, exchange=wrong)
     md, args = dcp_metadata()
-    coordinator = FakeCoordinator()
-    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
-    for i, layer in enumerate(fakes):
-        impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
-        cg.on_dcp_prefill_context(
-            model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
-                                           style="0.26", coordinator=coordinator, reads=[]),
-            impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
+    coordinator = FakeCoordinator(exchanged)
+    monkeypatch.setattr(context_hooks, "dcp_coordinator", lambda: coordinator)
+    for layer in fakes:
+        context_hooks.on_dcp_prefill_context(
+            model.state, functools.partial(vllm_dcp_context, state=model.state, layer=layer,
+                                           chunk_args=args, style="0.26",
+                                           coordinator=coordinator, reads=[]),
+            layer.impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
     exchanges = [m for m in model.mismatches if "DCP exchange" in m]
     assert len(exchanges) == 4 and "layer 1 chunk 0" in exchanges[0]
     assert len(model.mismatches) == 4  # the local gathers themselves were right
@@ -387,16 +366,10 @@ def test_under_dcp_another_exchange_falls_back_to_vllms_own_and_reads_stay_right
     md, args = dcp_metadata()
     run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
     md, args = dcp_metadata()
-    real = cg.Session._target
-
-    def shifted(self, kind, source, gathered):  # layer 2's exchange fills other rows
-        rows = real(self, kind, source, gathered)
-        return (rows[0] + 1, rows[1]) if self.index == 2 and rows else rows
-
-    monkeypatch.setattr(cg.Session, "_target", shifted)
-    with caplog.at_level(logging.WARNING, logger="ringflow"):
-        modes, vllm_exchanges = run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
-    assert modes == ["record", "consume", "pass"]
+    with caplog.at_level(logging.WARNING, logger="ringflow"):  # layer 2's exchange fills other rows
+        modes, vllm_exchanges = run_dcp_step(model, fakes, md, args, "0.32", monkeypatch,
+                                             shifted={2})
+    assert modes == [RECORD, CONSUME, PASS]
     assert vllm_exchanges == 2 + 2  # layer 0 records both chunks, layer 2 runs both itself
     (reason,) = model.ring.abandoned
     assert "layer 2's DCP exchange 0" in reason
@@ -409,51 +382,53 @@ def test_a_layer_that_raises_under_dcp_leaves_vllms_objects_and_the_session_as_t
     model, fakes = make_dcp_model(seed=9)
     md, args = dcp_metadata()
     run_dcp_step(model, fakes, md, args, "0.32", monkeypatch)
-    coordinator, manager = FakeCoordinator(), FakeManager()
-    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: coordinator)
+    coordinator, manager = FakeCoordinator(exchanged), FakeDcpManager(exchanged)
+    monkeypatch.setattr(context_hooks, "dcp_coordinator", lambda: coordinator)
     md, args = dcp_metadata()
     md.prefill.chunked_context.dcp_manager = manager
 
     def raising(impl, *a, layer, **k):
-        vllm_dcp_context(impl, *a, layer=layer, chunk_args=args, style="0.32",
-                         coordinator=coordinator, reads=[], **k)
+        vllm_dcp_context(impl, *a, state=model.state, layer=layer, chunk_args=args,
+                         style="0.32", coordinator=coordinator, reads=[], **k)
         raise RuntimeError("the layer's attention failed")
 
     ws = md.prefill.chunked_context.workspace
-    cg.on_dcp_prefill_context(  # layer 0 records and starts the step's plan
-        model.state, functools.partial(vllm_dcp_context, layer=fakes[0], chunk_args=args,
-                                       style="0.32", coordinator=coordinator, reads=[]),
-        SimpleNamespace(_ringflow_context=(model, 0), state=model.state), torch.zeros(1), None,
-        md, None, dcp_world_size=DCP)
+    context_hooks.on_dcp_prefill_context(  # layer 0 records and starts the step's plan
+        model.state, functools.partial(vllm_dcp_context, state=model.state, layer=fakes[0],
+                                       chunk_args=args, style="0.32", coordinator=coordinator,
+                                       reads=[]),
+        fakes[0].impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
     assert model.ring.in_step
-    impl = SimpleNamespace(_ringflow_context=(model, 1), state=model.state)
     with pytest.raises(RuntimeError):  # layer 1 consumes, then raises
-        cg.on_dcp_prefill_context(model.state, functools.partial(raising, layer=fakes[1]),
-                                  impl, torch.zeros(1), None, md, None, dcp_world_size=DCP)
+        context_hooks.on_dcp_prefill_context(model.state, functools.partial(raising,
+                                                                            layer=fakes[1]),
+                                             fakes[1].impl, torch.zeros(1), None, md, None,
+                                             dcp_world_size=DCP)
     assert "kv_gather" not in vars(manager) and "all_gather" not in vars(coordinator)
-    assert cg._SESSION.get() is None and md.prefill.chunked_context.workspace is ws
+    assert SESSION.get() is None and md.prefill.chunked_context.workspace is ws
     assert ws.untyped_storage().data_ptr() != model.ring.pool.storage.untyped_storage().data_ptr()
     assert list(model.ring.abandoned) == ["a layer's context attention raised"]
     assert not model.ring.in_step and model.ring.pool.leases() == []
 
 
-def test_a_dcp_recording_without_an_exchange_plans_nothing(monkeypatch, caplog):
+def test_a_dcp_recording_without_an_exchange_plans_nothing(caplog):
     """A vLLM whose DCP path gathers without the exchange ringflow hooks: nothing is planned,
     said once, and every layer gathers for itself."""
     model, fakes = make_dcp_model(seed=8)
     md, args = dcp_metadata()
     with caplog.at_level(logging.WARNING, logger="ringflow"):
         for i, layer in enumerate(fakes):
-            session = cg.Session(model, i, md, dcp=True)
-            token = cg._SESSION.set(session)
+            session = Session(model, i, md, dcp=True)
+            token = SESSION.set(session)
             try:
-                cg._gather_hook("fake_gather")(model.state, fake_gather, src_cache=layer.kv_cache,
-                                               dst=md.prefill.chunked_context.workspace,
-                                               block_table=args[0][0], cu_seq_lens=args[0][1])
+                context_hooks.gather_hook("fake_gather")(
+                    model.state, fake_gather, src_cache=layer.kv_cache,
+                    dst=md.prefill.chunked_context.workspace, block_table=args[0][0],
+                    cu_seq_lens=args[0][1])
             finally:
-                cg._SESSION.reset(token)
+                SESSION.reset(token)
             session.close(failed=False)
-            assert session.mode == "pass"
+            assert session.mode is PASS
     assert model.ring.steps == 0 and model.calls == []
     assert sum("without the exchange" in r.getMessage() for r in caplog.records) == 1
 
@@ -462,8 +437,8 @@ def test_a_dcp_model_needs_its_exchange():
     from ringflow.errors import ConfigError
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"workspace_mib": 1}})
     with pytest.raises(ConfigError, match="needs an exchange"):
-        cg.ContextModel(PluginState(), 1, profile, (DCP_ROWS, W), torch.float32,
-                        torch.device("cpu"), "t", dcp_size=2)
+        ContextModel(PluginState(), 1, profile, (DCP_ROWS, W), torch.float32,
+                     torch.device("cpu"), "t", dcp_size=2)
 
 
 def world_exchanged(local):
@@ -496,30 +471,31 @@ def _dcp_rank(rank, world, steps, style, rings=None, depth=1, slow_rank=None):
     else:
         handle, storage = ProcessRings(rings, own, slow=rank == slow_rank), rings[rank]
         exchange = PeerExchange(storage, handle, world, rank).gather_parts
-    model = cg.ContextModel(PluginState(), 1, profile, (rows, W), torch.float32,
-                            torch.device("cpu"), "t", dcp_size=world, exchange=exchange,
-                            storage=storage)
+    model = ContextModel(PluginState(), 1, profile, (rows, W), torch.float32,
+                         torch.device("cpu"), "t", dcp_size=world, exchange=exchange,
+                         storage=storage)
     assert storage is None or model.ring.pool.storage is storage
     caches = [[torch.randn(BLOCKS, BLOCK, W, generator=torch.Generator().manual_seed(100 * r + i))
                for i in range(3)] for r in range(world)]  # every rank's, to know the answer
-    fakes = [FakeLayer(kv_cache=caches[rank][i], _k_scale=torch.tensor(1.0)) for i in range(3)]
+    fakes = [FakeMLALayer(caches[rank][i], torch.tensor(1.0), FakeMLAImpl(dcp=True))
+             for i in range(3)]
     for layer in fakes:
-        model.layers.append(weakref.ref(layer))
-    coordinator, manager = FakeCoordinator(world_exchanged), FakeManager(world_exchanged)
-    cg._dcp_coordinator = lambda: coordinator
+        model.add_layer(layer)
+    coordinator = FakeCoordinator(world_exchanged)
+    manager = FakeDcpManager(world_exchanged)
+    context_hooks.dcp_coordinator = lambda: coordinator  # this rank's process only
     chunks = [([0, 1], 6), ([3, 5], 5)]
     for _ in range(steps):
-        md = SimpleNamespace(prefill=SimpleNamespace(chunked_context=SimpleNamespace(
-            workspace=torch.empty(rows, W), dcp_manager=manager if style == "0.32" else None)))
+        md = mla_metadata(torch.empty(rows, W),
+                          dcp_manager=manager if style == "0.32" else None)
         args = [(torch.tensor(table), torch.tensor([0, toks]), toks) for table, toks in chunks]
         for i, layer in enumerate(fakes):
             reads = []
-            impl = SimpleNamespace(_ringflow_context=(model, i), state=model.state)
-            cg.on_dcp_prefill_context(
-                model.state, functools.partial(vllm_dcp_context, layer=layer, chunk_args=args,
-                                               style=style, coordinator=coordinator,
-                                               reads=reads),
-                impl, torch.zeros(1), None, md, None, dcp_world_size=world)
+            context_hooks.on_dcp_prefill_context(
+                model.state, functools.partial(vllm_dcp_context, state=model.state, layer=layer,
+                                               chunk_args=args, style=style,
+                                               coordinator=coordinator, reads=reads),
+                layer.impl, torch.zeros(1), None, md, None, dcp_world_size=world)
             for (table, _, toks), got in zip(args, reads):
                 expected = torch.cat([caches[r][i][table].reshape(-1, W)[:toks]
                                       for r in range(world)])
@@ -604,21 +580,15 @@ def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_
     monkeypatch.setattr(MLACommonMetadataBuilder, "determine_chunked_prefill_workspace_size",
                         staticmethod(lambda config: 64))
 
-    class Impl:
-        def _context_parallel_compute_prefill_context(self):
-            pass
-
-    layer = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, kv_cache_dtype="auto",
-                            impl=Impl())
-    parallel = SimpleNamespace(decode_context_parallel_size=2, enable_dbo=False)
-    config = SimpleNamespace(parallel_config=parallel)
-    assert cg.workspace_shape(layer, config) == (96, 576)
-    assert cg._no_consumer(layer, config) is None
-    layer.impl = SimpleNamespace(_compute_prefill_context=None)
-    assert "no MLA context chunk loop" in cg._no_consumer(layer, config)
-    parallel.decode_context_parallel_size = 1
-    assert cg.workspace_shape(layer, config) == (64, 576)
-    assert cg._no_consumer(layer, config) is None
+    layer = FakeMLALayer(impl=FakeMLAImpl(dcp=True), kv_lora_rank=512, qk_rope_head_dim=64)
+    config = vllm_config(dcp_size=2)
+    assert context_attach.workspace_shape(layer, config) == (96, 576)
+    assert context_attach.no_consumer(layer, config) is None
+    layer.impl = FakeMLAImpl(dcp=False)
+    assert "no MLA context chunk loop" in context_attach.no_consumer(layer, config)
+    config.parallel_config.decode_context_parallel_size = 1
+    assert context_attach.workspace_shape(layer, config) == (64, 576)
+    assert context_attach.no_consumer(layer, config) is None
 
 
 def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch):
@@ -645,19 +615,20 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
 
     state = PluginState()
     monkeypatch.setattr(_custom_ops, "cp_gather_cache", cp_gather_cache, raising=False)
-    wrap_function(_custom_ops, "cp_gather_cache", cg._gather_hook("cp_gather_cache"), state)
+    wrap_function(_custom_ops, "cp_gather_cache", context_hooks.gather_hook("cp_gather_cache"),
+                  state)
     original = mla_attention.MLACommonBaseImpl._context_parallel_compute_prefill_context
     monkeypatch.setattr(mla_attention.MLACommonBaseImpl,
                         "_context_parallel_compute_prefill_context", original)
     wrap(mla_attention.MLACommonBaseImpl, "_context_parallel_compute_prefill_context",
-         cg.on_dcp_prefill_context, state)
-    monkeypatch.setattr(cg, "_dcp_coordinator", lambda: None)
+         context_hooks.on_dcp_prefill_context, state)
+    monkeypatch.setattr(context_hooks, "dcp_coordinator", lambda: None)
 
     profile = Profile.from_mapping({"name": "t", "kv_prefetch": {"depth": 1, "workspace_mib": 1}})
     rows = rank_rows * DCP + rank_rows
-    model = cg.ContextModel(state, 1, profile, (rows, width), torch.float32,
-                            torch.device("cpu"), "t", dcp_size=DCP,
-                            exchange=lambda gathered, local: gathered.copy_(exchanged(local)))
+    model = ContextModel(state, 1, profile, (rows, width), torch.float32,
+                         torch.device("cpu"), "t", dcp_size=DCP,
+                         exchange=lambda gathered, local: gathered.copy_(exchanged(local)))
     g = torch.Generator().manual_seed(12)
 
     class KvBProj(torch.nn.Module):
@@ -674,22 +645,15 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
             return (q.sum() * k.sum(0, keepdim=True)[:, :, :v_dim] + v.sum(0, keepdim=True)
                     ).expand(q.shape[0], -1, -1).contiguous(), k.sum(-1).sum(0)
 
-    class Impl(mla_attention.MLACommonBaseImpl):  # no __init__: the attributes it reads
-        def forward_mqa(self, *args, **kwargs):  # pragma: no cover - decode, not used here
-            raise AssertionError("decode")
-
-    impls, caches = [], []
-    for index in range(3):
-        impl = object.__new__(Impl)
-        impl.__dict__.update(kv_cache_dtype="auto", kv_lora_rank=lora, qk_rope_head_dim=rope,
+    layers, caches = [], []
+    for _ in range(3):
+        impl = vllm_mla_impl(kv_cache_dtype="auto", kv_lora_rank=lora, qk_rope_head_dim=rope,
                              num_heads=heads, qk_nope_head_dim=nope, v_head_dim=v_dim,
-                             kv_b_proj=KvBProj(), _ringflow_context=(model, index),
-                             _use_flashinfer_concat_mla_k=False)
-        impls.append(impl)
+                             kv_b_proj=KvBProj(), _use_flashinfer_concat_mla_k=False)
         caches.append(torch.randn(BLOCKS, BLOCK, width, generator=g))
-        model.layers.append(weakref.ref(layer := FakeLayer(kv_cache=caches[-1], _k_scale=None)))
-        impl._layer = layer  # alive as long as the impl
-    manager = FakeManager()
+        layers.append(FakeMLALayer(caches[-1], None, impl))
+        model.add_layer(layers[-1])
+    manager = FakeDcpManager(exchanged)
     chunk = SimpleNamespace(
         padded_local_seq_lens=[5], local_context_lens_allranks=[[5, 5]],
         padded_local_cu_seq_lens=torch.tensor([0, 5]),
@@ -697,17 +661,18 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
         local_starts=[0], num_local_context_tokens=5, request_slice=slice(0, 1),
         num_requests=1, starts=torch.tensor([0]), num_context_tokens=10, max_seq_len=10,
         token_slice=slice(0, 3))
-    md = SimpleNamespace(num_prefills=1, prefill=SimpleNamespace(
-        prefill_backend=Backend(), q_data_type=torch.float32,
-        block_table=torch.tensor([[3, 1]]), chunked_context=SimpleNamespace(
-            workspace=torch.empty(rows, width), chunks=[chunk], dcp_manager=manager,
-            empty_token_slices=[])))
+    md = mla_metadata(torch.empty(rows, width), chunks=[chunk], dcp_manager=manager,
+                      empty_token_slices=[],
+                      prefill=dict(prefill_backend=Backend(), q_data_type=torch.float32,
+                                   block_table=torch.tensor([[3, 1]])),
+                      metadata=dict(num_prefills=1))
     q = torch.randn(3, heads, nope + rope, generator=g)
 
     def step(on):
         model.enabled = on
         return [mla_attention.MLACommonBaseImpl._context_parallel_compute_prefill_context(
-            impl, q, cache, md, None, dcp_world_size=DCP) for impl, cache in zip(impls, caches)]
+            layer.impl, q, cache, md, None, dcp_world_size=DCP)
+            for layer, cache in zip(layers, caches)]
 
     off = step(False)
     assert manager.calls == 3
@@ -726,15 +691,14 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
     ("auto", "fails", "nccl"), ("peer", "fails", "nccl")])
 def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
         monkeypatch, caplog, transport, symmetric, chosen):
-    """``_dcp_exchange`` (CUDA only, so stood in for here): peer and auto take a ring in
+    """``dcp.dcp_exchange`` (CUDA only, so stood in for here): peer and auto take a ring in
     symmetric memory of the pool's own shape, nccl never asks for one, a failure falls back to
     NCCL with a warning; a budget short of one slot is the profile's error."""
     from ringflow.errors import KernelError, ProfileError
     from ringflow.integrations.torch import kv_prefetch
-    from ringflow.integrations.vllm import attention
 
     group = SimpleNamespace(size=2, group=object())
-    monkeypatch.setattr(attention, "dcp_group", lambda config, transport, who: group)
+    monkeypatch.setattr(dcp, "dcp_group", lambda config, transport, who: group)
     asked = []
 
     def allocate(shape, dtype, device, g):
@@ -748,7 +712,7 @@ def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
         "depth": 1, "workspace_mib": 1, "dcp_transport": transport}})
     shape = (DCP_ROWS, W)
     with caplog.at_level(logging.WARNING, logger="ringflow"):
-        exchange, got, storage = cg._dcp_exchange(profile, None, shape, torch.float32,
+        exchange, got, storage = dcp.dcp_exchange(profile, None, shape, torch.float32,
                                                   torch.device("cuda", 0))
     assert got == chosen and callable(exchange)
     assert asked == ([] if transport == "nccl" else [(2, *shape)])
@@ -758,4 +722,4 @@ def test_the_dcp_exchange_is_the_copy_engines_where_symmetric_memory_works(
     tight = Profile.from_mapping({"name": "t", "kv_prefetch": {
         "depth": 1, "workspace_mib": 0.0001, "dcp_transport": "peer"}})
     with pytest.raises(ProfileError, match="workspace_mib"):
-        cg._dcp_exchange(tight, None, shape, torch.float32, torch.device("cuda", 0))
+        dcp.dcp_exchange(tight, None, shape, torch.float32, torch.device("cuda", 0))
