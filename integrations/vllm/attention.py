@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 import torch
 
-from ringflow.errors import BudgetError, ConfigError, EngineError, ProfileError, RingflowError
+from ringflow.errors import BudgetError, ConfigError, ProfileError, RingflowError
 from ringflow.graphs.executor import poison_default
-from ringflow.integrations.torch.kv_prefetch import (DcpGroup, KVLayout, KVPrefetcher, KVSource,
+from ringflow.integrations.torch.kv_prefetch import (KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
 from ringflow.integrations.vllm import compat, context_attach, mla_check, surfaces
 from ringflow.integrations.vllm.dcp import dcp_group

@@ -269,17 +269,6 @@ def hook_class(state, key: str, cls: type) -> bool:
     return True
 
 
-def instance_surface_ok(key: str, method) -> bool:
-    """Whether ``method`` (a bound method vLLM built, of an ``instance`` surface) still takes
-    what ringflow's per-object hook expects."""
-    surface = surfaces.by_key()[key]
-    names = params_of(method)
-    if names is None:
-        return True
-    return params_match(surface, ["self", *names]) if surface.params[:1] == ("self",) \
-        else params_match(surface, names)
-
-
 def require(state, features: set[str], who: str) -> None:
     """Stop with one typed line when ``who`` (a profile) needs a feature this vLLM lacks.
 

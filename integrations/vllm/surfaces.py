@@ -92,8 +92,8 @@ class Surface:
 
 def _refusal(verb: str, since=(0, 26), until=None) -> Surface:
     return Surface(_WORKER, f"Worker.{verb}", "method", "weight_writes",
-                   f"refused with one line while the worker streams weights or holds a "
-                   f"ring (Note [Weights that change])", versions=(since, until),
+                   "refused with one line while the worker streams weights (the calls that "
+                   "change the KV cache's memory: or holds a ring; Note [Weights that change])", versions=(since, until),
                    hook=f"{_W}:refusal", factory=True, params=("self",), required=False)
 
 
