@@ -241,9 +241,15 @@ def _walk(module, path: str):
 
 def get(state, key: str):
     """What ringflow reads at ``key`` (a ``read`` surface), or None where this vLLM lacks it
-    (its feature is then off, as the log said at start-up)."""
+    (its feature is then off, as the log said at start-up). Before :func:`install` ran in this
+    process (a tool, a test's worker), looked up in vLLM directly."""
     found = getattr(state, "surfaces", None)
-    return None if found is None else found.objects.get(key)
+    if found is not None:
+        return found.objects.get(key)
+    try:
+        return resolve(surfaces.by_key()[key])
+    except SurfaceMissing:
+        return None
 
 
 def hook_class(state, key: str, cls: type) -> bool:

@@ -14,7 +14,8 @@ import torch
 from ringflow.integrations.torch.kv_prefetch import check_not_after_kv
 from ringflow.integrations.vllm.context_ring import ContextModel
 from ringflow.integrations.vllm.dcp import dcp_exchange, dcp_size
-from ringflow.integrations.vllm.state import PluginState
+from ringflow.integrations.vllm import compat
+from ringflow.integrations.vllm.state import STATE, PluginState
 from ringflow.orchestrator.profile import Profile
 from ringflow.units import mib
 
@@ -24,8 +25,8 @@ log = logging.getLogger("ringflow")
 def workspace_shape(layer, config) -> tuple[int, int]:
     """The chunked-context workspace vLLM's MLA metadata builder allocates for ``config``
     (under DCP, ``1 / size`` larger: the local gather's rows before the exchanged ones)."""
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
-    rows = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(config)
+    rows = compat.get(STATE, "vllm.model_executor.layers.attention.mla_attention."
+                      "MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size")(config)
     size = dcp_size(config)
     return rows + (rows // size if size > 1 else 0), layer.kv_lora_rank + layer.qk_rope_head_dim
 

@@ -40,7 +40,8 @@ import inspect
 import torch
 
 from ringflow.integrations.vllm.context_session import SESSION, Session
-from ringflow.integrations.vllm.state import PluginState
+from ringflow.integrations.vllm import compat
+from ringflow.integrations.vllm.state import STATE, PluginState
 
 
 def gather_hook(surface):
@@ -85,7 +86,7 @@ def on_dcp_prefill_context(state: PluginState, original, impl, q, kv_c_and_k_pe_
 
 def _in_session(state: PluginState, original, impl, args: tuple, kwargs: dict, dcp: bool):
     q, attn_metadata = args[0], args[2]
-    owner = getattr(impl, "_ringflow_context", None)
+    owner = state.context_impls.get(impl)
     if (owner is None or SESSION.get() is not None or state.steps.ubatch() != 0
             or q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return original(impl, *args, **kwargs)
@@ -139,8 +140,8 @@ def _route_exchanges(impl, attn_metadata, session: Session,
 
 def dcp_coordinator():
     """vLLM's DCP group coordinator (None where there is none)."""
+    get_dcp_group = compat.get(STATE, "vllm.distributed.parallel_state.get_dcp_group")
     try:
-        from vllm.distributed.parallel_state import get_dcp_group
-        return get_dcp_group()
-    except (ImportError, AssertionError):
+        return None if get_dcp_group is None else get_dcp_group()
+    except AssertionError:  # vLLM made no DCP group in this process
         return None

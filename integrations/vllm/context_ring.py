@@ -114,11 +114,11 @@ class ContextModel:
         return self.ring.reserved_bytes
 
     def add_layer(self, layer) -> int:
-        """MLA ``layer`` (just built) joins the model as its next layer: its ``impl`` names the
-        model and the layer's index (what the context hooks look up), the model holds the layer
-        weakly. Returns the index."""
+        """MLA ``layer`` (just built) joins the model as its next layer: the plugin state maps
+        its ``impl`` to the model and the layer's index (what the context hooks look up), the
+        model holds the layer weakly. Returns the index."""
         index = len(self.layers)
-        layer.impl._ringflow_context = (self, index)
+        self.state.context_impls[layer.impl] = (self, index)
         self.layers.append(weakref.ref(layer))
         return index
 

@@ -49,7 +49,9 @@ import torch
 
 from ringflow.errors import BudgetError, EngineError, ProfileError
 from ringflow.integrations.torch.kv_prefetch import DcpGroup, peer_ring
+from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.context_recording import Exchange
+from ringflow.integrations.vllm.state import STATE
 from ringflow.kernels.kv_gathers import all_gather_parts
 from ringflow.orchestrator.profile import Profile
 from ringflow.units import MIB
@@ -69,8 +71,9 @@ def dcp_group(config, transport: str, who: str = "full-KV prefetch") -> DcpGroup
     if dcp_size(config) == 1:
         return None
     import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_dcp_group, get_world_group
-    dcp, world = get_dcp_group(), get_world_group()
+    compat.require(STATE, {"dcp_context"}, f"{who} under DCP")  # vLLM's DCP group, by name
+    dcp = compat.get(STATE, "vllm.distributed.parallel_state.get_dcp_group")()
+    world = compat.get(STATE, "vllm.distributed.parallel_state.get_world_group")()
     try:
         everyone: list = [None] * world.world_size
         dist.all_gather_object(everyone, list(dcp.ranks), group=world.cpu_group)

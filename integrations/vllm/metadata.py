@@ -5,7 +5,9 @@ table in kernel blocks, sequence and query lengths); full-KV prefetch needs that
 any backend's layers. So the metadata builders of the backends in use are wrapped (where every
 vLLM version ends up building, ``integrations/vllm/compat.py``), and the record rides on what
 each ``build*`` returns, with the layers it was built for (vLLM copies metadata across KV-cache
-groups and swaps the block table, ``update_block_table``).
+groups and swaps the block table, ``update_block_table``). It is the one thing of ringflow's
+kept on a vLLM object: a step's metadata lives for that step, and vLLM's metadata dataclasses
+compare by value, so no table of ringflow's could key them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def remember_layer_names(state: PluginState, original, builder, *args, **kwargs)
     original(builder, *args, **kwargs)
     names = kwargs.get("layer_names", args[1] if len(args) > 1 else None)
     if names is not None:  # the live list: a drafter appends its other layers after building
-        builder._ringflow_layers = names
+        state.builder_layers[builder] = names
 
 
 def keep_common_metadata(state: PluginState, original, builder, *args, **kwargs):
@@ -71,7 +73,7 @@ def keep_swapped_block_table(state: PluginState, original, builder, metadata, bl
 def _tag(state: PluginState, metadata, common, builder) -> None:
     names = getattr(builder, "layer_names", None)
     if names is None:  # a builder that does not keep them (vLLM 0.32's MLA builder)
-        names = getattr(builder, "_ringflow_layers", ())
+        names = state.builder_layers.get(builder, ())
     try:  # with the layers it was built for: vLLM copies metadata across groups
         metadata._ringflow_common = (common, frozenset(names))
     except (AttributeError, TypeError) as exc:

@@ -56,6 +56,12 @@ class PluginState:
     models: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
     #: each attention layer with full-KV lanes -> (its model's lanes, its index)
     kv_layers: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    #: each MLA layer's implementation with a context ring -> (its context model, its index)
+    context_impls: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary)
+    #: each metadata builder -> the live list of layer names it was built for
+    builder_layers: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary)
     context_models: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary)
     kv_sized: bool = False

@@ -45,7 +45,8 @@ FEATURES = {
     "weight_writes": "following vLLM's weight writes while streaming (reload, refusals)",
     "full_kv": "full-KV prefetch (kv_prefetch, consumer: full_kv_check)",
     "context": "MLA context prefetch (kv_prefetch, consumer: context)",
-    "dcp_context": "MLA context prefetch under decode context parallelism",
+    "dcp_context": "prefetch under decode context parallelism (the lanes' own communicator over "
+                   "vLLM's DCP group; the context exchange)",
 }
 
 # ringflow's hook modules, by their short names
