@@ -2,7 +2,7 @@
 
 ``surfaces.py`` lists every vLLM surface ringflow touches, per vLLM version range; this module
 finds each one in the running vLLM, checks its parameters, and installs ringflow's hook there
-(or keeps what ringflow reads, for :func:`get`). It is the only place that imports vLLM by a
+(what ringflow only reads, :func:`get` looks up when it is needed). It is the only place that imports vLLM by a
 name from the table, so a new vLLM is taught in the table alone.
 
 Note [ringflow never stops vLLM]
@@ -45,12 +45,11 @@ def vllm_version() -> str:
 
 @dataclass
 class Installed:
-    """What :func:`install` found in this process's vLLM: the hooks it installed, what it
-    keeps for :func:`get`, and each feature that is off with the surface that turned it off."""
+    """What :func:`install` found in this process's vLLM: the hooks it installed, the surfaces
+    it did not find, and each feature that is off with the surface that turned it off."""
 
     version: str
     hooked: list[str] = field(default_factory=list)
-    objects: dict[str, object] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)  # surface key -> why
     off: dict[str, tuple[str, str]] = field(default_factory=dict)  # feature -> (key, why)
     #: (owner, name, what the owner held before): what :func:`uninstall` puts back
@@ -180,10 +179,7 @@ def install(state) -> Installed:
 
 
 def _install_one(state, surface: Surface, target, found: Installed) -> None:
-    if surface.kind == "read":
-        found.objects[surface.key] = target
-        return
-    if surface.kind == "instance" or surface.hook is None:
+    if surface.kind in ("read", "instance") or surface.hook is None:
         return  # hooked per object at run time (hook_class, or the instance hooks' owners)
     module = importlib.import_module(surface.module)
     owner_path, _, name = surface.path.rpartition(".")
@@ -240,12 +236,12 @@ def _walk(module, path: str):
 
 
 def get(state, key: str):
-    """What ringflow reads at ``key`` (a ``read`` surface), or None where this vLLM lacks it
-    (its feature is then off, as the log said at start-up). Before :func:`install` ran in this
-    process (a tool, a test's worker), looked up in vLLM directly."""
+    """What ringflow reads at ``key`` (a ``read`` surface) as vLLM holds it now, or None where
+    this vLLM lacks it (its feature is then off, as the log said at start-up). Looked up on
+    every call (never per layer or step), so whatever replaced it since is what is read."""
     found = getattr(state, "surfaces", None)
-    if found is not None:
-        return found.objects.get(key)
+    if found is not None and key in found.missing:
+        return None
     try:
         return resolve(surfaces.by_key()[key])
     except SurfaceMissing:
