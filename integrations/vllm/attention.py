@@ -267,13 +267,25 @@ def _pages_view(state: PluginState, layer, block_size: int
     return (lambda cache: cache) if axis == 0 else (lambda cache: cache.movedim(axis, 0))
 
 
+_MLA_LAYER = "vllm.model_executor.layers.attention.mla_attention.MLAAttention"
+_IMPL = "vllm.v1.attention.backend.AttentionImpl"
+
+
 def _hook_layer(layer, model: ModelLanes, index: int) -> None:
-    """Instance-level wrappers: the backend class and every other layer stay untouched."""
+    """Instance-level wrappers: the backend class and every other layer stay untouched. Each
+    is a surface of the table: where its parameters changed, the layer runs without
+    prefetch (``compat.instance_ok`` says so once)."""
     if hasattr(layer, "kv_lora_rank"):
-        targets = [(layer, "update_kv_cache", False), (layer, "forward_impl", True)]
+        targets = [(layer, "update_kv_cache", False, f"{_MLA_LAYER}.update_kv_cache"),
+                   (layer, "forward_impl", True, f"{_MLA_LAYER}.forward_impl")]
     else:
-        targets = [(layer.impl, "do_kv_cache_update", False), (layer.impl, "forward", True)]
-    for owner, name, is_attention in targets:
+        targets = [(layer.impl, "do_kv_cache_update", False, None),
+                   (layer.impl, "forward", True, f"{_IMPL}.forward")]
+    if not all(key is None or not hasattr(owner, name)
+               or compat.instance_ok(model.state, key, type(owner))
+               for owner, name, _, key in targets):
+        return
+    for owner, name, is_attention, _ in targets:
         original = getattr(owner, name, None)
         if original is not None:
             setattr(owner, name, _layer_hook(original, model, index, is_attention))

@@ -271,6 +271,22 @@ def hook_class(state, key: str, cls: type) -> bool:
     return True
 
 
+def instance_ok(state, key: str, cls: type) -> bool:
+    """Whether ``cls``'s method of the ``instance`` surface ``key`` (a class vLLM chose at run
+    time: a layer's, a backend's) still takes what ringflow's per-object hook relies on; False
+    is logged once per class."""
+    surface = surfaces.by_key()[key]
+    name = surface.path.rpartition(".")[2]
+    try:
+        check_params(surface, getattr(cls, name))
+    except (SurfaceMissing, AttributeError) as exc:
+        state.log_once(f"instance:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked "
+                       "(%s); %s is off for its layers", vllm_version(), cls.__qualname__, name,
+                       exc, FEATURES[surface.feature])
+        return False
+    return True
+
+
 def require(state, features: set[str], who: str) -> None:
     """Stop with one typed line when ``who`` (a profile) needs a feature this vLLM lacks.
 

@@ -199,6 +199,10 @@ SURFACES: tuple[Surface, ...] = (
     Surface(_MLA, "MLAAttention.forward_impl", "instance", "full_kv",
             "per layer (full_kv_check): waits before, retires the slot after the attention",
             params=("self", "q", "k_c_normed", "k_pe", "kv_cache", "attn_metadata")),
+    Surface("vllm.v1.attention.backend", "AttentionImpl.forward", "instance", "full_kv",
+            "per layer (full_kv_check, other attention): waits before, retires after; the "
+            "backend's own do_kv_cache_update, where its class defines one, waits too",
+            params=("self",)),
     Surface("vllm.v1.attention.backend", "AttentionMetadataBuilder.__init__", "instance",
             "full_kv", "per backend in use: remembers the layers a builder serves",
             hook=f"{_M}:remember_layer_names", params=("self", "kv_cache_spec",

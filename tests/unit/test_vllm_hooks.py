@@ -57,3 +57,29 @@ def test_an_mla_layer_with_its_own_context_method_is_named_once_and_gets_no_ring
              r.getMessage()]
     assert len(named) == 1 and "reserved no ring" in named[0]
     assert state.context_models == {} and state.models == {}
+
+
+def test_a_layer_whose_hooked_method_changed_parameters_is_left_alone_with_one_line(caplog):
+    """A per-object surface (vLLM's MLAAttention.forward_impl) is checked against the table
+    on the class vLLM built, before ringflow wraps any of its layers."""
+    import logging
+
+    from ringflow.integrations.vllm import compat
+
+    key = "vllm.model_executor.layers.attention.mla_attention.MLAAttention.forward_impl"
+
+    class Same:
+        def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, output=None):
+            pass
+
+    class Renamed:  # a release that renamed the cache argument
+        def forward_impl(self, q, k_c_normed, k_pe, cache, attn_metadata, output=None):
+            pass
+
+    state = PluginState()
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert compat.instance_ok(state, key, Same)
+        assert not compat.instance_ok(state, key, Renamed)
+        assert not compat.instance_ok(state, key, Renamed)
+    lines = [r.getMessage() for r in caplog.records if "cannot be hooked" in r.getMessage()]
+    assert len(lines) == 1 and "Renamed.forward_impl" in lines[0] and "cache" in lines[0]
