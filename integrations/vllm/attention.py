@@ -410,12 +410,15 @@ def _has_kv_connector(state: PluginState) -> bool:
 def resolve_step_functions(state: PluginState) -> None:
     """Take vLLM's per-step functions from the table once, when the first layer attaches
     (never per layer call); without them no step is seen (the feature is off, logged)."""
+    if state.steps.resolved:
+        return
     steps, found = state.steps, {key: compat.get(state, f"vllm.forward_context.{key}")
                                  for key in ("get_forward_context", "is_forward_context_available")}
     if None in found.values():
         return
     steps.context_available = found["is_forward_context_available"]
     steps.context = found["get_forward_context"]
+    steps.resolved = True
     ubatch = compat.get(state, "vllm.v1.worker.ubatching.dbo_current_ubatch_id")
     if ubatch is not None:  # a vLLM without dual-batch overlap: one micro-batch
         steps.ubatch = ubatch

@@ -92,22 +92,25 @@ _ABSENT = object()
 
 
 def params_of(function) -> list[str] | None:
-    """Parameter names, in order (``*args`` as ``*name``); None if they cannot be read."""
+    """Parameter names, in order (``*args`` as ``*name``, a keyword-only one as ``:name``);
+    None if they cannot be read."""
     original = getattr(function, "__wrapped__", function)  # ringflow's own hooks wrap it
     try:
         signature = inspect.signature(original)
     except (TypeError, ValueError):
         return None
-    return [("*" + p.name) if p.kind is p.VAR_POSITIONAL else p.name
-            for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    mark = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.KEYWORD_ONLY: ":"}
+    return [mark.get(p.kind, "") + p.name for p in signature.parameters.values()
+            if p.kind is not p.VAR_KEYWORD]
 
 
 def params_match(surface: Surface, names: list[str]) -> bool:
-    """Whether ``names`` (a signature's) has what ``surface.params`` says, in order: from the
-    first (a ``*args`` takes the rest), or anywhere with ``surface.anywhere``."""
+    """Whether ``names`` (a signature's, as :func:`params_of` spells them) has what
+    ``surface.params`` says: positional from the first (a ``*args`` takes the rest; ringflow's
+    hooks pass them on by position), or, with ``surface.anywhere``, by name (the hook binds
+    them by name, keyword-only or not)."""
     if surface.anywhere:
-        rest = iter(names)
-        return all(any(n == want for n in rest) for want in surface.params)
+        return set(surface.params) <= {n.lstrip(":") for n in names}
     for i, want in enumerate(surface.params):
         if i >= len(names) or names[i].startswith("*"):
             return i < len(names)
@@ -185,11 +188,10 @@ def _install_one(state, surface: Surface, target, found: Installed) -> None:
     owner_path, _, name = surface.path.rpartition(".")
     hook = _hook_for(surface)
     if surface.kind == "function":
-        _remember(found, module, name)
-        wrap_function(module, name, hook, state)
+        _recorded(found, module, name, lambda: wrap_function(module, name, hook, state))
     elif surface.kind == "method":
-        _remember(found, _walk(module, owner_path), name)
-        wrap(_walk(module, owner_path), name, hook, state)
+        owner = _walk(module, owner_path)
+        _recorded(found, owner, name, lambda: wrap(owner, name, hook, state))
     elif surface.kind == "subclasses":
         pending, seen = [_walk(module, owner_path)], set()
         while pending:
@@ -200,16 +202,19 @@ def _install_one(state, surface: Surface, target, found: Installed) -> None:
             pending.extend(cls.__subclasses__())
             own = vars(cls).get(name)
             if own is not None and not getattr(own, "__isabstractmethod__", False):
-                _remember(found, cls, name)
-                wrap(cls, name, hook, state)
+                _recorded(found, cls, name, lambda cls=cls: wrap(cls, name, hook, state))
     else:
         raise EngineError(f"surface {surface.key}: unknown kind {surface.kind!r}")
     found.hooked.append(surface.key)
 
 
-def _remember(found: Installed, owner, name: str) -> None:
+def _recorded(found: Installed, owner, name: str, wrap_it) -> None:
+    """Run ``wrap_it`` (a wrap of ``owner.name``) and record what ``owner`` held there, for
+    :func:`uninstall`, only if the wrap replaced it (not when the method was hooked already,
+    on this class or the one it inherits it from, nor when the wrap raised)."""
     held = vars(owner).get(name, _ABSENT)
-    if not getattr(held, "_ringflow_hook", False):  # a second install finds its own hooks
+    wrap_it()
+    if vars(owner).get(name, _ABSENT) is not held:
         found.installed.append((owner, name, held))
 
 
@@ -221,7 +226,8 @@ def uninstall(state) -> None:
         return
     for owner, name, held in reversed(found.installed):
         if held is _ABSENT:
-            delattr(owner, name)
+            if name in vars(owner):
+                delattr(owner, name)
         else:
             setattr(owner, name, held)
     found.installed.clear()
@@ -260,9 +266,11 @@ def hook_class(state, key: str, cls: type) -> bool:
     try:
         if surface.params:
             check_params(surface, method)
-        if getattr(state, "surfaces", None) is not None:
-            _remember(state.surfaces, cls, name)
-        wrap(cls, name, _hook_for(surface), state)
+        found = getattr(state, "surfaces", None)
+        if found is None:
+            wrap(cls, name, _hook_for(surface), state)
+        else:
+            _recorded(found, cls, name, lambda: wrap(cls, name, _hook_for(surface), state))
     except (SurfaceMissing, EngineError) as exc:
         state.log_once(f"hook:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked "
                        "(%s); %s is off for its layers", vllm_version(), cls.__qualname__, name,

@@ -74,10 +74,11 @@ def refuse_extensible_kv_cache(profile, vllm_config) -> None:
     """
     cache = getattr(vllm_config, "cache_config", None)
     if profile is not None and getattr(cache, "enable_extensible_kv_cache", False) is True:
-        raise ConfigError(f"vLLM's extensible KV cache (enable_extensible_kv_cache) is not "
+        raise ConfigError(f"vLLM's extensible KV cache (--enable-extensible-kv-cache) is not "
                           f"supported with a ringflow profile (profile '{profile.name}' from "
                           f"{profile.source}): it resizes and lends the KV cache after ringflow's "
-                          f"rings were counted; turn one of them off")
+                          f"rings were counted; pass --no-enable-extensible-kv-cache or drop "
+                          f"the profile")
 
 
 def check_layers(profile, vllm_config) -> None:
@@ -102,8 +103,13 @@ def check_layers(profile, vllm_config) -> None:
 def on_create_engine_config(state: PluginState, original, engine_args, *args, **kwargs):
     """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
     try:
-        check(getattr(engine_args, "additional_config", None),
-              bool(getattr(engine_args, "enable_lora", False)), state)
+        profile = check(getattr(engine_args, "additional_config", None),
+                        bool(getattr(engine_args, "enable_lora", False)), state)
+        if profile is not None and getattr(engine_args, "enable_extensible_kv_cache", False) \
+                is None:  # vLLM 0.34 turns it on where supported unless told: tell it
+            engine_args.enable_extensible_kv_cache = False
+            log.info("vLLM's extensible KV cache stays off: ringflow's rings are counted "
+                     "against a KV cache sized once")
         config = original(engine_args, *args, **kwargs)
         profile = state.profile(config)
         check_layers(profile, config)  # needs the model's config vLLM just read

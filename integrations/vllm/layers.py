@@ -30,15 +30,15 @@ _recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
 
 
-def record_stack(state: PluginState, original, offloader, modules, *args, **kwargs):
+def record_stack(state: PluginState, original, offloader, modules_generator, *args, **kwargs):
     """The hook on an offloader's ``wrap_modules``: record the stack it was handed (when a
     model load is recording), then let it wrap them as usual."""
     stacks = _recording.get()
     if stacks is None:
-        return original(offloader, modules, *args, **kwargs)
+        return original(offloader, modules_generator, *args, **kwargs)
     token = _recording.set(None)  # an offloader calling its parent's wrap_modules: one record
     try:
-        result = original(offloader, modules, *args, **kwargs)
+        result = original(offloader, modules_generator, *args, **kwargs)
     finally:
         _recording.reset(token)
     if not (args or kwargs.get("prefix")):  # with a prefix: a vision tower, not make_layers

@@ -41,7 +41,10 @@ def remember_layer_names(state: PluginState, original, builder, *args, **kwargs)
     original(builder, *args, **kwargs)
     names = kwargs.get("layer_names", args[1] if len(args) > 1 else None)
     if names is not None:  # the live list: a drafter appends its other layers after building
-        state.builder_layers[builder] = names
+        try:
+            state.builder_layers[builder] = names
+        except TypeError:  # a dataclass builder (vLLM 0.34's sparse MLA ones): unhashable
+            builder._ringflow_layers = names
 
 
 def keep_common_metadata(state: PluginState, original, builder, *args, **kwargs):
@@ -58,14 +61,14 @@ def keep_common_metadata(state: PluginState, original, builder, *args, **kwargs)
     return result
 
 
-def keep_swapped_block_table(state: PluginState, original, builder, metadata, block_table,
-                              slot_mapping, *args, **kwargs):
+def keep_swapped_block_table(state: PluginState, original, builder, metadata, blk_table,
+                             slot_mapping, *args, **kwargs):
     """``update_block_table``: vLLM reuses one build for another KV-cache group with that
     group's block table; the kept metadata follows it."""
-    result = original(builder, metadata, block_table, slot_mapping, *args, **kwargs)
+    result = original(builder, metadata, blk_table, slot_mapping, *args, **kwargs)
     kept = getattr(metadata, "_ringflow_common", None)
     if kept is not None and result is not None:
-        _tag(state, result, dataclasses.replace(kept[0], block_table_tensor=block_table,
+        _tag(state, result, dataclasses.replace(kept[0], block_table_tensor=blk_table,
                                                 slot_mapping=slot_mapping), builder)
     return result
 
@@ -73,7 +76,10 @@ def keep_swapped_block_table(state: PluginState, original, builder, metadata, bl
 def _tag(state: PluginState, metadata, common, builder) -> None:
     names = getattr(builder, "layer_names", None)
     if names is None:  # a builder that does not keep them (vLLM 0.32's MLA builder)
-        names = state.builder_layers.get(builder, ())
+        try:
+            names = state.builder_layers.get(builder, ())
+        except TypeError:  # unhashable: kept on the builder itself
+            names = getattr(builder, "_ringflow_layers", ())
     try:  # with the layers it was built for: vLLM copies metadata across groups
         metadata._ringflow_common = (common, frozenset(names))
     except (AttributeError, TypeError) as exc:

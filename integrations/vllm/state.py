@@ -21,12 +21,13 @@ log = logging.getLogger("ringflow")
 
 class StepFunctions:
     """vLLM's per-step functions every hooked layer call needs: whether a forward context is
-    there, the context, the micro-batch id. Looked up once when the hooks are installed;
-    until then (and without vLLM) there is no context and one micro-batch."""
+    there, the context, the micro-batch id. Looked up in vLLM once, when the first attention
+    layer attaches; until then (and without vLLM) there is no context and one micro-batch."""
 
     context_available = staticmethod(lambda: False)
     context = staticmethod(lambda: None)
     ubatch = staticmethod(lambda: 0)
+    resolved = False  # looked up in vLLM (attention.resolve_step_functions)
 
 
 @dataclass
@@ -107,7 +108,10 @@ class PluginState:
             ProfileError: as :func:`config.profile_from`, every time it is asked.
         """
         from ringflow.integrations.vllm.config import profile_from, source_key
-        key = source_key(vllm_config)
+        try:
+            key = source_key(vllm_config)
+        except (TypeError, ValueError):  # a section json cannot key: parse it every time
+            return profile_from(vllm_config)
         if key not in self.profiles:
             try:
                 self.profiles[key] = profile_from(vllm_config)

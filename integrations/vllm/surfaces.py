@@ -25,7 +25,7 @@ Terms:
 * ``group``: surfaces of one group stand in for each other (one per vLLM range, or one per
   platform): the group is there when any member is.
 * ``params``: the parameter names ringflow's hook relies on, in order from the first (a
-  prefix of the signature) or, with ``anywhere``, in order anywhere in it.
+  prefix of the signature) or, with ``anywhere``, by name anywhere in it.
 """
 
 from __future__ import annotations
@@ -83,18 +83,19 @@ class Surface:
         return f"{self.module}.{self.path}"
 
     def in_range(self, version: tuple[int, int] | None) -> bool:
-        """Whether vLLM ``version`` should have this surface (a version newer than the newest
-        ringflow knows, or an unknown one: what the newest has)."""
+        """Whether vLLM ``version`` should have this surface (a version outside the supported
+        range, or an unknown one such as a source build's: what the newest has)."""
         low, high = self.versions
-        if version is None or version > SUPPORTED[1]:
+        if version is None or not SUPPORTED[0] <= version <= SUPPORTED[1]:
             return high is None
         return low <= version and (high is None or version <= high)
 
 
 def _refusal(verb: str, since=(0, 26), until=None) -> Surface:
     return Surface(_WORKER, f"Worker.{verb}", "method", "weight_writes",
-                   "refused with one line while the worker streams weights (the calls that "
-                   "change the KV cache's memory: or holds a ring; Note [Weights that change])", versions=(since, until),
+                   "refused with one line while the worker streams weights (discard, "
+                   "extend_kv_cache, set_kv_cache_reclaimable: or holds a KV ring; Note "
+                   "[Weights that change])", versions=(since, until),
                    hook=f"{_W}:refusal", factory=True, params=("self",), required=False)
 
 

@@ -303,7 +303,8 @@ def refusal(surface: surfaces.Surface):
     verb = surface.path.rpartition(".")[2]
 
     def hook(state: PluginState, original, worker, *args, **kwargs):
-        streams = state.streamers.get(getattr(worker, "model_runner", None)) is not None
+        runner = getattr(worker, "model_runner", None)  # vLLM's workers may have none yet
+        streams = runner is not None and state.streamers.get(runner) is not None
         rings = verb in RING_VERBS and state.ring_bytes() > 0
         if streams or rings:
             what = "ringflow streams weights" if streams else "ringflow holds a KV ring"

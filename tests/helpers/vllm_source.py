@@ -98,7 +98,7 @@ def _params(node) -> list[str]:
     names = [x.arg for x in a.posonlyargs + a.args]
     if a.vararg is not None:
         names.append("*" + a.vararg.arg)
-    return names + [x.arg for x in a.kwonlyargs]
+    return names + [":" + x.arg for x in a.kwonlyargs]  # as compat.params_of spells them
 
 
 def _member(root: Path, module: str, cls: ast.ClassDef, name: str, depth: int = 0):

@@ -56,7 +56,6 @@ def test_an_mla_layer_with_its_own_context_method_is_named_once_and_gets_no_ring
     named = [r.getMessage() for r in caplog.records if "computes its MLA context" in
              r.getMessage()]
     assert len(named) == 1 and "reserved no ring" in named[0]
-    assert state.context_models == {} and state.models == {}
 
 
 def test_a_layer_whose_hooked_method_changed_parameters_is_left_alone_with_one_line(caplog):
