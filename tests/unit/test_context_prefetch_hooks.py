@@ -19,8 +19,8 @@ from ringflow.orchestrator.profile import Profile
 
 from helpers.rings import ProcessRings, ThreadRings
 from helpers.vllm_fakes import (FakeCoordinator, FakeDcpManager, FakeMLAImpl, FakeMLALayer,
-                                fake_gather, mla_layers, mla_metadata, vllm_config,
-                                vllm_mla_impl)
+                                fake_gather, mla_layers, mla_metadata, require_vllm,
+                                vllm_config, vllm_mla_impl)
 
 ROWS, W, BLOCKS, BLOCK = 16, 4, 6, 4
 #: (block table, tokens) of each context chunk of a step
@@ -576,6 +576,7 @@ def test_under_dcp_the_ring_is_shaped_as_vllms_enlarged_workspace_and_mla_has_a_
     """vLLM enlarges the DCP workspace by 1/size (the local gather's rows); a slot of the
     plain size would not fit and the consumer would stay off. MLA under DCP has a consumer
     wherever the impl has vLLM's DCP context method."""
+    require_vllm()
     from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
     monkeypatch.setattr(MLACommonMetadataBuilder, "determine_chunked_prefill_workspace_size",
                         staticmethod(lambda config: 64))
@@ -597,6 +598,7 @@ def test_vllms_own_dcp_context_method_reads_the_prefetched_exchange(monkeypatch)
     reorder and up-projection), run through ringflow's hook for three layers, a stand-in for
     the paged gather and for a DCP group of two: the attention output of every layer is what
     vLLM's own gathers give, and vLLM's exchange runs only in the recording layer."""
+    require_vllm()
     from vllm import _custom_ops
     from vllm.model_executor.layers.attention import mla_attention
 
