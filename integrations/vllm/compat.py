@@ -257,24 +257,19 @@ def get(state, key: str):
 def hook_class(state, key: str, cls: type) -> bool:
     """Install the table's hook for ``key`` (an ``instance`` surface, a method) on ``cls``, a
     class vLLM chose at run time (a backend's metadata builder). False: ``cls`` has no such
-    method, or its parameters changed (logged once)."""
+    method, or it cannot be hooked (logged once, :func:`instance_ok`)."""
     surface = surfaces.by_key()[key]
     name = surface.path.rpartition(".")[2]
-    method = getattr(cls, name, None)
-    if method is None:
+    if not hasattr(cls, name) or not instance_ok(state, key, cls):
         return False
+    found = getattr(state, "surfaces", None)
     try:
-        if surface.params:
-            check_params(surface, method)
-        found = getattr(state, "surfaces", None)
         if found is None:
             wrap(cls, name, _hook_for(surface), state)
         else:
             _recorded(found, cls, name, lambda: wrap(cls, name, _hook_for(surface), state))
-    except (SurfaceMissing, EngineError) as exc:
-        state.log_once(f"hook:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked "
-                       "(%s); %s is off for its layers", vllm_version(), cls.__qualname__, name,
-                       exc, FEATURES[surface.feature])
+    except EngineError as exc:  # hooked for another plugin state
+        _cannot_hook(state, surface, cls, exc)
         return False
     return True
 
@@ -284,15 +279,19 @@ def instance_ok(state, key: str, cls: type) -> bool:
     time: a layer's, a backend's) still takes what ringflow's per-object hook relies on; False
     is logged once per class."""
     surface = surfaces.by_key()[key]
-    name = surface.path.rpartition(".")[2]
     try:
-        check_params(surface, getattr(cls, name))
+        check_params(surface, getattr(cls, surface.path.rpartition(".")[2]))
     except (SurfaceMissing, AttributeError) as exc:
-        state.log_once(f"instance:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked "
-                       "(%s); %s is off for its layers", vllm_version(), cls.__qualname__, name,
-                       exc, FEATURES[surface.feature])
+        _cannot_hook(state, surface, cls, exc)
         return False
     return True
+
+
+def _cannot_hook(state, surface: Surface, cls: type, why: Exception) -> None:
+    name = surface.path.rpartition(".")[2]
+    state.log_once(f"hook:{cls.__qualname__}.{name}", "vLLM %s: %s.%s cannot be hooked (%s); "
+                   "%s is off for its layers", vllm_version(), cls.__qualname__, name, why,
+                   FEATURES[surface.feature])
 
 
 def require(state, features: set[str], who: str) -> None:

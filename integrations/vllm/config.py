@@ -3,6 +3,9 @@ attention hooks (full-KV prefetch), so neither imports the other."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from ringflow import envs
 from ringflow.errors import ProfileError
 from ringflow.orchestrator.profile import Profile
@@ -17,14 +20,11 @@ def profile_from(vllm_config) -> Profile | None:
         ProfileError: the profile is malformed or has neither an ``offload`` nor a
             ``kv_prefetch`` section.
     """
-    extra = getattr(vllm_config, "additional_config", None)
-    section = extra.get("ringflow") if isinstance(extra, dict) else None
-    env = envs.text("RINGFLOW_PROFILE")
+    section, env = _sources(vllm_config)
     if section is not None:
-        if isinstance(section, str):
-            profile = Profile.load(section)
-        elif isinstance(section, dict) and set(section) == {"profile"}:
-            profile = Profile.load(section["profile"])
+        named = _named(section, env)
+        if named is not None:
+            profile = Profile.load(named)
         else:
             profile = Profile.from_mapping(section, source="additional_config.ringflow",
                                            default_name="vllm")
@@ -50,18 +50,31 @@ def profile_from(vllm_config) -> Profile | None:
     return profile
 
 
+def _sources(vllm_config) -> tuple[object, str | None]:
+    """``additional_config["ringflow"]`` (None: absent) and ``RINGFLOW_PROFILE``."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return (extra.get("ringflow") if isinstance(extra, dict) else None,
+            envs.text("RINGFLOW_PROFILE"))
+
+
+def _named(section, env: str | None) -> str | None:
+    """The path or built-in name the sources name (None: a mapping, or nothing): the section
+    as a string or ``{"profile": ...}``, else, without a section, the variable."""
+    if section is None:
+        return env or None
+    if isinstance(section, str):
+        return section
+    if isinstance(section, dict) and set(section) == {"profile"}:
+        return section["profile"]
+    return None
+
+
 def source_key(vllm_config) -> tuple:
     """What :func:`profile_from` reads, as a key: the ``additional_config`` section, the
     ``RINGFLOW_PROFILE`` value, and the modification time of a file either names (an edited
     file is a new profile)."""
-    import json
-    import os
-    extra = getattr(vllm_config, "additional_config", None)
-    section = extra.get("ringflow") if isinstance(extra, dict) else None
-    env = envs.text("RINGFLOW_PROFILE")
-    named = section if isinstance(section, str) else (
-        section.get("profile") if isinstance(section, dict) and set(section) == {"profile"}
-        else None) if section is not None else env
+    section, env = _sources(vllm_config)
+    named = _named(section, env)
     try:
         stamp = os.stat(named).st_mtime_ns if named else None
     except (OSError, TypeError, ValueError):

