@@ -10,6 +10,16 @@ Callables:
 
     ``compute(layer, lane, slot)`` does the layer's work; ``slot`` is the filled slot, or
     ``None`` for a layer that gathers nothing (resident data).
+
+Note [Prime at the write]
+    A cross-forward plan's tail fills the next forward's first slots (the carried leases). A
+    forward ringflow's Python issues primes them when they are missing; a forward an engine
+    replays from a CUDA graph it captured (vLLM's FULL decode steps) runs no Python of
+    ringflow's and reads whatever the carried slots hold. So when the sources change (a weight
+    reload), waiting for the next Python-issued forward is too late: the first replay after the
+    write would read slots filled from the old data. ``sources_changed`` re-fills them at once,
+    on the stream current at the write (the engine's); a caller that cannot know which stream
+    the engine replays on next synchronizes after it (``WeightStreamer.writing_weights`` does).
 """
 
 from __future__ import annotations
@@ -152,9 +162,9 @@ class DagExecutor:
 
     def sources_changed(self, lane: str) -> None:
         """What ``lane``'s gathers read has changed (an engine rewrote its weights): no slot
-        filled from the old data is read again. Between forwards only; the next forward
-        re-gathers every slot it reads, the carried ones too (it primes, Note [Forward
-        boundary]: the path the hazard proof unrolls).
+        filled from the old data is read again. Between forwards only. The carried slots are
+        re-filled here, from the new sources, on the current stream (Note [Prime at the
+        write]); every other slot is gathered again by the forward that reads it.
 
         Raises:
             ConfigError: the plan has no such lane.
@@ -167,6 +177,7 @@ class DagExecutor:
             raise LifecycleError(f"'{self.dag.name}': lane {lane!r}'s sources changed in the "
                                  f"middle of a forward; change them between forwards")
         self.pools[lane].forget_carried()
+        self.prime()
 
     def primed(self) -> bool:
         """Whether every carried lease of the plan is leased and filled (or being filled)."""

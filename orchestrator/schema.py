@@ -235,7 +235,7 @@ FIELDS: dict[str, ProfileField] = {
         "context: nccl is an all-gather over ringflow's own communicator; peer and auto pull "
         "the peers' rows with copy engines from a context ring in symmetric memory (auto "
         "without timing; NCCL if unavailable, logged)", DCP_TRANSPORTS, "auto"),
-    "kv_prefetch.min_context_tokens": _integer(  # None: auto (context.MIN_CONTEXT_AUTO)
+    "kv_prefetch.min_context_tokens": _integer(  # None: off on one GPU, 0 under DCP (Note [Short context])
         "context: a step whose prefills have fewer context tokens than this (all chunks, all "
         "DCP ranks) runs vLLM's own gathers, logged once; 0: every step with context. "
         "Omitted: 65,536 on one rank (below it, on the H200, ringflow's host time per "

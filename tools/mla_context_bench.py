@@ -226,7 +226,9 @@ def main() -> int:
     parser.add_argument("--min-context", type=int, default=0,
                         help="the profile's kv_prefetch.min_context_tokens (default 0: every "
                              "step prefetched, the consumer itself measured; -1: omitted, the "
-                             "plugin's default of Note [Short context])")
+                             "plugin's default of Note [Short context]; on one GPU that leaves "
+                             "every step to vLLM, so it is measured against vLLM without "
+                             "ringflow: two engines, requests interleaved)")
     parser.add_argument("--models", default="/tmp/mla-context-bench")
     parser.add_argument("--probe", action="store_true",
                         help="also time small Python and torch calls inside vLLM's forward and "
@@ -241,6 +243,9 @@ def main() -> int:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if args.probe or args.cprofile or args.trace:
             parser.error("--probe, --cprofile and --trace look at this process; not with --dcp")
+
+    if args.min_context < 0 and args.dcp == 1:
+        return against_plain(args)
 
     import torch
     import vllm
@@ -345,6 +350,87 @@ def main() -> int:
         probed["outside"] = micro_us()
         print("[mla-context] probe:", json.dumps(probed, default=str))
     print(table(rows))
+    if args.json:
+        records.write(args.json, doc)
+    return 0
+
+
+def _worker_context_state(worker) -> dict:
+    from ringflow.integrations.vllm.state import STATE
+    return {"context_models": len(STATE.context_models), "ring_bytes": STATE.ring_bytes()}
+
+
+def against_plain(args) -> int:
+    """The plugin's defaults on one GPU (``--min-context -1``): vLLM with ringflow and this
+    kv_prefetch profile against vLLM without ringflow's profile, two engines on one GPU (each in
+    its own engine process), the same prompts, requests alternating between them; TTFT ratios
+    per prefix, greedy tokens and top-5 logprobs of one request at a time compared."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # one engine process each
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the state probe
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ringflow.bench import records
+
+    prefixes = [int(p) for p in args.prefixes.split(",") if p]
+    path = write_model(Path(args.models) / f"v2lite-{args.layers}", args.layers)
+    longest = max(prefixes) + args.suffix + 64
+    engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
+                  enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
+                  gpu_memory_utilization=0.4, seed=0,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    profile = {"ringflow": {"name": "mla-context-defaults", "kv_prefetch": {
+        "depth": 1, "workspace_mib": 160}}}  # min_context_tokens omitted: the defaults
+    engines = {}
+    for name, extra in (("off", {}), ("on", {"additional_config": profile})):
+        began = time.perf_counter()
+        engines[name] = LLM(model=path, **engine, **extra)
+        print(f"[mla-context] engine {name} up in {time.perf_counter() - began:.0f} s",
+              file=sys.stderr, flush=True)
+    [state] = engines["on"].collective_rpc(_worker_context_state)
+
+    def generate(name, prompt, max_tokens=1, logprobs=None):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
+        began = time.perf_counter()
+        out = engines[name].generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                                     use_tqdm=False)
+        return time.perf_counter() - began, out[0].outputs[0]
+
+    rows = []
+    for n, prefix_len in enumerate(prefixes):
+        prefix = tokens(1000 + n, prefix_len)
+        for name in engines:  # both cache the prefix
+            generate(name, prefix + tokens(1, args.suffix))
+        times = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                seconds, _ = generate(name, prefix + tokens(10_000 * (n + 1) + r, args.suffix))
+                times[name].append(seconds)
+        probe = prefix + tokens(77, args.suffix)
+        outs = {name: generate(name, probe, max_tokens=4, logprobs=5)[1] for name in engines}
+        off, on = outs["off"], outs["on"]
+        gap = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(off.logprobs, on.logprobs)
+                  for t in a if t in b)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"case": f"prefix {prefix_len // 1024}k + {args.suffix}",
+                     "ttft_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in times.items()},
+                     "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
+                     "ratio_on_off": round(med["on"] / med["off"], 4),
+                     "tokens_equal": list(off.token_ids) == list(on.token_ids),
+                     "max_logprob_gap": gap})
+        print(f"[mla-context] {rows[-1]['case']}: on/off {rows[-1]['ratio_on_off']}",
+              file=sys.stderr, flush=True)
+    doc = records.record(f"python3 tools/mla_context_bench.py --min-context -1 --prefixes "
+                         f"{args.prefixes} --rounds {args.rounds} --layers {args.layers}",
+                         vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
+                         layers=args.layers, mode="ringflow's defaults vs vLLM without ringflow",
+                         ringflow_state=state, rows=rows)
+    print("| case | off ms | on ms | on/off | tokens equal |\n| --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['case']} | {row['median_ms']['off']} | {row['median_ms']['on']} | "
+              f"{row['ratio_on_off']} | {row['tokens_equal']} |")
     if args.json:
         records.write(args.json, doc)
     return 0

@@ -8,7 +8,20 @@ directly.
 
 An engine that compiles its model into pieces can make them its splitting ops (vLLM's plugin
 registers them with vLLM's piecewise CUDA graphs), so they run eagerly between graph pieces and
-the gather streams never cross a piece boundary.
+the gather streams never cross a piece boundary. An engine that breaks its capture at run time
+instead (vLLM's breakable CUDA graphs) gets the same by a ``breaker`` (Note [Capture breaks]).
+
+Note [Capture breaks]
+    vLLM's breakable CUDA graphs capture the whole forward on one stream and, at each attention
+    op, end the capture, run the op eagerly and begin a new one; a replay runs the captured
+    segments and calls the eager ops again, in order. A gather forked inside one segment and
+    joined in a later one would leave the first segment's capture unjoined (a capture error),
+    and a wait on an event of an ended capture is not allowed. So the layer ops become breaks
+    too: ``register_stepper(stepper, breaker=...)`` hands every ``before``/``after`` call to the
+    breaker, which runs it between segments at capture and again at every replay. The stepper
+    then runs as in eager mode (gathers forked and joined on real streams, carried slots primed
+    by its own Python), the side streams never enter a capture, and the copies overlap the
+    captured segments that follow them. Outside such a capture the breaker just calls.
 
 Note [Release boundary under torch.compile]
     ``layer_begin(anchor)`` declares that it mutates the layer's hidden-state input;
@@ -46,6 +59,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -54,24 +68,42 @@ from ringflow.graphs.stepped import LayerStepper
 
 # weak: a stepper lives as long as its streamer (owned by the engine's worker), not longer
 _STEPPERS: weakref.WeakValueDictionary[int, LayerStepper] = weakref.WeakValueDictionary()
+#: handle -> how its calls run (Note [Capture breaks]); absent: called directly
+_BREAKERS: dict[int, Callable[[Callable[[int], None], int], object]] = {}
 _HANDLES = itertools.count(1)
 OP_NAMES = ("ringflow::layer_begin", "ringflow::layer_end")
 
 
-def register_stepper(stepper: LayerStepper) -> int:
-    """A handle the ops use to find ``stepper`` (kept alive until :func:`unregister_stepper`)."""
+def register_stepper(stepper: LayerStepper, *,
+                     breaker: Callable[[Callable[[int], None], int], object] | None = None) -> int:
+    """A handle the ops use to find ``stepper`` (kept alive until :func:`unregister_stepper`).
+    ``breaker(call, layer)``, if given, runs each ``before``/``after`` call (Note [Capture
+    breaks])."""
     handle = next(_HANDLES)
     _STEPPERS[handle] = stepper
+    if breaker is not None:
+        _BREAKERS[handle] = breaker
     return handle
 
 
 def unregister_stepper(handle: int) -> None:
     _STEPPERS.pop(handle, None)
+    _BREAKERS.pop(handle, None)
+
+
+def _step(handle: int, begin: bool, layer: int) -> None:
+    stepper = _STEPPERS[handle]
+    call = stepper.before if begin else stepper.after
+    breaker = _BREAKERS.get(handle)
+    if breaker is None:
+        call(layer)
+    else:
+        breaker(call, layer)
 
 
 @torch.library.custom_op("ringflow::layer_begin", mutates_args=("anchor",))
 def layer_begin(anchor: torch.Tensor, handle: int, layer: int) -> None:
-    _STEPPERS[handle].before(layer)
+    _step(handle, True, layer)
 
 
 @layer_begin.register_fake
@@ -81,7 +113,7 @@ def _layer_begin_fake(anchor: torch.Tensor, handle: int, layer: int) -> None:
 
 @torch.library.custom_op("ringflow::layer_end", mutates_args=("tensors",))
 def layer_end(tensors: list[torch.Tensor], handle: int, layer: int) -> None:
-    _STEPPERS[handle].after(layer)
+    _step(handle, False, layer)
 
 
 @layer_end.register_fake
@@ -95,7 +127,7 @@ def begin(anchor: torch.Tensor, handle: int, layer: int) -> None:
     if torch.compiler.is_compiling():
         torch.ops.ringflow.layer_begin(anchor, handle, layer)
     else:
-        _STEPPERS[handle].before(layer)
+        _step(handle, True, layer)
 
 
 def end(output: object, handle: int, layer: int) -> None:
@@ -105,7 +137,7 @@ def end(output: object, handle: int, layer: int) -> None:
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         torch.ops.ringflow.layer_end(tensors, handle, layer)
     else:
-        _STEPPERS[handle].after(layer)
+        _step(handle, False, layer)
 
 
 def wrap_layer(layer: torch.nn.Module, handle: int, index: int):

@@ -21,7 +21,9 @@ Note [Weights that change]
     parameters at their host copies for the write (a loader that assigns ``param.data`` instead
     is followed: its values are copied into the host copy), then back at their slots, and tells
     the plan its sources changed, so no slot filled from the old weights, carried into the next
-    forward or not, is read again. Resident layers are written where they live, as always.
+    forward or not, is read again: the carried slots are re-filled before the write returns
+    (Note [Prime at the write] in graphs/executor.py), since the engine's next step may be a
+    replay of a graph it captured, which runs none of ringflow's Python. Resident layers are written where they live, as always.
     What moves weights some other way is not followed and is refused with one line by the vLLM
     plugin (``refusal`` and ``on_engine_sleep`` in integrations/vllm/weights.py):
     sleep levels 1 and 2 (vLLM's allocator would move or drop the ring and the slots the
@@ -101,6 +103,8 @@ class WeightStreamer:
         poison: fill a slot with NaN bytes after its layer ran (debug).
         wrap: install the forward wrappers around the plan's boundary layers: the first, the
             last and the offloaded ones (tests may drive :attr:`stepper` by hand).
+        breaker: runs each layer op's stepper call, for an engine that breaks its CUDA graph
+            capture at run time (Note [Capture breaks] in layer_ops.py).
 
     Raises:
         ConfigError: an offloaded layer that does not exist, or none at all.
@@ -112,7 +116,8 @@ class WeightStreamer:
     def __init__(self, layers: Sequence[nn.Module], offload: Iterable[int], *, depth: int,
                  workspace_bytes: int, capture: str = "join", gather_priority: str = "normal",
                  poison: bool = False, wrap: bool = True, name: str = "weights",
-                 cross_forward: bool = True, synchronous: bool = False) -> None:
+                 cross_forward: bool = True, synchronous: bool = False,
+                 breaker=None) -> None:
         self.layers = list(layers)
         count = len(self.layers)
         self.offloaded = sorted(set(offload))
@@ -169,7 +174,7 @@ class WeightStreamer:
                                      capture=capture,
                                      gather_priority=gather_priority, poison=False)
         self.stepper = LayerStepper(self.executor, poison=poison)
-        self.handle = layer_ops.register_stepper(self.stepper)
+        self.handle = layer_ops.register_stepper(self.stepper, breaker=breaker)
         self._originals: dict[int, object] = {}
         if wrap:  # only the boundary layers (Note [Boundary layers] in graphs/stepped.py)
             for i in self.stepper.boundaries:
@@ -219,8 +224,9 @@ class WeightStreamer:
     def writing_weights(self, what: str = "a weight update"):
         """While an engine writes new weights (a reload, ``load_weights``): the offloaded
         layers' parameters view their host copies, so every write lands where the gathers
-        read; afterwards they view their slots again and every slot is re-gathered by the next
-        forward, carried ones too (Note [Weights that change]). Re-entrant; between forwards.
+        read; afterwards they view their slots again, the carried slots are re-filled from the
+        new weights at once and every other slot by the forward that reads it (Note [Weights
+        that change]). Re-entrant; between forwards.
 
         Raises:
             LifecycleError: a forward is in flight.
@@ -253,7 +259,11 @@ class WeightStreamer:
                 slot = self.pool.storage[self.slot_of[i]]
                 for region in regions:
                     self._point(region, slot)
+            # the carried slots are re-filled now, not at the next forward ringflow issues: a
+            # graph the engine replays next reads them (Note [Prime at the write])
             self.stepper.sources_changed(LANE)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # whichever stream the engine uses next
             self.weight_updates += 1
 
     def _follow_replaced(self, views: dict, what: str) -> None:

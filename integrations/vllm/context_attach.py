@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ringflow.integrations.torch.kv_prefetch import check_not_after_kv
-from ringflow.integrations.vllm.context_ring import ContextModel
+from ringflow.integrations.vllm.context_ring import ONE_RANK, ContextModel, one_rank_left_to_vllm
 from ringflow.integrations.vllm.dcp import dcp_exchange, dcp_size
 from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.state import STATE, PluginState
@@ -40,6 +40,9 @@ def attach(state: PluginState, layer, profile: Profile, config) -> bool:
         state.log_once(f"ctx-none:{why}", "kv_prefetch: %s; nothing is gathered for it (the "
                        "full-KV check mode, consumer: full_kv_check, gathers for verification "
                        "only)", why)
+        return False
+    if one_rank_left_to_vllm(profile.kv_prefetch, dcp_size(config)):
+        state.log_once("ctx-one-rank", "%s", ONE_RANK, level=logging.INFO)
         return False
     key = state.model_group.get()
     model = state.context_models.get(key)

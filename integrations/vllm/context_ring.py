@@ -8,16 +8,18 @@ on the gather stream.
 Note [Short context]
     Prefetching a unit costs host time inside vLLM's forward (about 0.5 ms per (layer, chunk)
     measured on the H200: event records, waits and the fill's launch on a second stream,
-    profiles/results/README.md), and on one GPU it hides only the local gather (0.04 ms per
-    layer at a 32k context). With a cached 32k prefix and a 2k suffix that made the prefill
-    1.15 to 1.21x slower in three of four runs (1.03x in the fourth); at 64k it was 0.94 to
-    1.03x, at 128k 1.00 to 1.01x. A step whose prefills have fewer than
-    ``kv_prefetch.min_context_tokens`` context tokens (all chunks, all ranks) is therefore not
-    planned: the later layers gather for themselves, as without ringflow, and the log says so
-    once. Omitted, it is ``MIN_CONTEXT_AUTO`` on one rank and 0 under DCP, where the exchange
-    it hides is on the critical path. The count comes from vLLM's host-side chunk metadata
-    (``context_recording.context_tokens``), not from the gathers' destination, which on CUDA is
-    the whole workspace; it is the same on every rank of a DCP group, so the choice is too.
+    profiles/results/README.md), and on one GPU it hides only the local gather: vLLM's own
+    gather is 1.5 to 1.7% of a prefill there, and with the consumer on from 64k context the
+    prefill was 1.06x slower at 64k and 1.12x at 128k (H200, vLLM 0.26, 27 V2-Lite layers). So
+    on one rank, with ``kv_prefetch.min_context_tokens`` omitted, ringflow leaves every step to
+    vLLM: nothing is reserved, no layer attaches, and the log says so in one line
+    (:func:`one_rank_left_to_vllm`). Under DCP the all-gather it hides is on the critical path,
+    and every step is prefetched. A profile that sets ``min_context_tokens`` gets what it asks
+    on any number of ranks: a step whose prefills have fewer context tokens (all chunks, all
+    ranks) is not planned, the later layers gather for themselves, and the log says so once.
+    The count comes from vLLM's host-side chunk metadata (``context_recording.context_tokens``),
+    not from the gathers' destination, which on CUDA is the whole workspace; it is the same on
+    every rank of a DCP group, so the choice is too.
 """
 
 from __future__ import annotations
@@ -39,8 +41,17 @@ from ringflow.units import MIB
 
 log = logging.getLogger("ringflow")
 
-#: kv_prefetch.min_context_tokens when omitted, on one rank (Note [Short context])
-MIN_CONTEXT_AUTO = 65536
+ONE_RANK = ("kv_prefetch (consumer: context) on one GPU: vLLM gathers every step's MLA "
+            "context itself and ringflow reserves nothing (there the consumer's host cost, about "
+            "0.5 ms per layer and chunk, exceeds the local gather it would hide); under decode "
+            "context parallelism it prefetches every step; set kv_prefetch.min_context_tokens "
+            "to prefetch on one GPU from that many context tokens")
+
+
+def one_rank_left_to_vllm(spec, dcp_size: int) -> bool:
+    """Whether ringflow leaves every step of this context profile to vLLM: one rank and
+    ``min_context_tokens`` omitted (Note [Short context])."""
+    return dcp_size == 1 and spec.min_context_tokens is None
 
 
 def _dump_plan(base: str, dag) -> None:
@@ -83,8 +94,7 @@ class ContextModel:
         self.layers: list[weakref.ref] = []
         self.verify = spec.verify
         #: steps with less context run vLLM's own gathers (Note [Short context])
-        self.min_context = (spec.min_context_tokens if spec.min_context_tokens is not None
-                            else 0 if dcp_size > 1 else MIN_CONTEXT_AUTO)
+        self.min_context = spec.min_context_tokens or 0
         self.short_steps = 0  # steps left to vLLM for that
         #: False: vLLM gathers for itself, the ring stays reserved (a benchmark's A/B switch,
         #: flipped between requests)

@@ -219,6 +219,16 @@ SURFACES: tuple[Surface, ...] = (
             "instance", "full_kv", "the kept metadata follows a swapped block table",
             hook=f"{_M}:keep_swapped_block_table",
             params=("self", "metadata", "blk_table", "slot_mapping")),
+    # -- breakable CUDA graphs (weights.py; after the attention modules, which import it) ---
+    Surface("vllm.compilation.breakable_cudagraph", "is_breakable_cudagraph_enabled", "read",
+            "weights", "read: whether vLLM captures breakable CUDA graphs (the forward in "
+            "segments broken at its attention ops): the start-up line names the mode",
+            required=False),
+    Surface("vllm.compilation.breakable_cudagraph", "eager_break_during_capture", "read",
+            "weights", "read: ringflow's layer ops break vLLM's breakable capture as its "
+            "attention ops do (Note [Capture breaks] in layer_ops.py); without it the weight "
+            "copies run on vLLM's stream inside the segments (capture policy sync)",
+            params=("fn",), required=False),
     # -- MLA's context chunks (context_hooks.py) ----------------------------------------------
     Surface(_MLA, "MLACommonBaseImpl._compute_prefill_context", "method", "context",
             "one layer's context attention: records (first layer), consumes ring slots "

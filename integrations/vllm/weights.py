@@ -30,7 +30,7 @@ from ringflow.errors import BudgetError, EngineError, OutputError, ProfileError,
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
-from ringflow.integrations.vllm import compat, frontend, layers, memory, surfaces
+from ringflow.integrations.vllm import compat, frontend, graph_mode, layers, memory, surfaces
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
@@ -115,12 +115,13 @@ def _layer_ops_only(state: PluginState, worker, stacks, profile: Profile | None)
     decoder = layers.decoder_layers(worker.model_runner.get_model(), stacks)
     stub = _NothingStreamed()
     state.boundaries[worker.model_runner] = stub  # lives as long as the runner
-    handle = layer_ops.register_stepper(stub)
+    breaker, _ = graph_mode.capture_breaker(state, worker.vllm_config, "join")
+    handle = layer_ops.register_stepper(stub, breaker=breaker)  # the same breaks as streaming
     wrapped = ops_only_layers(profile, decoder, worker.vllm_config)
     for index in wrapped:
         layer_ops.wrap_layer(decoder[index], handle, index)
     if any(p.is_cuda for p in decoder[0].parameters()):  # as streaming does (see _enable)
-        _split_pieces_at_layer_ops(worker.vllm_config)
+        graph_mode.split_pieces_at_layer_ops(worker.vllm_config)
     log.info("RINGFLOW_LAYER_OPS_ONLY=1: %d of %d decoder layers run between ringflow's layer "
              "ops (%s); nothing is streamed", len(wrapped), len(decoder),
              "every layer: the profile has no offload section"
@@ -149,27 +150,12 @@ def on_initialize_from_config(state: PluginState, original, worker, *args, **kwa
     result = original(worker, *args, **kwargs)
     wrapped = streamer is not None or worker.model_runner in state.boundaries
     if reserved or wrapped:
-        _log_graph_mode(worker.vllm_config, wrapped)
+        profile = state.profile(worker.vllm_config)
+        graph_mode.log_graph_mode(
+            state, worker.vllm_config, layer_ops_in=wrapped,
+            context=profile is not None and profile.kv_prefetch is not None
+            and profile.kv_prefetch.consumer == "context")
     return result
-
-
-def _log_graph_mode(vllm_config, has_layer_ops: bool) -> None:
-    """The CUDA graph mode vLLM settled on (it may downgrade the one asked for when the
-    attention backend cannot capture it)."""
-    compilation = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(compilation, "cudagraph_mode", None)
-    split = [op for op in layer_ops.OP_NAMES
-             if op in (getattr(compilation, "splitting_ops", None) or [])]
-    level = getattr(getattr(compilation, "mode", None), "name", "?")
-    if not has_layer_ops:
-        where = ""
-    elif level == "NONE":
-        where = "; nothing is compiled, ringflow's layer ops run eagerly between the layers"
-    else:
-        where = ("; ringflow's layer ops split its graph into pieces" if split else
-                 "; ringflow's layer ops stay inside its compiled graph")
-    log.info("vLLM runs cudagraph_mode=%s, compilation mode %s%s", getattr(mode, "name", mode),
-             level, where)
 
 
 def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStreamer:
@@ -178,10 +164,11 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
     offload = _resolve_layers(profile, decoder, worker.vllm_config)
     on_gpu = torch.cuda.is_available() and any(p.is_cuda for p in decoder[0].parameters())
     before = torch.cuda.memory_allocated() if on_gpu else 0
+    breaker, capture = graph_mode.capture_breaker(state, worker.vllm_config, profile.capture)
     try:
         streamer = WeightStreamer(
-            decoder, offload, depth=profile.offload.depth,
-            workspace_bytes=int(profile.offload.workspace_mib * MIB), capture=profile.capture,
+            decoder, offload, depth=profile.offload.depth, breaker=breaker,
+            workspace_bytes=int(profile.offload.workspace_mib * MIB), capture=capture,
             gather_priority=profile.gather_priority, poison=poison_default(), name=profile.name,
             cross_forward=profile.offload.cross_forward, synchronous=profile.offload.synchronous)
     except BudgetError as exc:  # the profile's budget: name its field
@@ -211,7 +198,7 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
         log.info("on a CPU, linear layers run plain F.linear (vLLM's packed CPU GEMMs cannot "
                  "read streamed weights)")
     else:
-        _split_pieces_at_layer_ops(worker.vllm_config)
+        graph_mode.split_pieces_at_layer_ops(worker.vllm_config)
     dump = envs.text("RINGFLOW_DUMP")
     if dump:
         streamer.stepper.on_forward_done = _dump_once(streamer, dump, worker)
@@ -280,7 +267,9 @@ def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):
     with streamer.writing_weights("vLLM's reload_weights"):
         result = original(runner, *args, **kwargs)
     log.info("reload_weights: the %d streamed layers' host copies hold the new weights; the "
-             "next forward gathers every slot again", len(streamer.offloaded))
+             "slots the next step reads first were re-filled from them before it runs (a "
+             "captured graph's replay included), the others are gathered as it goes",
+             len(streamer.offloaded))
     return result
 
 
@@ -327,21 +316,6 @@ def _refuse_vllm_offloader(state: PluginState) -> None:
                             f"offload section would both move the same layers' weights; turn "
                             f"one off (drop --offload-backend/--cpu-offload-gb, or the profile's "
                             f"offload section)")
-
-
-def _split_pieces_at_layer_ops(vllm_config) -> None:
-    """Where vLLM splits its compiled graph into pieces (piecewise CUDA graphs), ringflow's
-    layer ops split it too, so they run eagerly between pieces and no piece captures a side
-    stream it does not join. Where vLLM does not split (full graphs only, or no compilation),
-    the ops stay inside its graph: the partition is vLLM's own."""
-    compilation = getattr(vllm_config, "compilation_config", None)
-    ops_list = getattr(compilation, "splitting_ops", None)
-    if isinstance(ops_list, list) and ops_list:
-        for name in layer_ops.OP_NAMES:
-            if name not in ops_list:
-                ops_list.append(name)
-        log.info("ringflow layer ops added to vLLM's splitting_ops (it splits its graph into "
-                 "pieces at %d ops)", len(ops_list))
 
 
 def _dump_once(streamer: WeightStreamer, base: str, worker):

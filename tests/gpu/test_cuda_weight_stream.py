@@ -77,6 +77,48 @@ def test_streaming_inside_an_outer_capture_like_vllms_graph_wrapper(policy):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("policy", ["join", "sync"])
+def test_a_replay_right_after_a_weight_write_reads_the_new_weights(policy):
+    """Note [Prime at the write]: an engine's captured graph (a vLLM FULL decode step) is
+    replayed right after a reload, with no forward of ringflow's in between: its first layers
+    read the carried slots, which must already hold the new weights (mutant
+    skip-prime-at-write: they hold the old ones)."""
+    layers, inputs, _ = model()
+    gen = torch.Generator("cuda").manual_seed(5)
+    new = {n: p + 0.05 * torch.randn(p.shape, device="cuda", generator=gen, dtype=p.dtype)
+           for n, p in layers.named_parameters()}
+    fresh = [copy_layer(layer) for layer in layers]
+    for name, param in torch.nn.ModuleList(fresh).named_parameters():
+        param.copy_(new[name])
+    want = [run_stack(fresh, x) for x in inputs]
+    del fresh
+    ws = WeightStreamer(layers, [0, 1, 3, 4], depth=1, workspace_bytes=4 << 30, poison=True,
+                        capture=policy)
+    ws.gather_hook = lambda: torch.cuda._sleep(SLEEP)
+    static_in = inputs[0].clone()
+    run_stack(layers, static_in)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = run_stack(layers, static_in)
+    graph.replay()  # the tail re-fills the carried slots from the old weights
+    assert ws.dag.carried
+    with ws.writing_weights("a test reload"):
+        for name, param in layers.named_parameters():
+            param.data.copy_(new[name])
+    for x, w in zip(inputs, want):  # replays only: no forward of ringflow's runs
+        static_in.copy_(x)
+        graph.replay()
+        assert torch.equal(static_out, w)
+    ws.close()
+
+
+def copy_layer(layer):
+    import copy
+    return copy.deepcopy(layer)
+
+
+@torch.no_grad()
 def test_the_error_policy_refuses_an_outer_capture():
     layers, inputs, _ = model()
     ws = WeightStreamer(layers, [1, 2], depth=1, workspace_bytes=4 << 30, capture="error")

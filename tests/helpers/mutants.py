@@ -14,6 +14,7 @@ import pytest
 
 from ringflow.graphs.captured import CapturedExecutor
 from ringflow.graphs.eager import EagerExecutor
+from ringflow.graphs.executor import DagExecutor
 from ringflow.orchestrator.dag import EventRole, NodeKind
 
 
@@ -95,6 +96,17 @@ def _skip_replay_prime() -> None:
     CapturedExecutor.run = run
 
 
+def _skip_prime_at_write() -> None:
+    """Sources that change (a weight reload) only forget the carried slots, as before Note
+    [Prime at the write]: the next forward ringflow issues re-fills them, but a graph the engine
+    replays first reads the old data."""
+
+    def sources_changed(self, lane):
+        self.pools[lane].forget_carried()
+
+    DagExecutor.sources_changed = sources_changed
+
+
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -104,6 +116,7 @@ MUTANTS = {
     "retire-wait-on-stale-event": _retire_wait_on_a_stale_event,
     "no-replay-order": _no_replay_order,
     "skip-replay-prime": _skip_replay_prime,
+    "skip-prime-at-write": _skip_prime_at_write,
 }
 
 ENV = "RINGFLOW_MUTANT"

@@ -322,6 +322,41 @@ def reload_rounds(llm, root: Path, model: str, generate) -> dict:
     return out
 
 
+def inflight_reloads(llm, root: Path, model: str, max_tokens: int, before: int = 4) -> dict:
+    """One request at a time, each still in flight when the weights change: its prefill and
+    ``before - 1`` decode steps on checkpoint A, then ``sleep(level=0, mode="keep")``,
+    ``reload_weights`` (checkpoint B), ``wake_up(["scheduling"])``, and its decode goes on (in
+    FULL modes: replays of vLLM's captured decode graph, no prefill in between). A is loaded
+    again before the next request."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    a, b = write_model(root, model), write_model(root, model, seed=1)
+    engine = llm.llm_engine
+    out = {"tokens": [], "top5": [], "before": []}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        if i:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": a})
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5)
+        engine.add_request(f"inflight-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        last = None
+        for _ in range(before):
+            for o in engine.step():
+                last = o
+        assert last is not None and not last.finished, "the request finished before the reload"
+        out["before"].append(len(last.outputs[0].token_ids))
+        llm.sleep(level=0, mode="keep")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": b})
+        llm.wake_up(tags=["scheduling"])
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                last = o
+        done = last.outputs[0]
+        out["tokens"].append(list(done.token_ids))
+        out["top5"].append([sorted([tok, lp.logprob] for tok, lp in step.items())
+                            for step in done.logprobs])
+    return out
+
+
 #: vLLM's calls that move or replace weights other than reload_weights, as a user makes them
 LIFECYCLE_CALLS = {
     "sleep_level_1": lambda llm: llm.sleep(level=1),
@@ -487,10 +522,20 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
                     [[sorted([tok, lp.logprob] for tok, lp in step.items())
                       for step in o.outputs[0].logprobs] for o in outs])
 
-        if case.get("context"):  # two rounds: the second hits the first's cached prefix
-            rounds = [run_prompts(llm, r, case.get("max_tokens", 8)) for r in CONTEXT_ROUNDS]
-            result["tokens"] = [t for r in rounds for t in r[0]]
-            result["top5"] = [t for r in rounds for t in r[1]]
+        if case.get("serial"):  # one request at a time (FIELD_NOTES: batched greedy outputs
+            def generate():  # of two identical GPU engines may differ)
+                runs = [run_prompts(llm, [p], case.get("max_tokens", 8)) for p in prompts]
+                return [r[0][0] for r in runs], [r[1][0] for r in runs]
+        if case.get("inflight"):  # the weights change under a request in flight
+            result["inflight"] = inflight_reloads(llm, root, case["model"],
+                                                  case.get("max_tokens", 8))
+            result["tokens"], result["top5"] = [], []
+        elif case.get("context"):  # two rounds: the second hits the first's cached prefix
+            rounds = [[run_prompts(llm, [p], case.get("max_tokens", 8)) for p in r]
+                      if case.get("serial") else [run_prompts(llm, r, case.get("max_tokens", 8))]
+                      for r in CONTEXT_ROUNDS]
+            result["tokens"] = [t for r in rounds for got in r for t in got[0]]
+            result["top5"] = [t for r in rounds for got in r for t in got[1]]
         else:
             result["tokens"], result["top5"] = generate()
         if case.get("reload"):  # checkpoint B by path, A by iterator, B by iterator

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringflow.integrations.vllm import context_attach, context_hooks, dcp
-from ringflow.integrations.vllm.context_ring import MIN_CONTEXT_AUTO, ContextModel
+from ringflow.integrations.vllm.context_ring import ContextModel, one_rank_left_to_vllm
 from ringflow.integrations.vllm.context_session import SESSION, Session, SessionMode
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.profile import Profile
@@ -139,12 +139,27 @@ def test_the_threshold_counts_vllms_context_tokens_not_the_workspace_its_gathers
         assert model.short_steps == (threshold == 18)
 
 
-def test_min_context_tokens_omitted_is_64k_on_one_rank_and_0_under_dcp():
-    model, fakes = make_model(min_context=None)
-    assert model.min_context == MIN_CONTEXT_AUTO == 65536
-    md, args = metadata()
-    assert run_step(model, fakes, md, args) == [RECORD, PASS, PASS]
-    assert model.short_steps == 1 and model.ring.steps == 0
+def test_min_context_tokens_omitted_leaves_one_gpu_to_vllm_in_one_line_and_dcp_prefetches(
+        caplog):
+    """Note [Short context]: on one rank the omitted threshold attaches no layer and reserves
+    nothing (one line, once); under DCP it is 0; a threshold set is kept on one rank."""
+    state = PluginState()
+    impl = SimpleNamespace(_compute_prefill_context=lambda *a: None)
+    layer = SimpleNamespace(kv_lora_rank=W, kv_cache_dtype="auto", impl=impl)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1,
+                                                             enable_dbo=False))
+    omitted = Profile.from_mapping({"name": "t", "kv_prefetch": {"workspace_mib": 1}})
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        for _ in range(3):  # three MLA layers built
+            assert context_attach.attach(state, layer, omitted, config) is False
+    said = [r.getMessage() for r in caplog.records if "on one GPU" in r.getMessage()]
+    assert len(said) == 1 and "reserves nothing" in said[0] and "min_context_tokens" in said[0]
+    assert state.context_models == {} and state.ring_bytes() == 0
+    assert one_rank_left_to_vllm(omitted.kv_prefetch, 1)
+    assert not one_rank_left_to_vllm(omitted.kv_prefetch, 2)
+    zero = Profile.from_mapping({"name": "t", "kv_prefetch": {"workspace_mib": 1,
+                                                              "min_context_tokens": 0}})
+    assert not one_rank_left_to_vllm(zero.kv_prefetch, 1)
     dcp_model, _ = make_dcp_model()
     assert dcp_model.min_context == 0
 

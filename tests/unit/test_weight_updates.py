@@ -23,8 +23,10 @@ class Sources:
     def __init__(self, seed):
         self.data = torch.randn(LAYERS, 4, generator=torch.Generator().manual_seed(seed))
         self.read = {}
+        self.gathered = []  # layers, in gather order
 
     def gather(self, layer, lane, out):
+        self.gathered.append(layer)
         out.copy_(self.data[layer])
 
     def compute(self, layer, lane, slot):
@@ -53,6 +55,27 @@ def test_a_static_lane_whose_sources_change_is_gathered_again_never_read_stale(d
     assert all(torch.equal(src.read[l], old[l]) for l in carried)
     ex.sources_changed("w")
     ex.run()
+    assert all(torch.equal(src.read[l], src.data[l]) for l in GATHERED)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_sources_changed_refills_the_carried_slots_before_any_forward_runs(depth):
+    """Note [Prime at the write]: a graph an engine replays reads the carried slots with no
+    Python of ringflow's; so ``sources_changed`` itself leaves them holding the new data (read
+    here straight from the slots, no forward issued), and the next forward adopts them."""
+    pool, dag = plan(depth)
+    src = Sources(0)
+    ex = SyncExecutor(dag, [pool], src.gather, src.compute)
+    ex.run()
+    carried = [layer for _, layer, _ in dag.carried]
+    src.data.copy_(torch.randn(LAYERS, 4, generator=torch.Generator().manual_seed(1)))
+    assert not any(torch.equal(pool.carried[("w", l)].tensor, src.data[l]) for l in carried)
+    ex.sources_changed("w")
+    for layer in carried:  # what a replay's first layers would read, before any forward
+        assert torch.equal(pool.carried[("w", layer)].tensor, src.data[layer])
+    src.gathered.clear()
+    ex.run()  # adopts the primed slots: no second prime
+    assert sorted(l for l in src.gathered if l in carried) == sorted(carried)  # the tail only
     assert all(torch.equal(src.read[l], src.data[l]) for l in GATHERED)
 
 
@@ -104,6 +127,25 @@ def test_weights_written_during_writing_weights_reach_the_streamed_layers(assign
     assert ws.weight_updates == 1
     for name, host in ws.host_copies(3).items():  # the host copies hold the new weights
         assert torch.equal(host, weights[f"3.{name}"])
+
+
+def test_a_weight_write_leaves_the_carried_slots_holding_the_new_weights_at_once():
+    """The engine's next step after a reload may be a captured graph's replay (no Python of
+    ringflow's): before ``writing_weights`` returns, every carried slot holds the new bytes."""
+    layers = decoder_stack(4, **SMALL)
+    ws = WeightStreamer(layers, [1, 2, 3], depth=1, workspace_bytes=1 << 22)
+    run_stack(layers, torch.randn(5, 64))
+    carried = [layer for _, layer, _ in ws.dag.carried]
+    assert carried
+    old = {l: ws.pool.storage[ws.slot_of[l]][: ws.layer_bytes[l]].clone() for l in carried}
+    weights = new_weights(layers, 3)
+    with ws.writing_weights("a test reload"):
+        for name, p in layers.named_parameters():
+            p.data.copy_(weights[name])
+    for layer in carried:
+        slot = ws.pool.storage[ws.slot_of[layer]][: ws.layer_bytes[layer]]
+        assert torch.equal(slot, ws.host[layer][: ws.layer_bytes[layer]])
+        assert not torch.equal(slot, old[layer])
 
 
 def test_a_write_that_reshapes_a_streamed_parameter_is_refused_with_its_name():

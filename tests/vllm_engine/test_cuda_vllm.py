@@ -324,6 +324,109 @@ def test_the_compile_cache_keeps_a_graph_per_profile(cache_runs, matrix):
         assert any("compile-cache key includes ringflow's" in l for l in run_["log"])
 
 
+# -- breakable CUDA graphs, and weights that change under a request in flight (#37) -----------
+
+BREAKABLE = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+BREAKABLE_MODES = ("piecewise", "default")  # every step in segments; FULL decode + segments
+SYNC_STEPS = {"async_scheduling": False}  # a step's outputs before the next is issued
+
+
+def breakable_cases(mode):
+    """vLLM's breakable CUDA graphs: the Llama plain and streamed (poisoned), the DeepSeek-V2
+    with and without the context consumer (prefix hits over several chunks, each fill late),
+    one request at a time."""
+    llama = {"model": "llama", "mode": mode, "max_tokens": 12, "serial": True}
+    ctx = {"model": "dsv2", "mode": mode, "max_tokens": 6, "serial": True}
+    return [{"name": f"breakable/{mode}/llama/plain", **llama},
+            {"name": f"breakable/{mode}/llama/streamed", **llama, "env": POISON,
+             "additional_config": STREAM, "repeat": True},
+            {"name": f"breakable/{mode}/ctx/off", **ctx, "context": CHUNKED},
+            {"name": f"breakable/{mode}/ctx/read", **ctx, "context": SLOW, "env": POISON,
+             "additional_config": CTX}]
+
+
+INFLIGHT_MODES = ("full", "default")
+
+
+def inflight_cases(mode):
+    """A request in flight when the weights change (helpers/vllm_e2e.py inflight_reloads):
+    ringflow off (its layer ops, nothing streamed: the same partition) and streamed."""
+    base = {"model": "llama", "mode": mode, "max_tokens": 16, "inflight": True,
+            "engine": SYNC_STEPS}
+    return [{"name": f"inflight/{mode}/off", **base, "env": {"RINGFLOW_LAYER_OPS_ONLY": "1"},
+             "additional_config": STREAM},
+            {"name": f"inflight/{mode}/streamed", **base, "env": POISON,
+             "additional_config": STREAM}]
+
+
+@pytest.fixture(scope="module")
+def graph_modes():
+    """One process per breakable mode and per in-flight mode, and the mutant that skips the
+    prime at the write in a process of its own (``-k "breakable or inflight"`` runs these)."""
+    started = [run(breakable_cases(mode), f"breakable-{mode}", env=BREAKABLE)
+               for mode in BREAKABLE_MODES]
+    started += [run(inflight_cases(mode), f"inflight-{mode}") for mode in INFLIGHT_MODES]
+    mutant = {**inflight_cases("full")[1], "name": "inflight/full/skip-prime-at-write"}
+    started.append(run([mutant], "inflight-mutant", env={"RINGFLOW_MUTANT": "skip-prime-at-write"}))
+    return collect(started)
+
+
+@pytest.mark.parametrize("mode", BREAKABLE_MODES)
+def test_breakable_graphs_stream_weights_exactly_with_ringflows_ops_as_breaks(graph_modes, mode):
+    """Under VLLM_USE_BREAKABLE_CUDAGRAPH=1: the streamed Llama (slots poisoned after every
+    read) gives vLLM's own output, twice; the start-up line names the mode; in PIECEWISE
+    every decode step is a replay of segments, and each ran the stepper (its calls are breaks
+    that vLLM calls again at replay: the slots were filled for that replay)."""
+    plain = ok(graph_modes[f"breakable/{mode}/llama/plain"])
+    streamed = ok(graph_modes[f"breakable/{mode}/llama/streamed"])
+    assert_same_output(streamed, plain)
+    assert streamed["repeat_same"], "a second run of the same engine differs (poison is on)"
+    [line] = [l for l in streamed["log"] if l.startswith("vLLM runs breakable CUDA graphs")]
+    assert "break the capture too" in line, line
+    assert not any("capture policy sync" in l for l in streamed["log"])
+    if mode == "piecewise":  # 3 prompts x 12 tokens, twice, one request at a time
+        assert streamed["forwards"][0] >= 2 * 3 * 11, streamed["forwards"]
+
+
+@pytest.mark.parametrize("mode", BREAKABLE_MODES)
+def test_breakable_graphs_read_prefetched_context_chunks(graph_modes, mode):
+    """The MLA context consumer under breakable graphs (it runs inside vLLM's attention op,
+    which vLLM runs eagerly between the segments): prefix hits over several chunks read from
+    ring slots filled late and poisoned after each read; output as vLLM's own gather gives."""
+    off = ok(graph_modes[f"breakable/{mode}/ctx/off"])
+    read = ok(graph_modes[f"breakable/{mode}/ctx/read"])
+    assert_same_output(read, off)
+    [stats] = read["context"]
+    assert stats["abandoned"] == {} and stats["consumed"] > 0, stats
+    assert max(c for _, c in stats["plans"]) > 1, stats
+
+
+@pytest.mark.parametrize("mode", INFLIGHT_MODES)
+def test_a_reload_under_a_request_in_flight_reaches_the_next_replayed_step(graph_modes, mode):
+    """sleep(level=0, keep), reload_weights (checkpoint B), wake_up, decode on: the next decode
+    steps are replays of vLLM's FULL graph, which run none of ringflow's Python; the tokens
+    after the reload equal ringflow-off vLLM doing the same (Note [Prime at the write])."""
+    off = ok(graph_modes[f"inflight/{mode}/off"])["inflight"]
+    got = ok(graph_modes[f"inflight/{mode}/streamed"])["inflight"]
+    assert got["before"] == off["before"] and min(off["before"]) >= 2, (got, off)
+    for tokens, top5, want_tokens, want_top5 in zip(got["tokens"], got["top5"], off["tokens"],
+                                                    off["top5"]):
+        assert_same_output({"tokens": tokens, "top5": [top5]},
+                           {"tokens": want_tokens, "top5": [want_top5]})
+
+
+def test_a_reload_that_does_not_prime_at_the_write_reads_old_weights(graph_modes):
+    """Mutant skip-prime-at-write: the carried slots keep the old weights until a forward of
+    ringflow's runs; the first replayed step after the reload reads them and the output
+    changes."""
+    off = ok(graph_modes["inflight/full/off"])["inflight"]
+    bad = ok(graph_modes["inflight/full/skip-prime-at-write"])["inflight"]
+    assert bad["before"] == off["before"]
+    assert bad["tokens"] != off["tokens"] or any(
+        logprob_gap({"top5": [a]}, {"top5": [b]}) > BF16_NOISE
+        for a, b in zip(bad["top5"], off["top5"]))
+
+
 # -- two GPUs: tensor parallel 2, decode context parallel 2 ---------------------------------------
 
 TWO = {"tensor_parallel_size": 2}

@@ -443,8 +443,12 @@ CONTEXT_CASES = [
     {"name": "ctx/chunked/off", "context": {**CHUNKED, "chunk": 48}},
     {"name": "ctx/chunked/d1", "context": {**CHUNKED, "chunk": 48}, "env": POISON,
      "additional_config": ctx(1)},
-    # min_context_tokens omitted: one rank's default (64k) leaves these short steps to vLLM
+    # a threshold above these contexts leaves their steps to vLLM
     {"name": "ctx/short", "context": CHUNKED, "env": POISON, "additional_config": {
+        "ringflow": {"name": "c", "kv_prefetch": {"depth": 1, "workspace_mib": 16,
+                                                  "min_context_tokens": 65536}}}},
+    # min_context_tokens omitted: on one rank every step is vLLM's, nothing reserved
+    {"name": "ctx/default", "context": CHUNKED, "env": POISON, "additional_config": {
         "ringflow": {"name": "c", "kv_prefetch": {"depth": 1, "workspace_mib": 16}}}},
     {"name": "ctx/whole/off", "context": {"prefix_caching": True}},
     {"name": "ctx/whole/d1", "context": {"prefix_caching": True}, "env": POISON,
@@ -503,10 +507,21 @@ def test_verify_checks_every_consumed_context_slot_against_vllms_gather(context_
                "differed" in line for line in run["log"]), run["log"]
 
 
-def test_steps_below_the_default_min_context_are_left_to_vllm_and_said_once(context_runs):
-    """Note [Short context] on vLLM's CPU build: contexts of a few hundred tokens are under the
-    one-rank default of 65,536, counted from vLLM's own chunk metadata; nothing is planned or
-    read from the ring, the output is vLLM's, and the log says so once."""
+def test_one_gpu_is_left_to_vllm_by_default_with_nothing_reserved_said_once(context_runs):
+    """Note [Short context]: with min_context_tokens omitted on one rank no MLA layer attaches,
+    no ring is reserved, the output is vLLM's, and one line says what the profile does."""
+    runs, _ = context_runs
+    run = runs["ctx/default"]
+    same(run, runs["ctx/off"])
+    assert run["context"] == [] and "context-ring-allocated" not in run["lifecycle"]
+    said = [l for l in run["log"] if "on one GPU" in l]
+    assert len(said) == 1 and "reserves nothing" in said[0], run["log"]
+
+
+def test_steps_below_min_context_tokens_are_left_to_vllm_and_said_once(context_runs):
+    """Note [Short context] on vLLM's CPU build: contexts of a few hundred tokens are under a
+    threshold of 65,536, counted from vLLM's own chunk metadata; nothing is planned or read
+    from the ring, the output is vLLM's, and the log says so once."""
     runs, _ = context_runs
     run = runs["ctx/short"]
     same(run, runs["ctx/off"])
