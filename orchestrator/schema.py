@@ -238,10 +238,10 @@ FIELDS: dict[str, ProfileField] = {
     "kv_prefetch.min_context_tokens": _integer(  # None: off on one GPU, 0 under DCP (Note [Short context])
         "context: a step whose prefills have fewer context tokens than this (all chunks, all "
         "DCP ranks) runs vLLM's own gathers, logged once; 0: every step with context. "
-        "Omitted: 65,536 on one rank (below it, on the H200, ringflow's host time per "
-        "(layer, chunk) cost more than the local gather it hides), 0 under DCP (the exchange "
-        "is on the critical path)", 0, 1 << 40, None, nullable=True,
-        words="an integer >= 0, or omitted for 65,536 (one rank) / 0 (DCP)"),
+        "Omitted: on one GPU every step is left to vLLM and no ring is reserved (there, on the "
+        "H200, ringflow's host time per (layer, chunk) cost more than the local gather it "
+        "hides), 0 under DCP (the exchange is on the critical path)", 0, 1 << 40, None,
+        nullable=True, words="an integer >= 0, or omitted (one GPU: off; DCP: 0)"),
     "kv_prefetch.verify": _flag("compare every slot with its layer's cache before attention "
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",

@@ -15,6 +15,12 @@ layers its planner places (Note [Placement model]), through the same ring memory
 offloads every layer. Rings: 2 layer-slots (vLLM
 --offload-prefetch-step 2, ringflow depth 1) and 1 slot (step 1, depth 0). vLLM's prefetch
 offloader only works under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, set here).
+
+``--breakable`` runs every engine under vLLM's breakable CUDA graphs
+(VLLM_USE_BREAKABLE_CUDAGRAPH=1, cudagraph_mode PIECEWISE: every step a replay of segments
+broken at the attention ops) and adds ``ringflow-2slot-sync`` (``offload.synchronous``: each
+copy on vLLM's stream right before its layer, nothing overlapped), so the run says how much of
+the copy time ringflow's breaks hide there: (sync - 2slot) / (sync - resident).
 """
 
 import argparse
@@ -53,8 +59,10 @@ def configs(pattern: str) -> dict[str, dict]:
     def vllm(step):
         return {"offload_backend": "prefetch", "offload_prefetch_step": step, **vllm_layers}
 
+    sync = ringflow(1)
+    sync["additional_config"]["ringflow"]["offload"]["synchronous"] = True
     return {"resident": {}, "vllm-2slot": vllm(2), "ringflow-2slot": ringflow(1),
-            "vllm-1slot": vllm(1), "ringflow-1slot": ringflow(0)}
+            "vllm-1slot": vllm(1), "ringflow-1slot": ringflow(0), "ringflow-2slot-sync": sync}
 
 
 def main() -> int:
@@ -67,7 +75,11 @@ def main() -> int:
     parser.add_argument("--utilization", type=float, default=0.17,
                         help="gpu_memory_utilization of each engine (default 0.17)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--breakable", action="store_true",
+                        help="vLLM's breakable CUDA graphs, PIECEWISE (see above)")
     args = parser.parse_args()
+    if args.breakable:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloader is a no-op in V2
@@ -85,6 +97,11 @@ def main() -> int:
     chosen = configs(args.pattern)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
+    elif not args.breakable:
+        chosen.pop("ringflow-2slot-sync")
+    graphs = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+    if args.breakable:
+        graphs["cudagraph_mode"] = "PIECEWISE"
     engines, results = {}, {}
     for name, extra in chosen.items():
         t0 = time.perf_counter()
@@ -92,8 +109,7 @@ def main() -> int:
                             dtype="bfloat16", max_model_len=4096, max_num_seqs=32,
                             max_num_batched_tokens=8192, seed=0, enable_prefix_caching=False,
                             gpu_memory_utilization=args.utilization,
-                            compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
-                            **extra)
+                            compilation_config=graphs, **extra)
         cache = engines[name].llm_engine.vllm_config.cache_config
         results[name] = {"startup_s": round(time.perf_counter() - t0, 1),
                          "kv_tokens": cache.num_gpu_blocks * cache.block_size,
@@ -127,6 +143,12 @@ def main() -> int:
                                                 base["decode_tok_s_median"], 3)
                 r["kv_tokens_vs_resident"] = r["kv_tokens"] - base["kv_tokens"]
             twin = name.replace("ringflow", "vllm")
+            sync = results.get(name + "-sync")
+            if base and sync:  # the share of the exposed copy time the overlap hides
+                exposed = 1 / sync["decode_tok_s_median"] - 1 / base["decode_tok_s_median"]
+                r["decode_copy_time_hidden"] = round(
+                    (1 / sync["decode_tok_s_median"] - 1 / r["decode_tok_s_median"]) / exposed,
+                    3) if exposed > 0 else None
             if name.startswith("ringflow") and twin in results:
                 v = results[twin]
                 r["prefill_vs_vllm"] = round(r["prefill_tok_s_median"] /
@@ -134,7 +156,8 @@ def main() -> int:
                 r["decode_vs_vllm"] = round(r["decode_tok_s_median"] /
                                             v["decode_tok_s_median"], 3)
                 r["kv_tokens_vs_vllm"] = r["kv_tokens"] - v["kv_tokens"]
-        doc = records.record("python3 tools/vllm_bench.py", vllm=vllm.__version__,
+        doc = records.record("python3 tools/vllm_bench.py" + " --breakable" * args.breakable,
+                             vllm=vllm.__version__, breakable_graphs=args.breakable,
                              runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)", pattern=args.pattern,
                              repeats=args.repeats, rounds_done=rounds,
                              model="Llama 8B shapes, dummy", results=results)

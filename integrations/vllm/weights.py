@@ -259,8 +259,9 @@ def on_engine_sleep(state: PluginState, original, core, level: int = 1, *args, *
 
 def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):
     """The hook on a model runner's ``reload_weights`` (``LLM.collective_rpc("reload_weights",
-    ...)``): the streamed layers' host copies take the new weights and every slot is
-    re-gathered by the next forward."""
+    ...)``): the streamed layers' host copies take the new weights; the carried slots are
+    re-filled from them before it returns (the next step may be a replay), the others are
+    gathered by the step that reads them."""
     streamer = state.streamers.get(runner)
     if streamer is None:
         return original(runner, *args, **kwargs)

@@ -145,7 +145,8 @@ CHANGED = [s for s in surfaces.SURFACES
 #: vLLM without them does not run, ringflow or not; for them only the installation is checked
 VLLM_NEEDS_THEM = {"vllm.model_executor.offloader.get_offloader",
                    "vllm.config.get_current_vllm_config_or_none",
-                   "vllm.distributed.parallel_state.get_world_group"}
+                   "vllm.distributed.parallel_state.get_world_group",
+                   "vllm.compilation.breakable_cudagraph.is_breakable_cudagraph_enabled"}
 
 
 @pytest.fixture(scope="module")
