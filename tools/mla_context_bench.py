@@ -229,6 +229,9 @@ def main() -> int:
                              "plugin's default of Note [Short context]; on one GPU that leaves "
                              "every step to vLLM, so it is measured against vLLM without "
                              "ringflow: two engines, requests interleaved)")
+    parser.add_argument("--on-first", action="store_true",
+                        help="with --min-context -1 on one GPU: start ringflow's engine first "
+                             "(a check that the order of the two engines does not decide)")
     parser.add_argument("--models", default="/tmp/mla-context-bench")
     parser.add_argument("--probe", action="store_true",
                         help="also time small Python and torch calls inside vLLM's forward and "
@@ -384,7 +387,8 @@ def against_plain(args) -> int:
     profile = {"ringflow": {"name": "mla-context-defaults", "kv_prefetch": {
         "depth": 1, "workspace_mib": 160}}}  # min_context_tokens omitted: the defaults
     engines = {}
-    for name, extra in (("off", {}), ("on", {"additional_config": profile})):
+    order = (("off", {}), ("on", {"additional_config": profile}))
+    for name, extra in (order[::-1] if args.on_first else order):
         began = time.perf_counter()
         engines[name] = LLM(model=path, **engine, **extra)
         print(f"[mla-context] engine {name} up in {time.perf_counter() - began:.0f} s",
@@ -422,10 +426,9 @@ def against_plain(args) -> int:
                      "max_logprob_gap": gap})
         print(f"[mla-context] {rows[-1]['case']}: on/off {rows[-1]['ratio_on_off']}",
               file=sys.stderr, flush=True)
-    doc = records.record(f"python3 tools/mla_context_bench.py --min-context -1 --prefixes "
-                         f"{args.prefixes} --rounds {args.rounds} --layers {args.layers}",
-                         vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
+    doc = records.record("python3 tools/mla_context_bench.py", vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
                          layers=args.layers, mode="ringflow's defaults vs vLLM without ringflow",
+                         started_first="on" if args.on_first else "off",
                          ringflow_state=state, rows=rows)
     print("| case | off ms | on ms | on/off | tokens equal |\n| --- | --- | --- | --- | --- |")
     for row in rows:
