@@ -57,16 +57,16 @@ class Profile:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, ref: str | Path | dict) -> Profile:
+    def load(cls, ref: str | Path | dict, *, vllm: bool = False) -> Profile:
         """Load a profile from a YAML path, a built-in profile by name (``"demo"``), or a
-        mapping of its fields (as :meth:`from_mapping`).
+        mapping of its fields (as :meth:`from_mapping`; ``vllm``: as a vLLM profile).
 
         Raises:
             ProfileError: no such file or built-in, or the profile is malformed.
             ConfigError: ``ref`` is none of those.
         """
         if isinstance(ref, dict):
-            return cls.from_mapping(ref, source="<dict>")
+            return cls.from_mapping(ref, source="<dict>", vllm=vllm)
         if not isinstance(ref, (str, Path)):
             raise ConfigError(f"a profile is a YAML path, a built-in name or a mapping of its "
                               f"fields, not {type(ref).__name__} ({ref!r:.60})")
@@ -78,7 +78,7 @@ class Profile:
             builtin = resources.files("ringflow.profiles").joinpath(f"{ref}.yaml")
             if not str(ref).endswith((".yaml", ".yml")) and builtin.is_file():
                 return cls.from_yaml_text(builtin.read_bytes(), source=f"<builtin {ref}>",
-                                          default_name=str(ref))
+                                          default_name=str(ref), vllm=vllm)
             names = ", ".join(sorted(builtin_profiles()))
             raise ProfileError(None, f"no such file, and no built-in profile of that name; "
                                f"built-in profiles: {names}", str(ref))
@@ -88,11 +88,11 @@ class Profile:
             data = path.read_bytes()
         except OSError as exc:
             raise ProfileError(None, f"cannot be read ({exc.strerror})", str(ref)) from exc
-        return cls.from_yaml_text(data, source=str(ref), default_name=path.stem)
+        return cls.from_yaml_text(data, source=str(ref), default_name=path.stem, vllm=vllm)
 
     @classmethod
     def from_yaml_text(cls, data: bytes | str, *, source: str = "<yaml>",
-                       default_name: str = "profile") -> Profile:
+                       default_name: str = "profile", vllm: bool = False) -> Profile:
         if isinstance(data, bytes):
             try:
                 data = data.decode("utf-8")
@@ -100,14 +100,18 @@ class Profile:
                 raise ProfileError(None, f"is not UTF-8 text (byte {exc.start}); save it as "
                                    f"UTF-8", source) from exc
         doc = profile_yaml.load(data, source)
-        if doc is None:
+        if doc is None and not vllm:
             raise ProfileError(None, f"is empty; required fields: {', '.join(RUN_REQUIRED)}", source)
-        return cls.from_mapping(doc, source=source, default_name=default_name)
+        return cls.from_mapping(doc, source=source, default_name=default_name, vllm=vllm)
 
     @classmethod
     def from_mapping(cls, doc: Any, *, source: str = "<mapping>",
-                     default_name: str = "profile") -> Profile:
-        """Validate a plain mapping (parsed YAML, vLLM ``additional_config``) into a Profile."""
+                     default_name: str = "profile", vllm: bool = False) -> Profile:
+        """Validate a plain mapping (parsed YAML, vLLM ``additional_config``) into a Profile.
+        ``vllm``: it is meant for the vLLM plugin, so an ``offload`` or ``kv_prefetch`` section
+        is asked for first, before any planner field (:func:`check_vllm_sections`)."""
+        if vllm:
+            check_vllm_sections(doc, source)
         doc = section(None, doc, source)
         offload = offload_section(doc["offload"], source) if "offload" in doc else None
         kv_prefetch = kv_prefetch_section(doc["kv_prefetch"], source) if "kv_prefetch" in doc else None
@@ -232,6 +236,32 @@ class Profile:
         if self.kv_token_bytes is None:
             return None
         return self.reserved_bytes // (self.kv_token_bytes * self.layers)
+
+
+#: what the vLLM plugin needs, as the errors show it
+VLLM_EXAMPLE = ('{"offload": {"layers": {"every": 2}, "depth": 1, "workspace_mib": 1024}} '
+                '(weight streaming) or {"kv_prefetch": {"depth": 1, "workspace_mib": 240}} (MLA '
+                'context prefetch); built-in: vllm_weights, vllm_weights_small, vllm_kv_prefetch')
+
+
+def check_vllm_sections(doc: Any, source: str) -> None:
+    """A profile meant for vLLM has an ``offload`` or a ``kv_prefetch`` section: said at once,
+    with an example, for an empty document or one with only the planner's fields.
+
+    Raises:
+        ProfileError: neither section is there.
+    """
+    if isinstance(doc, dict) and ("offload" in doc or "kv_prefetch" in doc):
+        return
+    if doc is None or doc == {}:
+        what = "is empty"
+    elif isinstance(doc, dict):
+        what = (f"is not a vLLM profile: it has {', '.join(sorted(map(str, doc)))} (fields of "
+                f"ringflow plan and run) but no offload or kv_prefetch section")
+    else:
+        return  # not a mapping: section() says what it is
+    raise ProfileError(None, f"{what}; vLLM needs an offload or a kv_prefetch section, for "
+                       f"example {VLLM_EXAMPLE}", source)
 
 
 def builtin_profiles() -> list[str]:

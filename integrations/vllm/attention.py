@@ -40,7 +40,7 @@ from ringflow.errors import BudgetError, ConfigError, ProfileError, RingflowErro
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.kv_prefetch import (KVLayout, KVPrefetcher, KVSource,
                                                     check_not_after_kv)
-from ringflow.integrations.vllm import compat, context_attach, mla_check, surfaces
+from ringflow.integrations.vllm import compat, context_attach, mla_check, startup_errors, surfaces
 from ringflow.integrations.vllm.dcp import dcp_group
 from ringflow.integrations.vllm.metadata import (common_for, context_lens, hook_builder,
                                                  metadata_for)
@@ -176,8 +176,7 @@ def after_attention_init(state: PluginState, original, layer, *args, **kwargs):
         else:
             attach(state, layer, profile, config)
     except RingflowError as exc:
-        log.error("%s", exc)
-        raise
+        startup_errors.fail(exc)  # one line, last (Note [One line at start-up])
 
 
 def attach(state: PluginState, layer, profile: Profile, config) -> None:

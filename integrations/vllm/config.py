@@ -3,6 +3,7 @@ attention hooks (full-KV prefetch), so neither imports the other."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -24,30 +25,33 @@ def profile_from(vllm_config) -> Profile | None:
     if section is not None:
         named = _named(section, env)
         if named is not None:
-            profile = Profile.load(named)
+            profile = _named_profile(named, f"additional_config.ringflow={named!r}")
         else:
             profile = Profile.from_mapping(section, source="additional_config.ringflow",
-                                           default_name="vllm")
+                                           default_name="vllm", vllm=True)
     elif env:
-        try:
-            profile = Profile.load(env)
-        except ProfileError as exc:  # say where the name came from
-            message = str(exc)
-            if exc.source and message.startswith(f"{exc.source}: "):
-                message = message[len(exc.source) + 2:]
-            if exc.field and message.startswith(f"field '{exc.field}': "):
-                message = message[len(exc.field) + 10:]
-            where = f"RINGFLOW_PROFILE={env}" + (f" ({exc.source})" if exc.source != env else "")
-            raise ProfileError(exc.field, message, where) from exc
+        profile = _named_profile(env, f"RINGFLOW_PROFILE={env}")
     else:
         return None
-    if profile.offload is None and profile.kv_prefetch is None:
-        raise ProfileError("offload", "is missing, and so is kv_prefetch: the vLLM plugin streams "
-                           "the decoder layers an offload section names and prefetches full KV "
-                           "as a kv_prefetch section says; accepted: offload: {layers: ..., "
-                           "depth: ..., workspace_mib: ...} and/or kv_prefetch: {depth: ..., "
-                           "workspace_mib: ...}", profile.source)
     return profile
+
+
+def _named_profile(ref: str, where: str) -> Profile:
+    """The profile at path or built-in name ``ref``; it and its errors name ``where`` it was
+    given (and the file or built-in it found there), so a mistake found later, where the model
+    loads, names it too."""
+    try:
+        profile = Profile.load(ref, vllm=True)
+        return dataclasses.replace(profile, source=where + (
+            f" ({profile.source})" if profile.source != ref else ""))
+    except ProfileError as exc:  # say where the name came from
+        message = str(exc)
+        if exc.source and message.startswith(f"{exc.source}: "):
+            message = message[len(exc.source) + 2:]
+        if exc.field and message.startswith(f"field '{exc.field}': "):
+            message = message[len(exc.field) + 10:]
+        raise ProfileError(exc.field, message, where + (f" ({exc.source})" if exc.source != ref
+                                                        else "")) from exc
 
 
 def _sources(vllm_config) -> tuple[object, str | None]:

@@ -12,11 +12,12 @@ slot sizes) is checked where the model loads, as before.
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
-from ringflow import envs
+from ringflow import __version__, envs
 from ringflow.errors import ConfigError, RingflowError
-from ringflow.integrations.vllm import compat, surfaces
+from ringflow.integrations.vllm import compat, startup_errors, surfaces
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.sections import Placed
@@ -100,11 +101,34 @@ def check_layers(profile, vllm_config) -> None:
             # itself, for a count that fits, is the worker's: it has the layers' sizes)
 
 
+def announce(state: PluginState, additional_config, profile) -> None:
+    """Once per process: ringflow's version and what it will do (idle without a profile), and
+    which source was ignored where both ``RINGFLOW_PROFILE`` and ``additional_config`` name
+    one, so no choice is silent."""
+    env = os.environ.get("RINGFLOW_PROFILE")
+    if profile is None:
+        why = ("RINGFLOW_PROFILE is set but empty" if env is not None and not env.strip()
+               else "no profile: RINGFLOW_PROFILE=NAME or --additional-config "
+                    "'{\"ringflow\": ...}' turns it on")
+        state.log_once("announce", "version %s installed and idle (%s)", __version__, why,
+                       level=logging.INFO)
+        return
+    ignored = ""
+    section = additional_config.get("ringflow") if isinstance(additional_config, dict) else None
+    if section is not None and env and env.strip():
+        ignored = f"; RINGFLOW_PROFILE={env} is ignored: additional_config.ringflow wins"
+    state.log_once("announce", "version %s, profile '%s' from %s%s", __version__, profile.name,
+                   profile.source, ignored, level=logging.WARNING if ignored else logging.INFO)
+
+
 def on_create_engine_config(state: PluginState, original, engine_args, *args, **kwargs):
-    """The hook on ``EngineArgs.create_engine_config`` (the front end)."""
+    """The hook on ``EngineArgs.create_engine_config`` (the front end). A ringflow mistake is
+    one ``ringflow:`` line: raised as its typed error (``LLM(...)``), or, under vLLM's command
+    line, the process's exit message with no traceback (exit status 2)."""
     try:
         profile = check(getattr(engine_args, "additional_config", None),
                         bool(getattr(engine_args, "enable_lora", False)), state)
+        announce(state, getattr(engine_args, "additional_config", None), profile)
         if profile is not None and getattr(engine_args, "enable_extensible_kv_cache", False) \
                 is None:  # vLLM 0.34 turns it on where supported unless told: tell it
             engine_args.enable_extensible_kv_cache = False
@@ -115,6 +139,10 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
         check_layers(profile, config)  # needs the model's config vLLM just read
         refuse_extensible_kv_cache(profile, config)
     except RingflowError as exc:
+        if startup_errors.from_vllms_cli():  # the line is the last thing the user sees
+            startup_errors.stop_front_end(f"ringflow: {exc}")
         log.error("%s", exc)  # one line, before vLLM starts any engine process
         raise
+    if profile is not None:  # what the engine processes find after load comes back here
+        startup_errors.open_relay()
     return config

@@ -219,6 +219,10 @@ SURFACES: tuple[Surface, ...] = (
             "instance", "full_kv", "the kept metadata follows a swapped block table",
             hook=f"{_M}:keep_swapped_block_table",
             params=("self", "metadata", "blk_table", "slot_mapping")),
+    Surface("vllm.v1.engine.utils", "wait_for_engine_startup", "function", "frontend",
+            "the front end's wait for its engine processes: a ringflow mistake an engine "
+            "process relayed ends it as one line (Note [One line at start-up])",
+            hook="ringflow.integrations.vllm.startup_errors:on_wait", required=False),
     # -- breakable CUDA graphs (weights.py; after the attention modules, which import it) ---
     Surface("vllm.compilation.breakable_cudagraph", "is_breakable_cudagraph_enabled", "read",
             "weights", "read: whether vLLM captures breakable CUDA graphs (the forward in "

@@ -30,7 +30,8 @@ from ringflow.errors import BudgetError, EngineError, OutputError, ProfileError,
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
-from ringflow.integrations.vllm import compat, frontend, graph_mode, layers, memory, surfaces
+from ringflow.integrations.vllm import (compat, frontend, graph_mode, layers, memory,
+                                        startup_errors, surfaces)
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
@@ -54,8 +55,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         if getattr(worker.vllm_config, "lora_config", None) is not None:
             frontend.refuse_lora(profile)  # the front end refuses it first, where it runs
     except RingflowError as exc:
-        log.error("%s", exc)
-        raise
+        startup_errors.fail(exc)  # one line, last (Note [One line at start-up])
     state.new_model_load()
     if layer_ops_only and profile is not None and profile.offload is not None:
         log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
@@ -70,8 +70,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         if profile is not None and profile.kv_prefetch is not None:
             own_context_layers(state, worker.model_runner.get_model())
     except RingflowError as exc:
-        log.error("%s", exc)  # one clear line before vLLM's own start-up failure
-        raise
+        startup_errors.fail(exc)  # one line, last (Note [One line at start-up])
     return result
 
 

@@ -68,6 +68,8 @@ MODELS = {
     },
 }
 #: memory accounting on a GPU (dummy weights: only their size matters): ~126 MB per layer
+#: eight small layers: what the built-in vllm_weights needs (the last 2 of every 8)
+MODELS["llama8"] = {**MODELS["llama"], "num_hidden_layers": 8}
 MODELS["llama_mid"] = {**MODELS["llama"], "hidden_size": 2048, "intermediate_size": 8192,
                        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                        "num_hidden_layers": 8, "vocab_size": 32000, "torch_dtype": "bfloat16"}

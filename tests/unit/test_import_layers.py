@@ -49,7 +49,7 @@ LAYERS = {
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
         "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",
-        ".layers", ".memory", ".metadata", ".graph_mode", ".weights",
+        ".layers", ".memory", ".metadata", ".graph_mode", ".startup_errors", ".weights",
         ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
         ".context_hooks", ".context_attach", ".attention")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
