@@ -232,6 +232,9 @@ def main() -> int:
     parser.add_argument("--on-first", action="store_true",
                         help="with --min-context -1 on one GPU: start ringflow's engine first "
                              "(a check that the order of the two engines does not decide)")
+    parser.add_argument("--control", action="store_true",
+                        help="with --min-context -1 on one GPU: a third engine, plain like "
+                             "'off', measured alongside (the spread between two engines)")
     parser.add_argument("--models", default="/tmp/mla-context-bench")
     parser.add_argument("--probe", action="store_true",
                         help="also time small Python and torch calls inside vLLM's forward and "
@@ -382,13 +385,16 @@ def against_plain(args) -> int:
     longest = max(prefixes) + args.suffix + 64
     engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest,
                   enable_prefix_caching=True, max_num_seqs=4, max_num_batched_tokens=8192,
-                  gpu_memory_utilization=0.4, seed=0,
+                  gpu_memory_utilization=0.28 if args.control else 0.4, seed=0,
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
     profile = {"ringflow": {"name": "mla-context-defaults", "kv_prefetch": {
         "depth": 1, "workspace_mib": 160}}}  # min_context_tokens omitted: the defaults
     engines = {}
     order = (("off", {}), ("on", {"additional_config": profile}))
-    for name, extra in (order[::-1] if args.on_first else order):
+    order = order[::-1] if args.on_first else order
+    if args.control:  # a second plain engine: how far two engines running the same code differ
+        order += (("control", {}),)
+    for name, extra in order:
         began = time.perf_counter()
         engines[name] = LLM(model=path, **engine, **extra)
         print(f"[mla-context] engine {name} up in {time.perf_counter() - began:.0f} s",
@@ -407,9 +413,9 @@ def against_plain(args) -> int:
         prefix = tokens(1000 + n, prefix_len)
         for name in engines:  # both cache the prefix
             generate(name, prefix + tokens(1, args.suffix))
-        times = {"off": [], "on": []}
+        times = {name: [] for name in engines}
         for r in range(args.rounds):
-            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                 seconds, _ = generate(name, prefix + tokens(10_000 * (n + 1) + r, args.suffix))
                 times[name].append(seconds)
         probe = prefix + tokens(77, args.suffix)
@@ -422,9 +428,12 @@ def against_plain(args) -> int:
                      "ttft_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in times.items()},
                      "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
                      "ratio_on_off": round(med["on"] / med["off"], 4),
+                     "ratio_control_off": (round(med["control"] / med["off"], 4)
+                                           if "control" in med else None),
                      "tokens_equal": list(off.token_ids) == list(on.token_ids),
                      "max_logprob_gap": gap})
-        print(f"[mla-context] {rows[-1]['case']}: on/off {rows[-1]['ratio_on_off']}",
+        print(f"[mla-context] {rows[-1]['case']}: on/off {rows[-1]['ratio_on_off']}, "
+              f"control/off {rows[-1]['ratio_control_off']}",
               file=sys.stderr, flush=True)
     doc = records.record("python3 tools/mla_context_bench.py", vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
                          layers=args.layers, mode="ringflow's defaults vs vLLM without ringflow",
