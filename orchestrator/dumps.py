@@ -71,17 +71,33 @@ def to_json(dag: Dag) -> str:
     return json.dumps(to_dict(dag), indent=1, sort_keys=True) + "\n"
 
 
-def write_files(dag: Dag, stem: str) -> tuple[Path, Path]:
+def dump_stem(base: str) -> str:
+    """The file stem ``RINGFLOW_DUMP=base`` names: ``base`` without a ``.json`` ending, or, for
+    a directory (one that exists, or a path ending in ``/``), ``ringflow-plan`` inside it (never
+    the hidden ``dir/.json``)."""
+    if base.endswith(("/", "\\")) or Path(base).is_dir():
+        return str(Path(base) / "ringflow-plan")
+    return base[:-5] if base.endswith(".json") else base
+
+
+def write_files(dag: Dag, stem: str, *, executor: str | None = None) -> tuple[Path, Path]:
     """``stem.json`` (the versioned dump) and ``stem.dot`` (Graphviz): what ``RINGFLOW_DUMP``
-    writes.
+    writes. ``executor``: what ran the plan, when that is not what the plan alone says (a
+    synchronous executor on a CPU runs every node on one stream): the JSON's ``executor``, and
+    the Graphviz label.
 
     Raises:
         OutputError: either file cannot be written (the OS error is the cause).
     """
     paths = Path(f"{stem}.json"), Path(f"{stem}.dot")
     try:
-        paths[0].write_text(to_json(dag))
-        paths[1].write_text(to_dot(dag))
+        doc = to_dict(dag)
+        dot = to_dot(dag)
+        if executor is not None:
+            doc["executor"] = executor
+            dot = dot.replace("{", f"{{\n  label={json.dumps('ran by: ' + executor)};", 1)
+        paths[0].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        paths[1].write_text(dot)
     except OSError as exc:
         raise OutputError(f"cannot write {paths[0]} and {paths[1]} ({exc.strerror or exc}); "
                           f"point RINGFLOW_DUMP at a writable path") from exc

@@ -96,8 +96,16 @@ def on_compile_factors(state: PluginState, original, vllm_config, *args, **kwarg
     return found
 
 
+#: what each factor is, in the log's words
+FACTOR_WORDS = {"profile": "the profile", "profile_error": "the profile's error",
+                "wrapped_layers_code": "the code that picks the wrapped layers"}
+
+
 def _logged(state: PluginState, extra: dict[str, object]) -> dict[str, object]:
     if extra:
-        state.log_once("cache-key", "vLLM's compile-cache key includes ringflow's %s",
-                       ", ".join(sorted(k for k in extra if k != "ringflow")), level=logging.INFO)
+        named = [FACTOR_WORDS.get(k, f"{k}={extra[k]}") for k in sorted(extra)
+                 if k != "ringflow"]
+        state.log_once("cache-key", "vLLM's compile-cache key includes ringflow's %s: an "
+                       "engine with another profile or switch traces and caches graphs of its "
+                       "own", ", ".join(named), level=logging.INFO)
     return extra

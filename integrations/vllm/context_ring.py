@@ -57,7 +57,7 @@ def one_rank_left_to_vllm(spec, dcp_size: int) -> bool:
 def _dump_plan(base: str, dag) -> None:
     """RINGFLOW_DUMP: each (layers x chunks) plan, once, as PATH.context-LxC.json and .dot."""
     from ringflow.orchestrator import dumps
-    stem = base[:-5] if base.endswith(".json") else base
+    stem = dumps.dump_stem(base)
     stem = f"{stem}.context-{dag.meta['layers']}x{dag.meta['chunks']}"
     try:
         dumps.write_files(dag, stem)

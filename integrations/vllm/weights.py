@@ -178,21 +178,26 @@ def _enable(state: PluginState, worker, profile: Profile, stacks) -> WeightStrea
     per_token = memory.kv_bytes_per_token(worker)
     tokens = (lambda nbytes: f"{int(nbytes // per_token):,} KV tokens ({per_token:,.0f} B/token)"
               ) if per_token else (lambda nbytes: "an unknown number of KV tokens")
+    fixed = getattr(getattr(worker.vllm_config, "cache_config", None),
+                    "kv_cache_memory_bytes", None)
     if on_gpu:
         streamer.saved_bytes = before - torch.cuda.memory_allocated()  # measured, not estimated
         credited = memory.credit_weights_memory(worker, streamer.saved_bytes)
         runner = type(worker.model_runner)
         log.info("profile '%s': %s; allocated before the KV cache is sized; device memory "
-                 "%s by %s (offloaded weights freed minus the ring)%s, worth %s",
+                 "%s by %s (offloaded weights freed minus the ring)%s, %s",
                  profile.name, streamer.describe(),
                  "fell" if streamer.saved_bytes >= 0 else "grew", mib(abs(streamer.saved_bytes)),
                  f", credited to {runner.__module__}.{runner.__qualname__}'s weights memory "
                  f"before it sizes the KV cache" if credited
                  else " (vLLM's weights memory figure not found: not credited)",
-                 tokens(abs(streamer.saved_bytes)))
-    else:
-        log.info("profile '%s': %s; allocated before the KV cache is sized, it costs %s",
-                 profile.name, streamer.describe(), tokens(streamer.reserved_bytes))
+                 f"worth {tokens(abs(streamer.saved_bytes))}" if not fixed else
+                 "which does not move the KV cache: kv_cache_memory_bytes fixes its size")
+    else:  # vLLM-CPU sizes its KV cache from its own setting, never from what is left
+        log.info("profile '%s': %s; allocated before the KV cache is sized; on a CPU vLLM sizes "
+                 "its KV cache from its own setting (kv_cache_memory_bytes or "
+                 "VLLM_CPU_KVCACHE_SPACE), so the ring does not shrink it", profile.name,
+                 streamer.describe())
     if streamer.device.type == "cpu":
         log.info("on a CPU, linear layers run plain F.linear (vLLM's packed CPU GEMMs cannot "
                  "read streamed weights)")
@@ -322,10 +327,13 @@ def _dump_once(streamer: WeightStreamer, base: str, worker):
     def write() -> None:
         streamer.stepper.on_forward_done = None
         rank = getattr(worker, "rank", 0) or 0
-        stem = base[:-5] if base.endswith(".json") else base
+        stem = dumps.dump_stem(base)
         stem = f"{stem}.rank{rank}" if rank else stem
+        executor = streamer.executor
+        ran = ("sync: every node on vLLM's stream, in plan order (the CPU has no streams)"
+               if executor.kind == "sync" else None)
         try:
-            dumps.write_files(streamer.dag, stem)
+            dumps.write_files(streamer.dag, stem, executor=ran)
         except OutputError as exc:
             log.warning("RINGFLOW_DUMP: %s; the plan is not dumped", exc)
             return

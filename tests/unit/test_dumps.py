@@ -136,3 +136,18 @@ def test_compute_nodes_name_their_lane_when_a_plan_has_two_lanes():
     assert computes and all(label.endswith((" (a)", " (b)")) for label in computes)
     one = to_dot(cross_plan())  # one lane: nothing to tell apart
     assert not any(label.endswith(" (w)") for _, label in _drawn(one))
+
+
+def test_ringflow_dump_to_a_directory_writes_named_files_inside_it(tmp_path):
+    """#38: ``RINGFLOW_DUMP=/some/dir/`` used to write the hidden ``dir/.json``."""
+    from ringflow.orchestrator.dumps import dump_stem, write_files
+    assert dump_stem(f"{tmp_path}/") == str(tmp_path / "ringflow-plan")
+    assert dump_stem(str(tmp_path)) == str(tmp_path / "ringflow-plan")  # it exists
+    assert dump_stem(str(tmp_path / "plan.json")) == str(tmp_path / "plan")
+    assert dump_stem(str(tmp_path / "plan")) == str(tmp_path / "plan")
+    dag = Planner(4, [PoolLayout.fit("w", 64, 1, 1 << 10)], gathered=[1, 3]).plan()
+    js, dot = write_files(dag, dump_stem(f"{tmp_path}/"), executor="sync: one stream")
+    assert js.name == "ringflow-plan.json" and dot.name == "ringflow-plan.dot"
+    assert json.loads(js.read_text())["executor"] == "sync: one stream"
+    assert 'label="ran by: sync: one stream"' in dot.read_text()
+    assert "executor" not in json.loads(write_files(dag, str(tmp_path / "plain"))[0].read_text())

@@ -170,15 +170,17 @@ def test_plain_gemm_differs_from_vllms_packed_default_only_by_rounding(eager, mo
 
 
 def test_the_ring_exists_before_vllm_allocates_the_kv_cache_and_the_log_states_its_cost(eager):
+    """On a CPU vLLM sizes its KV cache from its own setting: the log says the ring does not
+    shrink it (#38: it used to name a cost in KV tokens that the KV cache never paid), and the
+    KV cache is the same size with and without streaming."""
     results, _ = eager
     for name in STREAMED:
         run = results[f"llama/{name}"]
         assert run["lifecycle"] == ["ring-allocated", "kv-cache-initialized"], run["lifecycle"]
         line = next(l for l in run["log"] if "streaming the weights" in l)
-        assert "allocated before the KV cache is sized, it costs" in line
-        assert "KV tokens (4,096 B/token)" in line  # tiny Llama: 4 layers x 1,024 B/token
-    mla = next(l for l in results["dsv2/all_d1"]["log"] if "streaming the weights" in l)
-    assert "KV tokens (9,216 B/token)" in mla
+        assert "allocated before the KV cache is sized; on a CPU vLLM sizes its KV cache from " \
+               "its own setting" in line and "KV tokens" not in line, line
+        assert run["kv_blocks"] == results["llama/off"]["kv_blocks"]
 
 
 def test_a_count_of_layers_is_placed_by_the_planner_and_logged(eager):
