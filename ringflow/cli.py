@@ -332,25 +332,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
              len(profile.lanes), mib(pools[0].slot_bytes), kinds, 1 + args.forwards)
     work = SyntheticWorkload(profile, device)
     forwards = 1 + kinds * (1 + args.forwards)  # the reference, then each executor's
-    if not cuda:  # a CPU can take minutes per forward: time one layer first and say so
-        layer = min(gathered) if gathered else 0
-        t0 = time.perf_counter()
-        buf = torch.empty(work.shape, dtype=work.dtype) if gathered else None
-        if buf is not None:
-            work.gather(layer, profile.lanes[0], buf)
-        work.compute(layer, profile.lanes[0], buf)  # layer 0 of the reference rewrites it
-        per_forward = (time.perf_counter() - t0) * profile.layers * len(profile.lanes)
-        del buf
-        log.info("one layer of one lane took %.2f s here: about %.0f s per forward, %.0f s for "
-                 "the %d forwards of this run (--layers N runs fewer)",
-                 per_forward / (profile.layers * len(profile.lanes)), per_forward,
-                 per_forward * forwards, forwards)
     t0 = time.perf_counter()
     reference = work.reference(gathered)
     took = time.perf_counter() - t0
-    if took > PROGRESS_AFTER_S:
-        log.info("the reference forward took %.1f s; %d more forwards follow (about %.0f s)",
-                 took, forwards - 1, took * (forwards - 1))
+    if took > PROGRESS_AFTER_S or not cuda:  # measured, never predicted from one layer
+        log.info("the reference forward took %.1f s here; %d more forwards follow (about %.0f s "
+                 "at that pace)", took, forwards - 1, took * (forwards - 1))
 
     executors = [SyncExecutor(dag, pools, work.gather, work.compute)]
     if cuda:
