@@ -1,4 +1,5 @@
-"""Every code block of README.md and profiles/README.md works as written, on a CPU.
+"""Every code block of README.md, profiles/README.md and integrations/vllm/README.md works
+as written, on a CPU.
 
 Python blocks are executed (with the GPU hidden; ``-m cuda`` runs them on the GPU too). In ``sh``
 blocks every ``ringflow ...`` command runs through the CLI, within a time budget, and must exit
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "profiles/README.md")
+DOCS = ("README.md", "profiles/README.md", "integrations/vllm/README.md")
 BUDGET_S = 90  # one command or one Python block; each takes a few seconds on a CPU
 
 # Commands of `sh` blocks that do not run here, exactly as written (comments dropped), and why.
@@ -39,7 +40,8 @@ SKIPPED = {
 # Blocks without a language (output, not code), by their file and first line, and why they
 # cannot be checked here; the others are in CHECKED below.
 SKIPPED_OUTPUT = {
-    ("README.md", "(EngineCore pid=...) INFO 12-01 10:00:00 [weights.py:...] ringflow: profile"):
+    ("integrations/vllm/README.md",
+     "(EngineCore pid=...) INFO 12-01 10:00:00 [weights.py:...] ringflow: profile"):
         "a sample of the vLLM plugin's two log lines on a GPU (needs vLLM and a GPU); "
         "tests/vllm_engine/test_cuda_vllm.py checks the real lines there",
 }
