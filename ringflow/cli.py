@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
 
     trace = sub.add_parser("trace", help="write a Chrome/Perfetto trace of every timeline in a "
                                          "`ringflow bench --json` file (no GPU needed)")
-    trace.add_argument("results", type=Path, metavar="FILE", help="a bench results JSON")
+    trace.add_argument("results", type=Path, metavar="FILE",
+                       help="a bench results JSON: a path, or the name of one shipped with "
+                            "ringflow (profiles/results/, e.g. bench-h200.json)")
     trace.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
                        help="where the SCENARIO.trace.json files go (default: here)")
 
@@ -388,7 +390,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from ringflow.bench.timeline import traces_from_results
 
-    for path in traces_from_results(args.results, args.out):
+    results = args.results
+    if not results.exists():  # a results file ringflow ships (profiles/results), by name
+        from importlib import resources
+        shipped = resources.files("ringflow.profiles").joinpath("results", results.name)
+        if shipped.is_file():
+            results = Path(str(shipped))
+    for path in traces_from_results(results, args.out):
         print(f"wrote {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
     return 0
 

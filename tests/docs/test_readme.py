@@ -202,8 +202,8 @@ def _cpu_env() -> dict[str, str]:
 
 @pytest.fixture
 def workdir(tmp_path):
-    """A scratch folder where relative paths of the READMEs (profiles/...) resolve."""
-    (tmp_path / "profiles").symlink_to(ROOT / "profiles")
+    """An empty scratch folder: the READMEs' commands must work from anywhere, not only from
+    the repository's root (#38 found Usage paths that did not)."""
     return tmp_path
 
 

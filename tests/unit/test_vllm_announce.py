@@ -45,3 +45,41 @@ def test_one_source_is_said_as_information(caplog, monkeypatch):
     profile = Profile.from_mapping(SECTION, source="additional_config.ringflow", vllm=True)
     [record] = lines(caplog, PluginState(), {"ringflow": SECTION}, profile)
     assert record.levelno == logging.INFO and "ignored" not in record.getMessage()
+
+
+def test_a_built_ins_name_in_additional_config_is_labelled_where_it_was_given():
+    """The string form ``{"ringflow": "NAME"}``: its profile and its errors name
+    ``additional_config.ringflow`` (#38: they said ``<builtin ...>`` alone)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from ringflow import ProfileError
+    from ringflow.integrations.vllm.config import profile_from
+    got = profile_from(SimpleNamespace(additional_config={"ringflow": "vllm_weights_small"}))
+    assert got.source == "additional_config.ringflow='vllm_weights_small' " \
+                         "(<builtin vllm_weights_small>)"
+    with pytest.raises(ProfileError, match=r"^additional_config.ringflow='demo' \(<builtin "
+                                           r"demo>\): is not a vLLM profile"):
+        profile_from(SimpleNamespace(additional_config={"ringflow": "demo"}))
+
+
+def test_the_small_built_in_streams_models_the_large_one_refuses():
+    small = Profile.load("vllm_weights_small", vllm=True)
+    assert small.offload.resolve(2, "t") == [1] and small.offload.resolve(4, "t") == [1, 3]
+    import pytest
+
+    from ringflow import ProfileError
+    with pytest.raises(ProfileError, match="selects no layer of a model with 4 decoder layers"):
+        Profile.load("vllm_weights", vllm=True).offload.resolve(4, "t")
+
+
+def test_the_compile_cache_key_line_is_in_plain_words(caplog):
+    from ringflow.integrations.vllm import cache_key
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        cache_key._logged(PluginState(), {"profile": {}, "wrapped_layers_code": "ab",
+                                          "RINGFLOW_PROFILE": "x", "ringflow": "0.1.0"})
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == ("vLLM's compile-cache key includes ringflow's RINGFLOW_PROFILE=x, the "
+                    "profile, the code that picks the wrapped layers: an engine with another "
+                    "profile or switch traces and caches graphs of its own")
