@@ -8,8 +8,10 @@ initialization failed. See root cause above": ringflow's line sits in the middle
 Note [One line at start-up]
     The front end (``frontend.on_create_engine_config``) names a relay file in the environment
     its engine processes inherit (:data:`RELAY`). A ringflow hook that fails during start-up in
-    an engine-core process (:func:`fail`) writes its line there and ends the process with
-    ``SystemExit``, which vLLM's engine core lets through without a traceback. The front end's
+    an engine-core or worker process (:func:`fail`) writes its line there and ends the process
+    with ``SystemExit``, which vLLM's engine core lets through without a traceback; where the
+    worker is a process of its own, the engine core's start-up fails in turn and ends the same
+    way (:func:`on_engine_core_init`). The front end's
     wait for the engines (``vllm.v1.engine.utils.wait_for_engine_startup``, :func:`on_wait`)
     then finds the line: under vLLM's command line the process exits with it (status 2, as
     vLLM's own argument errors do); under ``LLM(...)`` it raises :class:`EngineError` whose
@@ -61,6 +63,27 @@ def fail(exc: RingflowError) -> NoReturn:
             raise SystemExit(2) from None
     log.error("%s", exc)
     raise exc
+
+
+def pending() -> bool:
+    """Whether an engine process relayed a line (it stays for the front end to take)."""
+    path = os.environ.get(RELAY)
+    try:
+        return bool(path) and os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
+def on_engine_core_init(state, original, core, *args, **kwargs):
+    """The hook on ``EngineCore.__init__`` (an engine-core process): where a worker process
+    relayed ringflow's line and ended, vLLM's executor fails with an exception the engine core
+    would log with its traceback; it ends quietly instead, so the line is all the user sees."""
+    try:
+        return original(core, *args, **kwargs)
+    except Exception:
+        if pending() and _in_engine_child():
+            raise SystemExit(2) from None
+        raise
 
 
 def taken() -> str | None:
