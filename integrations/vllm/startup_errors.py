@@ -21,6 +21,7 @@ Note [One line at start-up]
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -42,6 +43,14 @@ def open_relay() -> None:
     handle, path = tempfile.mkstemp(prefix="ringflow-startup-", suffix=".txt")
     os.close(handle)
     os.environ[RELAY] = path
+    atexit.register(_remove, path)  # the front end outlives its engine processes
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _in_engine_child() -> bool:
