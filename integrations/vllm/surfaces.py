@@ -222,7 +222,8 @@ SURFACES: tuple[Surface, ...] = (
     Surface("vllm.v1.engine.utils", "wait_for_engine_startup", "function", "frontend",
             "the front end's wait for its engine processes: a ringflow mistake an engine "
             "process relayed ends it as one line (Note [One line at start-up])",
-            hook="ringflow.integrations.vllm.startup_errors:on_wait", required=False),
+            hook="ringflow.integrations.vllm.startup_errors:on_wait",
+            params=("handshake_socket",), required=False),
     Surface("vllm.v1.engine.core", "EngineCore.__init__", "method", "frontend",
             "an engine core whose worker relayed a ringflow line ends without a traceback "
             "(Note [One line at start-up])",
