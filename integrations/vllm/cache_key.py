@@ -83,14 +83,14 @@ def keyed_hash(base: str, extra: dict[str, object]) -> str:
 def on_compute_hash(state: PluginState, original, vllm_config, *args, **kwargs) -> str:
     """The hook on ``VllmConfig.compute_hash`` (Note [Compile-cache key])."""
     base = original(vllm_config, *args, **kwargs)
-    return keyed_hash(base, _logged(state, factors(vllm_config, state)))
+    return keyed_hash(base, log_factors(state, factors(vllm_config, state)))
 
 
 def on_compile_factors(state: PluginState, original, vllm_config, *args, **kwargs):
     """The hook on ``VllmConfig.compile_factors`` (vLLM 0.34: the compile-cache key is the hash
     of this dict): ringflow's factors under ``"ringflow"``, nothing when there are none."""
     found = original(vllm_config, *args, **kwargs)
-    extra = _logged(state, factors(vllm_config, state))
+    extra = log_factors(state, factors(vllm_config, state))
     if extra and isinstance(found, dict):
         found = {**found, "ringflow": extra}
     return found
@@ -101,7 +101,8 @@ FACTOR_WORDS = {"profile": "the profile", "profile_error": "the profile's error"
                 "wrapped_layers_code": "the code that picks the wrapped layers"}
 
 
-def _logged(state: PluginState, extra: dict[str, object]) -> dict[str, object]:
+def log_factors(state: PluginState, extra: dict[str, object]) -> dict[str, object]:
+    """Say once, in plain words, what ringflow adds to vLLM's compile-cache key; ``extra``."""
     if extra:
         named = [FACTOR_WORDS.get(k, f"{k}={extra[k]}") for k in sorted(extra)
                  if k != "ringflow"]

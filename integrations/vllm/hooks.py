@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 from ringflow.errors import EngineError
 
@@ -19,6 +20,7 @@ def wrap(cls: type, name: str, hook, state) -> None:
             process's state, and rebinding it would hide the first one's lanes.
     """
     original = getattr(cls, name)
+    static = isinstance(inspect.getattr_static(cls, name, None), staticmethod)
     if getattr(original, "_ringflow_hook", False):
         if original._ringflow_state is not state:
             raise EngineError(f"{cls.__qualname__}.{name} is already hooked for another plugin "
@@ -32,7 +34,7 @@ def wrap(cls: type, name: str, hook, state) -> None:
 
     wrapper._ringflow_hook = True
     wrapper._ringflow_state = state
-    setattr(cls, name, wrapper)
+    setattr(cls, name, staticmethod(wrapper) if static else wrapper)  # "self": the first arg
 
 
 def wrap_function(module, name: str, hook, state) -> None:

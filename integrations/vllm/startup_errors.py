@@ -11,7 +11,7 @@ Note [One line at start-up]
     an engine-core or worker process (:func:`fail`) writes its line there and ends the process
     with ``SystemExit``, which vLLM's engine core lets through without a traceback; where the
     worker is a process of its own, the engine core's start-up fails in turn and ends the same
-    way (:func:`on_engine_core_init`). The front end's
+    way (:func:`on_workers_ready`). The front end's
     wait for the engines (``vllm.v1.engine.utils.wait_for_engine_startup``, :func:`on_wait`)
     then finds the line: under vLLM's command line the process exits with it (status 2, as
     vLLM's own argument errors do); under ``LLM(...)`` it raises :class:`EngineError` whose
@@ -33,7 +33,7 @@ from ringflow.errors import EngineError, RingflowError
 
 log = logging.getLogger("ringflow")
 
-RELAY = "RINGFLOW_STARTUP_RELAY"
+RELAY = "_RINGFLOW_STARTUP_RELAY"  # not a RINGFLOW_* switch: ringflow sets it, users do not
 
 
 def open_relay() -> None:
@@ -83,12 +83,14 @@ def pending() -> bool:
         return False
 
 
-def on_engine_core_init(state, original, core, *args, **kwargs):
-    """The hook on ``EngineCore.__init__`` (an engine-core process): where a worker process
-    relayed ringflow's line and ended, vLLM's executor fails with an exception the engine core
-    would log with its traceback; it ends quietly instead, so the line is all the user sees."""
+def on_workers_ready(state, original, *args, **kwargs):
+    """The hook on ``WorkerProc.wait_for_ready`` (an engine-core process, vLLM's multiprocess
+    executor): where a worker relayed ringflow's line and ended, the wait fails with an
+    exception the engine core would log with its traceback; the engine core ends quietly
+    instead (vLLM loads plugins there before it starts its workers), so the line is all the
+    user sees."""
     try:
-        return original(core, *args, **kwargs)
+        return original(*args, **kwargs)
     except Exception:
         if pending() and _in_engine_child():
             raise SystemExit(2) from None

@@ -224,11 +224,11 @@ SURFACES: tuple[Surface, ...] = (
             "process relayed ends it as one line (Note [One line at start-up])",
             hook="ringflow.integrations.vllm.startup_errors:on_wait",
             params=("handshake_socket",), required=False),
-    Surface("vllm.v1.engine.core", "EngineCore.__init__", "method", "frontend",
-            "an engine core whose worker relayed a ringflow line ends without a traceback "
-            "(Note [One line at start-up])",
-            hook="ringflow.integrations.vllm.startup_errors:on_engine_core_init",
-            params=("self",), required=False),
+    Surface("vllm.v1.executor.multiproc_executor", "WorkerProc.wait_for_ready", "method",
+            "frontend", "an engine core whose worker process relayed a ringflow line ends "
+            "without a traceback (Note [One line at start-up])",
+            hook="ringflow.integrations.vllm.startup_errors:on_workers_ready",
+            params=("unready_proc_handles",), required=False),
     # -- breakable CUDA graphs (weights.py; after the attention modules, which import it) ---
     Surface("vllm.compilation.breakable_cudagraph", "is_breakable_cudagraph_enabled", "read",
             "weights", "read: whether vLLM captures breakable CUDA graphs (the forward in "

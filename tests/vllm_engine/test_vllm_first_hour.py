@@ -154,6 +154,7 @@ def test_a_mistake_found_while_the_model_loads_is_the_servers_last_line(models, 
     assert code == 2, err[-5:]
     assert err[-1].startswith(f"ringflow: RINGFLOW_PROFILE={profile}: field "
                               f"'offload.workspace_mib'"), err[-5:]
+    assert not any("Traceback" in line for line in err), "\n".join(err)
     print(f"[first-hour] after load: {len(err)} stderr lines, {seconds:.1f} s")
 
 
