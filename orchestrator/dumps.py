@@ -67,8 +67,9 @@ def to_dict(dag: Dag) -> dict[str, Any]:
     }
 
 
-def to_json(dag: Dag) -> str:
-    return json.dumps(to_dict(dag), indent=1, sort_keys=True) + "\n"
+def to_json(dag: Dag, **extra: Any) -> str:
+    """The versioned dump; ``extra`` keys join its top level (``write_files``' executor)."""
+    return json.dumps({**to_dict(dag), **extra}, indent=1, sort_keys=True) + "\n"
 
 
 def dump_stem(base: str) -> str:
@@ -91,12 +92,10 @@ def write_files(dag: Dag, stem: str, *, executor: str | None = None) -> tuple[Pa
     """
     paths = Path(f"{stem}.json"), Path(f"{stem}.dot")
     try:
-        doc = to_dict(dag)
         dot = to_dot(dag)
         if executor is not None:
-            doc["executor"] = executor
             dot = dot.replace("{", f"{{\n  label={json.dumps('ran by: ' + executor)};", 1)
-        paths[0].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        paths[0].write_text(to_json(dag, **({"executor": executor} if executor else {})))
         paths[1].write_text(dot)
     except OSError as exc:
         raise OutputError(f"cannot write {paths[0]} and {paths[1]} ({exc.strerror or exc}); "

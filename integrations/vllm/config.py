@@ -40,18 +40,19 @@ def _named_profile(ref: str, where: str) -> Profile:
     """The profile at path or built-in name ``ref``; it and its errors name ``where`` it was
     given (and the file or built-in it found there), so a mistake found later, where the model
     loads, names it too."""
+    def labelled(found: str | None) -> str:  # where, and the file or built-in found there
+        return where + (f" ({found})" if found != ref else "")
+
     try:
         profile = Profile.load(ref, vllm=True)
-        return dataclasses.replace(profile, source=where + (
-            f" ({profile.source})" if profile.source != ref else ""))
-    except ProfileError as exc:  # say where the name came from
+    except ProfileError as exc:
         message = str(exc)
         if exc.source and message.startswith(f"{exc.source}: "):
             message = message[len(exc.source) + 2:]
         if exc.field and message.startswith(f"field '{exc.field}': "):
             message = message[len(exc.field) + 10:]
-        raise ProfileError(exc.field, message, where + (f" ({exc.source})" if exc.source != ref
-                                                        else "")) from exc
+        raise ProfileError(exc.field, message, labelled(exc.source)) from exc
+    return dataclasses.replace(profile, source=labelled(profile.source))
 
 
 def _sources(vllm_config) -> tuple[object, str | None]:

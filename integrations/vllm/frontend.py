@@ -139,8 +139,7 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
         check_layers(profile, config)  # needs the model's config vLLM just read
         refuse_extensible_kv_cache(profile, config)
     except RingflowError as exc:
-        if startup_errors.from_vllms_cli():  # the line is the last thing the user sees
-            startup_errors.stop_front_end(f"ringflow: {exc}")
+        startup_errors.exit_if_cli(f"ringflow: {exc}")  # the line is the last thing seen
         log.error("%s", exc)  # one line, before vLLM starts any engine process
         raise
     if profile is not None:  # what the engine processes find after load comes back here

@@ -120,13 +120,12 @@ def from_vllms_cli() -> bool:
         os.path.basename(sys.argv[0] if sys.argv else "") == "vllm"
 
 
-def stop_front_end(line: str) -> NoReturn:
-    """End the front end with ``line``: the exit message under vLLM's command line, else an
-    :class:`EngineError` whose message is the line."""
+def exit_if_cli(line: str) -> None:
+    """Under vLLM's command line, end the process with ``line`` as its last output (status 2);
+    elsewhere return, and the caller raises its typed error."""
     if from_vllms_cli():
         print(line, file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    raise EngineError(line.removeprefix("ringflow: ")) from None
 
 
 def on_wait(state, original, *args, **kwargs):
@@ -137,4 +136,5 @@ def on_wait(state, original, *args, **kwargs):
         line = taken()
         if line is None:
             raise
-        stop_front_end(line)
+        exit_if_cli(line)
+        raise EngineError(line.removeprefix("ringflow: ")) from None

@@ -354,8 +354,7 @@ def inflight_reloads(llm, root: Path, model: str, max_tokens: int, before: int =
                 last = o
         done = last.outputs[0]
         out["tokens"].append(list(done.token_ids))
-        out["top5"].append([sorted([tok, lp.logprob] for tok, lp in step.items())
-                            for step in done.logprobs])
+        out["top5"].append(top5(done))
     return out
 
 
@@ -417,9 +416,13 @@ def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5),
                         use_tqdm=False)
-    return ([list(o.outputs[0].token_ids) for o in outs],
-            [[sorted([tok, lp.logprob] for tok, lp in step.items())
-              for step in o.outputs[0].logprobs] for o in outs])
+    return [list(o.outputs[0].token_ids) for o in outs], [top5(o.outputs[0]) for o in outs]
+
+
+def top5(completion) -> list:
+    """A completion's top-5 logprobs, step by step, as sorted [token, logprob] pairs."""
+    return [sorted([tok, lp.logprob] for tok, lp in step.items())
+            for step in completion.logprobs]
 
 
 class _InstallOnly(Exception):
@@ -481,8 +484,7 @@ def change_surface(key: str):
 
 
 def run_case(case: dict, root: Path, lines: _Lines) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from ringflow.integrations.vllm import attention
     from ringflow.integrations.vllm.state import STATE
@@ -516,18 +518,10 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
 
         def generate():
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                SamplingParams(temperature=0, max_tokens=case.get("max_tokens", 8),
-                                               logprobs=5),
-                                use_tqdm=False)
-            return ([list(o.outputs[0].token_ids) for o in outs],
-                    [[sorted([tok, lp.logprob] for tok, lp in step.items())
-                      for step in o.outputs[0].logprobs] for o in outs])
-
-        if case.get("serial"):  # one request at a time (FIELD_NOTES: batched greedy outputs
-            def generate():  # of two identical GPU engines may differ)
+            if case.get("serial"):  # one request at a time (FIELD_NOTES: batched greedy
                 runs = [run_prompts(llm, [p], case.get("max_tokens", 8)) for p in prompts]
-                return [r[0][0] for r in runs], [r[1][0] for r in runs]
+                return [r[0][0] for r in runs], [r[1][0] for r in runs]  # outputs of two
+            return run_prompts(llm, prompts, case.get("max_tokens", 8))  # GPU engines differ)
         if case.get("inflight"):  # the weights change under a request in flight
             result["inflight"] = inflight_reloads(llm, root, case["model"],
                                                   case.get("max_tokens", 8))

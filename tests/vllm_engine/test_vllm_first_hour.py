@@ -4,7 +4,6 @@ a profile is the server's last line, one ``ringflow:`` line naming where the val
 with exit status 2 (Note [One line at start-up] in ``integrations/vllm/startup_errors.py``);
 ``LLM(...)`` raises it as one typed error."""
 
-import importlib.util
 import json
 import os
 import shlex
@@ -33,11 +32,8 @@ BAD_WORKSPACE = {"offload": {"layers": "all", "depth": 1, "workspace_mib": 1}}
 
 
 def readme_server_commands() -> list[str]:
-    spec = importlib.util.spec_from_file_location("readme_doc", ROOT / "tests/docs/test_readme.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("readme_doc", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.vllm_server_commands()
+    from docs.test_readme import vllm_server_commands  # the READMEs' blocks, parsed there
+    return vllm_server_commands()
 
 
 @pytest.fixture(scope="module")
