@@ -424,25 +424,31 @@ def against_plain(args) -> int:
         gap = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(off.logprobs, on.logprobs)
                   for t in a if t in b)
         med = {k: statistics.median(v) for k, v in times.items()}
+        # the same round's requests ran back to back: their ratio cancels drift over the rounds
+        paired = {k: round(statistics.median(a / b for a, b in zip(times[k], times["off"])), 4)
+                  for k in times if k != "off"}
         rows.append({"case": f"prefix {prefix_len // 1024}k + {args.suffix}",
                      "ttft_ms": {k: [round(x * 1e3, 2) for x in v] for k, v in times.items()},
                      "median_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
                      "ratio_on_off": round(med["on"] / med["off"], 4),
                      "ratio_control_off": (round(med["control"] / med["off"], 4)
                                            if "control" in med else None),
+                     "paired_ratio_median": paired,
                      "tokens_equal": list(off.token_ids) == list(on.token_ids),
                      "max_logprob_gap": gap})
         print(f"[mla-context] {rows[-1]['case']}: on/off {rows[-1]['ratio_on_off']}, "
-              f"control/off {rows[-1]['ratio_control_off']}",
+              f"control/off {rows[-1]['ratio_control_off']}, paired {paired}",
               file=sys.stderr, flush=True)
     doc = records.record("python3 tools/mla_context_bench.py", vllm=vllm.__version__, gpu=torch.cuda.get_device_name(),
                          layers=args.layers, mode="ringflow's defaults vs vLLM without ringflow",
                          started_first="on" if args.on_first else "off",
                          ringflow_state=state, rows=rows)
-    print("| case | off ms | on ms | on/off | tokens equal |\n| --- | --- | --- | --- | --- |")
+    print("| case | off ms | on ms | on/off | control/off | paired on/off | tokens equal |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['case']} | {row['median_ms']['off']} | {row['median_ms']['on']} | "
-              f"{row['ratio_on_off']} | {row['tokens_equal']} |")
+              f"{row['ratio_on_off']} | {row['ratio_control_off']} | "
+              f"{row['paired_ratio_median']['on']} | {row['tokens_equal']} |")
     if args.json:
         records.write(args.json, doc)
     return 0
