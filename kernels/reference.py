@@ -94,3 +94,17 @@ def dcp_all_gather_ref(shards, seq_lens: list[int], size: int, interleave: int,
             out[start + t] = cache[table[r, p // block_size], p % block_size]
         start += -(-n // align) * align
     return out
+
+
+def moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """A routed-expert MoE in float64, one token and expert at a time: ``w13`` [experts, 2I, H]
+    (gate rows, then up rows, as vLLM lays them out), ``w2`` [experts, H, I], SiLU-gated."""
+    x, w13, w2 = hidden.cpu().double(), w13.cpu().double(), w2.cpu().double()
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
+            h = w13[e] @ x[t]
+            out[t] += w * (w2[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out

@@ -1,0 +1,143 @@
+"""ExpertCache: a MoE layer's routed experts in host memory, a budgeted set of GPU slots for them.
+
+Note [Expert cache]
+    A decode step of a few tokens reads top_k of a layer's experts; copying the whole layer
+    each step copies experts nobody reads. The cache keeps ``slots`` experts of one layer on the
+    GPU (preallocated once, never grown) and, per step, brings in only the experts the router
+    chose that are not there. Everything it decides is decided on the device with fixed-shape
+    torch ops: the router's choice lives on the GPU, inside a step vLLM may have captured, and a
+    host sync per layer would cost more than most misses. Per step, in stream order on the
+    stream that runs the layer:
+
+    1. ``needed``: which experts any token picked; hits are needed experts already in a slot.
+    2. Slots that hold a needed expert are stamped with the step's clock; the others are the
+       victims, least recently used (empty ones) first.
+    3. Pass 0 installs the first ``min(misses, victims)`` missed experts into victims
+       (kernels/expert_fetch.py, device-indexed) and yields the expert→slot map of every expert
+       it serves (hits and installed); the caller runs its MoE kernel with that map (experts
+       mapped to -1 contribute nothing, as in vLLM's expert-parallel ``expert_map``).
+    4. When one step needs more experts than there are slots, further passes install the rest
+       ``slots`` at a time into any slot (the previous pass has been computed: same stream) and
+       yield maps of only what they installed, so every (token, expert) pair is summed once.
+       How many passes a step gets is fixed by its shape, ``ceil(min(experts, tokens * top_k) /
+       slots)``, so a captured graph holds enough passes for any routing of its batch: a cache
+       smaller than a step's experts is slower, never wrong.
+
+    No slot is rewritten while a reader may run: the fetch and the MoE kernel share one stream,
+    so a pass's install waits for the previous pass's (and step's) compute by stream order, and
+    pass 0 writes only slots no token of this step reads. The state (which expert is in which
+    slot, the stamps, the hit counters) lives in device tensors that a replay updates like an
+    eager step; ``hit_rate`` reads them (one host sync, at report time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs.slots import poison
+from ringflow.kernels.expert_fetch import PROGRAMS, check, fetch_experts
+
+_LATEST = torch.iinfo(torch.int64).max
+
+
+class ExpertCache:
+    """``slots`` GPU copies of one MoE layer's routed experts, whose host copies are ``host``
+    (parameter name → pinned tensor [experts, ...]); see Note [Expert cache]."""
+
+    def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
+                 device: torch.device | str, programs: int = PROGRAMS) -> None:
+        counts = {name: t.shape[0] for name, t in host.items()}
+        if not counts or len(set(counts.values())) != 1:
+            raise ConfigError(f"expert parameters must share their first dimension (the "
+                              f"expert), got {counts}")
+        self.experts = next(iter(counts.values()))
+        if not 1 <= slots <= self.experts:
+            raise ConfigError(f"an expert cache needs 1 to {self.experts} slots (the layer's "
+                              f"experts), got {slots}; at {self.experts} keep the layer resident")
+        self.slots, self.programs = slots, programs
+        self.device = torch.device(device)
+        self.host = dict(host)
+        self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
+                                          device=self.device) for name, t in host.items()}
+        for name, w in self.weights.items():
+            check(self.host[name], w)
+            poison(w)
+        e, s, dev = self.experts, slots, self.device
+        # one spare entry each (index experts / slots) takes the writes of unused positions
+        self.slot_of = torch.full((e + 1,), -1, dtype=torch.int64, device=dev)
+        self.expert_in = torch.full((s + 1,), -1, dtype=torch.int64, device=dev)
+        self.last_used = torch.full((s + 1,), -1, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        self.hits = torch.zeros((), dtype=torch.int64, device=dev)
+        self.misses = torch.zeros((), dtype=torch.int64, device=dev)
+        self._positions = torch.arange(s, device=dev)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes of the expert slots (the state tensors are a few KiB)."""
+        return sum(w.numel() * w.element_size() for w in self.weights.values())
+
+    def passes(self, tokens: int, top_k: int) -> int:
+        """Passes a step of ``tokens`` tokens routed to ``top_k`` experts each gets."""
+        return max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
+
+    def serve(self, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Install the experts ``topk_ids`` [tokens, top_k] needs and yield, per pass, the
+        expert→slot map [experts] (int64, -1: not in this pass) to compute that pass with
+        ``self.weights``; compute each pass before taking the next (Note [Expert cache])."""
+        if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
+            raise KernelError(f"topk_ids must be [tokens, top_k] integers, got "
+                              f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+        if topk_ids.device != self.device:
+            raise KernelError(f"topk_ids are on {topk_ids.device}, the cache on {self.device}")
+        e, s = self.experts, self.slots
+        passes = self.passes(*topk_ids.shape)
+        needed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        needed.index_fill_(0, topk_ids.reshape(-1).long(), True)
+        needed = needed[:e]
+        cached = self.slot_of[:e] >= 0
+        miss = needed & ~cached
+        miss_count = miss.sum()
+        self.hits += (needed & cached).sum()
+        self.misses += miss_count
+        self.clock += 1
+        holder = self.expert_in[:s]
+        used = (holder >= 0) & needed[holder.clamp(min=0)]
+        self.last_used[:s] = torch.where(used, self.clock, self.last_used[:s])
+        victims = torch.argsort(torch.where(used, _LATEST, self.last_used[:s]), stable=True)
+        missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
+        first = torch.minimum(miss_count, s - used.sum())
+        self._install(missed[self._positions.clamp(max=e - 1)], victims, first)
+        yield torch.where(needed, self.slot_of[:e], -1)
+        for p in range(1, passes):
+            start = first + (p - 1) * s
+            ids = missed[(start + self._positions).clamp(max=e - 1)]
+            count = (miss_count - start).clamp(0, s)
+            installed = self._install(ids, self._positions, count)
+            yield torch.where(installed, self.slot_of[:e], -1)
+
+    def _install(self, ids: torch.Tensor, slots: torch.Tensor,
+                 count: torch.Tensor) -> torch.Tensor:
+        """Put expert ``ids[i]`` into slot ``slots[i]`` for ``i < count``: evict the slot's
+        holder, update the maps, copy the weights; returns which experts were installed."""
+        e, s = self.experts, self.slots
+        valid = self._positions < count
+        old = self.expert_in[slots]
+        self.slot_of.index_fill_(0, torch.where(valid & (old >= 0), old, e), -1)
+        self.slot_of.index_copy_(0, torch.where(valid, ids, e), slots)
+        self.expert_in.index_copy_(0, torch.where(valid, slots, s), ids)
+        self.last_used.index_copy_(0, torch.where(valid, slots, s), self.clock.expand(s))
+        for name, w in self.weights.items():
+            fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
+        installed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        installed.index_fill_(0, torch.where(valid, ids, e), True)
+        return installed[:e]
+
+    def hit_rate(self) -> float | None:
+        """Share of the needed experts found in a slot since the cache was made (host sync)."""
+        hits, misses = int(self.hits), int(self.misses)
+        return hits / (hits + misses) if hits + misses else None

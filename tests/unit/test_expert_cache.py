@@ -1,0 +1,166 @@
+"""The expert cache (Note [Expert cache]) against a float64 MoE, on CPU and (marked cuda) on a GPU
+inside a captured graph: random routings, repeated and fresh experts, caches smaller than one
+step's experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs.expert_cache import ExpertCache
+from ringflow.kernels.moe import moe_from_slots
+from ringflow.kernels.reference import moe_ref
+
+E, H, I, K = 12, 16, 8, 3
+
+
+def experts(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+    return w13, w2
+
+
+def routing(seed: int, tokens: int, pool: int = E):
+    """top-K distinct experts per token drawn from the first ``pool`` experts, softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, K, generator=g), -1)
+    return ids, weights
+
+
+def step(cache: ExpertCache, hidden, ids, weights):
+    out = torch.zeros_like(hidden)
+    maps = []
+    for expert_map in cache.serve(ids):
+        maps.append(expert_map.clone())
+        out += moe_from_slots(hidden, cache.weights["w13"], cache.weights["w2"], weights, ids,
+                              expert_map)
+    return out, maps
+
+
+def make(slots: int, device="cpu", dtype=torch.float32):
+    w13, w2 = experts(dtype=dtype)
+    if device != "cpu":
+        w13, w2 = w13.pin_memory(), w2.pin_memory()
+    return ExpertCache({"w13": w13, "w2": w2}, slots, device), w13, w2
+
+
+@pytest.mark.parametrize("slots", [E, 7, K, 2, 1])
+def test_every_step_equals_the_float64_moe_for_random_routings(slots):
+    cache, w13, w2 = make(slots)
+    g = torch.Generator().manual_seed(1)
+    for s, tokens in enumerate([1, 1, 2, 5, 1, 3, 8, 1]):
+        ids, weights = routing(100 + s, tokens, pool=6 if s % 2 else E)  # repeats, then fresh
+        hidden = torch.randn(tokens, H, generator=g)
+        out, maps = step(cache, hidden, ids, weights)
+        assert len(maps) == cache.passes(tokens, K)
+        torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                                   rtol=1e-5, atol=1e-5)
+        served = torch.stack([m >= 0 for m in maps]).sum(0)  # each needed expert exactly once
+        needed = torch.zeros(E, dtype=torch.long).index_fill_(0, ids.reshape(-1), 1)
+        assert torch.equal(served, needed)
+
+
+def test_slots_hold_exactly_the_host_experts_the_maps_name():
+    cache, w13, w2 = make(5)
+    ids, weights = routing(3, 4)
+    hidden = torch.randn(4, H)
+    for expert_map in cache.serve(ids):
+        for e in torch.nonzero(expert_map >= 0).flatten().tolist():
+            s = int(expert_map[e])
+            assert torch.equal(cache.weights["w13"][s], w13[e])
+            assert torch.equal(cache.weights["w2"][s], w2[e])
+        moe_from_slots(hidden, cache.weights["w13"], cache.weights["w2"], weights, ids,
+                       expert_map)
+    held = cache.expert_in[:5]
+    assert torch.equal(cache.slot_of[:E][held[held >= 0]], torch.nonzero(held >= 0).flatten())
+
+
+def test_a_repeated_routing_hits_and_fetches_nothing():
+    cache, _, _ = make(6)
+    ids, weights = routing(5, 2)  # up to 6 distinct experts: all fit
+    hidden = torch.randn(2, H)
+    step(cache, hidden, ids, weights)
+    distinct = ids.unique().numel()
+    assert (int(cache.hits), int(cache.misses)) == (0, distinct)
+    for name in cache.weights:  # a second step must not write: poison what is not cached
+        held = cache.expert_in[:6] >= 0
+        cache.weights[name][~held] = float("nan")
+    out, _ = step(cache, hidden, ids, weights)
+    assert (int(cache.hits), int(cache.misses)) == (distinct, distinct)
+    assert cache.hit_rate() == 0.5
+    assert torch.isfinite(out).all()
+
+
+def test_least_recently_used_expert_is_evicted_first():
+    cache, _, _ = make(2)
+    hidden = torch.randn(1, H)
+    one = lambda e: (torch.tensor([[e]]), torch.ones(1, 1))  # noqa: E731  top-1 steps
+    for e in (0, 1, 0, 2):  # 1 is older than 0 when 2 arrives
+        list(cache.serve(one(e)[0]))
+    assert int(cache.slot_of[1]) == -1
+    assert int(cache.slot_of[0]) >= 0 and int(cache.slot_of[2]) >= 0
+
+
+def test_passes_grow_with_the_step_and_stop_at_the_layer():
+    cache, _, _ = make(4)
+    assert [cache.passes(t, K) for t in (1, 2, 3, 4, 64)] == [1, 2, 3, 3, 3]
+
+
+def test_bad_inputs_are_typed_errors():
+    w13, w2 = experts()
+    with pytest.raises(ConfigError, match="1 to 12 slots"):
+        ExpertCache({"w13": w13, "w2": w2}, 0, "cpu")
+    with pytest.raises(ConfigError, match="share their first dimension"):
+        ExpertCache({"w13": w13, "w2": w2[:5]}, 2, "cpu")
+    cache = ExpertCache({"w13": w13, "w2": w2}, 2, "cpu")
+    with pytest.raises(KernelError, match=r"\[tokens, top_k\]"):
+        next(cache.serve(torch.zeros(3)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slots", [7, 2])
+def test_a_captured_step_replays_any_routing_exactly(slots):
+    """One graph captured for 3 tokens, replayed with new routings written into its input:
+    the output equals the float64 MoE each time, with poisoned slots before the capture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dev = torch.device("cuda")
+    cache, w13, w2 = make(slots, dev)
+    ids_in = torch.zeros(3, K, dtype=torch.int64, device=dev)
+    weights_in = torch.zeros(3, K, device=dev)
+    hidden_in = torch.zeros(3, H, device=dev)
+    out = torch.empty(3, H, device=dev)
+
+    def forward():
+        out.zero_()
+        for expert_map in cache.serve(ids_in):
+            out.add_(moe_from_slots(hidden_in, cache.weights["w13"], cache.weights["w2"],
+                                    weights_in, ids_in, expert_map))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ids, w = routing(0, 3)
+        ids_in.copy_(ids)
+        weights_in.copy_(w)
+        forward()  # warm-up (Triton compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    g = torch.Generator().manual_seed(9)
+    for s in range(6):
+        ids, w = routing(50 + s, 3, pool=5 if s % 2 else E)
+        hidden = torch.randn(3, H, generator=g)
+        ids_in.copy_(ids)
+        weights_in.copy_(w)
+        hidden_in.copy_(hidden)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
+                                   rtol=1e-4, atol=1e-4)
+    assert 0 < cache.hit_rate() < 1
