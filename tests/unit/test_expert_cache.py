@@ -164,3 +164,39 @@ def test_a_captured_step_replays_any_routing_exactly(slots):
         torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
                                    rtol=1e-4, atol=1e-4)
     assert 0 < cache.hit_rate() < 1
+
+
+def test_fetch_copies_only_the_first_count_pairs_and_checks_its_inputs():
+    from ringflow.kernels.expert_fetch import fetch_experts
+    host = torch.randn(6, 4, 2)
+    cache = torch.full((3, 4, 2), float("nan"))
+    ids, slots = torch.tensor([4, 1, 5]), torch.tensor([2, 0, 1])
+    fetch_experts(host, cache, ids, slots, torch.tensor([2]))
+    assert torch.equal(cache[2], host[4]) and torch.equal(cache[0], host[1])
+    assert cache[1].isnan().all()
+    with pytest.raises(KernelError, match="exceeds"):
+        fetch_experts(host, cache, ids, slots, torch.tensor([4]))
+    with pytest.raises(KernelError, match="trailing dimensions"):
+        fetch_experts(host, cache[:, :3], ids, slots, torch.tensor([1]))
+    with pytest.raises(KernelError, match="1-D of one length"):
+        fetch_experts(host, cache, ids, slots[:2], torch.tensor([1]))
+
+
+@pytest.mark.cuda
+def test_fetch_reads_pinned_host_memory_by_device_ids_and_refuses_pageable():
+    from ringflow.kernels.expert_fetch import fetch_experts
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        host = torch.randn(9, 64, 48).to(dtype).pin_memory()
+        cache = torch.full((4, 64, 48), float("nan"), device="cuda").to(dtype)
+        ids = torch.tensor([8, 0, 3, 5], device="cuda")
+        slots = torch.tensor([1, 3, 0, 2], device="cuda")
+        fetch_experts(host, cache, ids, slots, torch.tensor([3], device="cuda"))
+        torch.cuda.synchronize()
+        for e, s in zip([8, 0, 3], [1, 3, 0]):
+            assert torch.equal(cache[s].cpu().view(torch.uint8), host[e].view(torch.uint8))
+        assert cache[2].float().isnan().all()
+    with pytest.raises(KernelError, match="pageable"):
+        fetch_experts(torch.randn(9, 4), torch.empty(4, 4, device="cuda"), ids, slots,
+                      torch.tensor([1], device="cuda"))
