@@ -59,7 +59,7 @@ class ExpertCache:
             raise ConfigError(f"an expert cache needs 1 to {self.experts} slots (the layer's "
                               f"experts), got {slots}; at {self.experts} keep the layer resident")
         self.slots, self.programs = slots, programs
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
         self.host = dict(host)
         self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
                                           device=self.device) for name, t in host.items()}

@@ -72,7 +72,7 @@ def _words(t: torch.Tensor, name: str) -> torch.Tensor:
     if (t[0].numel() * t.element_size()) % 4:
         raise KernelError(f"one expert of {name} is {t[0].numel() * t.element_size()} bytes; the "
                           f"fetch moves 4-byte words: pad the expert to a multiple of 4 bytes")
-    return t.view(t.shape[0], -1).view(WORD) if t.element_size() != 4 else t.view(t.shape[0], -1)
+    return t.view(t.shape[0], -1).view(WORD)
 
 
 def check(host: torch.Tensor, cache: torch.Tensor) -> None:

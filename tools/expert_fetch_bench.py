@@ -90,7 +90,7 @@ def main() -> int:
     route(2, 0)
     fetch()
     torch.cuda.synchronize()
-    checks["count_0_writes_nothing"] = all(torch.equal(a, b) for a, b in zip(before, cache))
+    checks["count_0_writes_nothing"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, cache))
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
