@@ -9,6 +9,8 @@ different lengths with top-5 logprobs, and records the tokens, logprobs, ringflo
 and lifecycle, or the error that stopped vLLM.
 """
 
+import collections
+import contextlib
 import gc
 import json
 import logging
@@ -483,6 +485,29 @@ def change_surface(key: str):
     return put_back
 
 
+@contextlib.contextmanager
+def counting_ringflow_calls():
+    """Counts, per function, the Python calls into ringflow's code in this thread (an
+    in-process engine runs its steps here) while the block runs."""
+    import ringflow
+    import ringflow.graphs
+    import ringflow.integrations
+    import ringflow.kernels
+    import ringflow.orchestrator
+    roots = tuple(str(Path(m.__file__).parent) + os.sep for m in (
+        ringflow, ringflow.integrations, ringflow.graphs, ringflow.orchestrator, ringflow.kernels))
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            calls[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+
+
 def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     from vllm import LLM
 
@@ -527,9 +552,13 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
                                                   case.get("max_tokens", 8))
             result["tokens"], result["top5"] = [], []
         elif case.get("context"):  # two rounds: the second hits the first's cached prefix
-            rounds = [[run_prompts(llm, [p], case.get("max_tokens", 8)) for p in r]
-                      if case.get("serial") else [run_prompts(llm, r, case.get("max_tokens", 8))]
-                      for r in CONTEXT_ROUNDS]
+            def context_round(r):
+                return ([run_prompts(llm, [p], case.get("max_tokens", 8)) for p in r]
+                        if case.get("serial") else [run_prompts(llm, r, case.get("max_tokens", 8))])
+            rounds = [context_round(CONTEXT_ROUNDS[0])]
+            with counting_ringflow_calls() as calls:  # the prefix-hit round: its steps
+                rounds.append(context_round(CONTEXT_ROUNDS[1]))
+            result["ringflow_calls"] = dict(calls)
             result["tokens"] = [t for r in rounds for got in r for t in got[0]]
             result["top5"] = [t for r in rounds for got in r for t in got[1]]
         else:

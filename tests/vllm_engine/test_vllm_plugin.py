@@ -520,6 +520,12 @@ def test_one_gpu_is_left_to_vllm_by_default_with_nothing_reserved_said_once(cont
     assert run["context"] == [] and "context-ring-allocated" not in run["lifecycle"]
     said = [l for l in run["log"] if "on one GPU" in l]
     assert len(said) == 1 and "reserves nothing" in said[0], run["log"]
+    # its steps run no more of ringflow's code than an engine without the profile: the same
+    # calls, function by function, over the prefix-hit round (nothing to be slower by)
+    assert run["ringflow_calls"] == runs["ctx/off"]["ringflow_calls"], (
+        run["ringflow_calls"], runs["ctx/off"]["ringflow_calls"])
+    d1 = runs["ctx/d1"]["ringflow_calls"]  # the counter sees the consumer when it runs
+    assert sum(d1.values()) > sum(run["ringflow_calls"].values()) + 10, d1
 
 
 def test_steps_below_min_context_tokens_are_left_to_vllm_and_said_once(context_runs):
