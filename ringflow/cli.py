@@ -95,6 +95,31 @@ def _parser() -> argparse.ArgumentParser:
                             "times (ringflow bench measures it from its sync graph; it matters "
                             "for layers of microseconds); the choice does not use it (default 0)")
 
+    experts = sub.add_parser("place-experts", help="predict a MoE decode step with routed "
+                                                   "experts fetched into a GPU cache: misses "
+                                                   "from a hit rate or a simulated routing, "
+                                                   "times from the measured fetch rate; no GPU "
+                                                   "needed")
+    experts.add_argument("--layers", type=positive, default=48, help="MoE layers (default 48)")
+    experts.add_argument("--expert-layers", type=positive,
+                         help="layers whose experts live in host memory (default: all)")
+    experts.add_argument("--experts", type=positive, default=128,
+                         help="routed experts per layer (default 128)")
+    experts.add_argument("--top-k", type=positive, default=8, help="experts per token (8)")
+    experts.add_argument("--slots", type=positive, default=32,
+                         help="cached experts per layer (default 32: a quarter of 128)")
+    experts.add_argument("--tokens", type=positive, default=1, help="tokens per step (1)")
+    experts.add_argument("--expert-mib", type=float, default=9.0,
+                         help="MiB of one expert (default 9.0: Qwen3-30B-A3B in bf16)")
+    experts.add_argument("--compute-ms", type=float, default=0.1,
+                         help="per-layer compute of a step, all resident (default 0.1)")
+    experts.add_argument("--hit-rate", type=float,
+                         help="the cache's hit rate, measured; without it, simulated")
+    experts.add_argument("--zipf", type=float, default=1.0,
+                         help="routing skew of the simulation (0: uniform; default 1)")
+    experts.add_argument("--steps", type=positive, default=200,
+                         help="simulated steps (default 200)")
+
     run = sub.add_parser("run", help="run the synthetic workload through the executors and "
                                      "check them against a reference (on a CPU: the "
                                      "synchronous path)")
@@ -243,6 +268,32 @@ def _cmd_place(args: argparse.Namespace) -> int:
     for name, layers in rivals.items():
         ms = predict(layers)
         print(f"  {name}: {ms:.3f} ms ({ms / placed.resident_ms:.3f}x)")
+    return 0
+
+
+def _cmd_place_experts(args: argparse.Namespace) -> int:
+    from ringflow.orchestrator.expert_model import predict, simulate
+    if args.slots > args.experts:
+        raise ConfigError(f"--slots {args.slots} exceeds --experts {args.experts}")
+    distinct = None
+    if args.hit_rate is None:
+        args.hit_rate, distinct = simulate(args.experts, args.top_k, args.slots, args.tokens,
+                                           args.steps, args.zipf)
+        source = f"simulated over {args.steps} steps, zipf {args.zipf}"
+    else:
+        source = "given"
+    step = predict(layers=args.layers, expert_layers=args.expert_layers or args.layers,
+                   experts=args.experts, top_k=args.top_k, tokens=args.tokens,
+                   expert_bytes=int(args.expert_mib * 2**20), compute_ms=args.compute_ms,
+                   hit_rate=args.hit_rate, distinct=distinct)
+    resident = args.layers * args.compute_ms
+    print(f"{args.slots} of {args.experts} experts cached per layer, {args.tokens} token(s) "
+          f"per step, top-{args.top_k}: hit rate {args.hit_rate:.3f} ({source}); "
+          f"{step.distinct:.1f} experts asked, {step.misses:.2f} fetched per layer "
+          f"({step.fetch_ms:.3f} ms)")
+    for name, ms in (("predicted step", step.step_ms), ("missed-bytes bound", step.bound_ms),
+                     ("whole-layer streaming", step.whole_layer_ms), ("all resident", resident)):
+        print(f"  {name}: {ms:.3f} ms ({1e3 * args.tokens / ms:.1f} tok/s)")
     return 0
 
 
@@ -416,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     from ringflow import envs
     envs.warn_unknown(log)
     try:
-        return {"plan": _cmd_plan, "place": _cmd_place, "run": _cmd_run, "bench": _cmd_bench,
+        return {"plan": _cmd_plan, "place": _cmd_place, "place-experts": _cmd_place_experts, "run": _cmd_run, "bench": _cmd_bench,
                 "trace": _cmd_trace, "tune": _cmd_tune}[args.command](args)
     except RingflowError as exc:
         print(f"ringflow: error: {exc}", file=sys.stderr)
