@@ -13,18 +13,15 @@ Note [Expert lane model]
     (55 GB/s), and whole-layer streaming copies every expert of every streamed layer (at
     best hidden behind the compute: the step takes the longer of the two).
 
-    The hit rate is either given (measured in an engine) or simulated: :func:`simulate` runs
-    the cache's own eviction (graphs/expert_cache.py, on the CPU with one-word experts) over a
+    The hit rate is either given (measured in an engine) or simulated: ``simulate_hit_rate``
+    (integrations/torch/expert_cache.py) runs the cache's own eviction, on the CPU with one-word experts, over a
     routing drawn per token from a Zipf law over the experts, whose exponent stands in for a
     real router's skew; ``zipf 0`` is uniform routing, the worst case for a cache.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-import torch
 
 from ringflow.errors import ConfigError
 
@@ -56,33 +53,6 @@ def expected_distinct(experts: int, top_k: int, tokens: int) -> float:
     if tokens <= 1:
         return float(min(top_k, experts))
     return experts * (1 - (1 - min(top_k, experts) / experts) ** tokens)
-
-
-def simulate(experts: int, top_k: int, slots: int, tokens: int, steps: int, zipf: float,
-             seed: int = 0) -> tuple[float, float]:
-    """(hit rate, mean distinct experts per step) of the cache's own eviction over ``steps``
-    steps of Zipf-routed tokens (Note [Expert lane model]); the first ``4 * experts / top_k``
-    steps warm the cache and are not counted."""
-    from ringflow.graphs.expert_cache import ExpertCache
-    if zipf < 0:
-        raise ConfigError(f"zipf must be >= 0 (0: uniform routing), got {zipf}")
-    g = torch.Generator().manual_seed(seed)
-    weights = torch.arange(1, experts + 1, dtype=torch.float64) ** -zipf
-    weights = weights[torch.randperm(experts, generator=g)]  # popular experts anywhere
-    cache = ExpertCache({"w": torch.zeros(experts, 1, dtype=torch.int32)}, slots, "cpu")
-    warm = math.ceil(4 * experts / top_k)
-    distinct = 0
-    for step in range(warm + steps):
-        if step == warm:
-            cache.hits.zero_()
-            cache.misses.zero_()
-        ids = torch.stack([torch.multinomial(weights, top_k, generator=g)
-                           for _ in range(tokens)])
-        for _ in cache.serve(ids):
-            pass
-        if step >= warm:
-            distinct += ids.unique().numel()
-    return cache.hit_rate() or 0.0, distinct / steps
 
 
 def predict(*, layers: int, expert_layers: int, experts: int, top_k: int, tokens: int,

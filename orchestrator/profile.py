@@ -21,9 +21,10 @@ from ringflow.orchestrator import profile_yaml
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.orchestrator.schema import (RUN_FIELDS, RUN_OPTIONAL, RUN_REQUIRED, field_value,
                                           layer_set, rejected, section)
-from ringflow.orchestrator.sections import (KVPrefetchSpec, OffloadSpec, SlotShape, Workload,
-                                            kv_prefetch_section, lane_names, offload_section,
-                                            slot_section, workload_section)
+from ringflow.orchestrator.sections import (ExpertsSpec, KVPrefetchSpec, OffloadSpec, SlotShape,
+                                            Workload, experts_section, kv_prefetch_section,
+                                            lane_names, offload_section, slot_section,
+                                            workload_section)
 from ringflow.units import MIB
 
 
@@ -52,6 +53,7 @@ class Profile:
     workload: Workload
     offload: OffloadSpec | None
     kv_prefetch: KVPrefetchSpec | None
+    experts: ExpertsSpec | None = None
     source: str | None = field(default=None, compare=False)
 
     # -- construction -------------------------------------------------------------------------
@@ -115,8 +117,10 @@ class Profile:
         doc = section(None, doc, source)
         offload = offload_section(doc["offload"], source) if "offload" in doc else None
         kv_prefetch = kv_prefetch_section(doc["kv_prefetch"], source) if "kv_prefetch" in doc else None
+        experts = experts_section(doc["experts"], source) if "experts" in doc else None
         # a run profile: all of RUN_REQUIRED or a missing-field error; else vLLM sections only
-        run = (offload is None and kv_prefetch is None) or any(k in doc for k in RUN_REQUIRED)
+        run = ((offload is None and kv_prefetch is None and experts is None)
+               or any(k in doc for k in RUN_REQUIRED))
         if not run:
             for key in RUN_OPTIONAL:
                 if key in doc:
@@ -171,7 +175,7 @@ class Profile:
                    capture=field_value(doc, "capture", source),
                    gather_priority=field_value(doc, "gather_priority", source),
                    kv_token_bytes=field_value(doc, "kv_token_bytes", source), workload=workload,
-                   offload=offload, kv_prefetch=kv_prefetch, source=source)
+                   offload=offload, kv_prefetch=kv_prefetch, experts=experts, source=source)
 
     def to_mapping(self) -> dict:
         """The YAML-shaped mapping that :meth:`from_mapping` turns back into this profile."""
@@ -181,6 +185,8 @@ class Profile:
             head["offload"] = self.offload.to_mapping()
         if self.kv_prefetch is not None:
             head["kv_prefetch"] = self.kv_prefetch.to_mapping()
+        if self.experts is not None:
+            head["experts"] = self.experts.to_mapping()
         if self.layers is None:
             return head
         out: dict[str, Any] = {
@@ -238,10 +244,14 @@ class Profile:
         return self.reserved_bytes // (self.kv_token_bytes * self.layers)
 
 
+#: the sections the vLLM plugin acts on
+VLLM_SECTIONS = ("offload", "kv_prefetch", "experts")
+
 #: what the vLLM plugin needs, as the errors show it
 VLLM_EXAMPLE = ('{"offload": {"layers": {"every": 2}, "depth": 1, "workspace_mib": 1024}} '
                 '(weight streaming) or {"kv_prefetch": {"depth": 1, "workspace_mib": 240}} (MLA '
-                'context prefetch); built-in: vllm_weights, vllm_weights_small, vllm_kv_prefetch')
+                'context prefetch) or {"experts": {"layers": "all"}} (routed experts from host '
+                'memory); built-in: vllm_weights, vllm_weights_small, vllm_kv_prefetch')
 
 
 def check_vllm_sections(doc: Any, source: str) -> None:
@@ -251,16 +261,16 @@ def check_vllm_sections(doc: Any, source: str) -> None:
     Raises:
         ProfileError: neither section is there.
     """
-    if isinstance(doc, dict) and ("offload" in doc or "kv_prefetch" in doc):
+    if isinstance(doc, dict) and any(k in doc for k in VLLM_SECTIONS):
         return
     if doc is None or doc == {}:
         what = "is empty"
     elif isinstance(doc, dict):
         what = (f"is not a vLLM profile: it has {', '.join(sorted(map(str, doc)))} (fields of "
-                f"ringflow plan and run) but no offload or kv_prefetch section")
+                f"ringflow plan and run) but no offload, kv_prefetch or experts section")
     else:
         return  # not a mapping: section() says what it is
-    raise ProfileError(None, f"{what}; vLLM needs an offload or a kv_prefetch section, for "
+    raise ProfileError(None, f"{what}; vLLM needs an offload, a kv_prefetch or an experts section, for "
                        f"example {VLLM_EXAMPLE}", source)
 
 

@@ -246,6 +246,25 @@ FIELDS: dict[str, ProfileField] = {
                                 "reads it, and (MLA) the backend's output with a reference "
                                 "attention over the slot; host-syncs: for tests and debugging",
                                 False),
+    "experts": ProfileField("vLLM MoE layers: the routed experts of the chosen layers live in "
+                            "host memory and a cache of expert slots per layer holds the "
+                            "ones steps use; each step brings in only the experts its router "
+                            "chose that are not cached (Note [Expert cache])", "mapping", None,
+                            words="a mapping"),
+    "experts.layers": ProfileField("decoder layers whose routed experts live in host memory "
+                                   "(each must be a MoE layer)", "list", "all",
+                                   shape={"oneOf": [{"const": "all"}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "uniqueItems": True}, {
+                                       "type": "object", "additionalProperties": False,
+                                       "required": ["every", "last"], "properties": {
+                                           "every": {"type": "integer", "minimum": 1},
+                                           "last": {"type": "integer", "minimum": 1}}}]},
+                                   words="'all' (every MoE layer), a list of layer indices, or "
+                                   "{every: N, last: K}"),
+    "experts.slots": _integer("experts each chosen layer keeps on the device; a step that needs "
+                              "more runs in several passes (slower, never wrong)", 1, 1 << 16,
+                              None, nullable=True,
+                              words="an integer >= 1, or omitted for a quarter of the layer's "
+                                    "experts (at least its top_k)"),
 }
 
 

@@ -109,8 +109,6 @@ class OffloadSpec:
             ProfileError: a listed layer does not exist in the model, or the pattern selects
                 none of its layers (saying what was asked and what the model has).
         """
-        if self.layers == "all":
-            return list(range(count))
         if isinstance(self.layers, Placed):
             if self.layers.count > count:
                 raise ProfileError("offload.layers", f"{{count: {self.layers.count}}} asks for "
@@ -119,55 +117,101 @@ class OffloadSpec:
             compute, copy = costs if costs is not None else ([1.0] * count, [1.0] * count)
             return list(choose(compute, copy, self.layers.count, max(1, slots),
                                self.cross_forward).layers)
-        if isinstance(self.layers, tuple):
-            every, last = self.layers
-            chosen = [i for i in range(count) if i % every >= every - last]
-            if not chosen:
-                raise ProfileError("offload.layers", f"{{every: {every}, last: {last}}} selects "
-                                   f"no layer of a model with {count} decoder layers "
-                                   f"(0..{count - 1}); accepted: an 'every' of at most {count}, "
-                                   f"a list of layer indices, or 'all'", source)
-            return chosen
-        missing = sorted(i for i in self.layers if i >= count)
-        if missing:
-            raise ProfileError("offload.layers", f"layers {missing} do not exist: the model has "
-                               f"{count} decoder layers (0..{count - 1})", source)
-        return sorted(self.layers)
+        return resolve_layers("offload.layers", self.layers, count, source)
 
     def to_mapping(self) -> dict:
-        layers: Any = self.layers
-        if isinstance(layers, tuple):
-            layers = {"every": layers[0], "last": layers[1]}
-        elif isinstance(layers, Placed):
-            layers = {"count": layers.count}
-        elif isinstance(layers, frozenset):
-            layers = sorted(layers)
+        layers = ({"count": self.layers.count} if isinstance(self.layers, Placed)
+                  else layers_mapping(self.layers))
         return {"layers": layers, "depth": self.depth, "workspace_mib": self.workspace_mib,
                 "synchronous": self.synchronous, "cross_forward": self.cross_forward}
+
+
+def resolve_layers(name: str, layers: str | frozenset[int] | tuple[int, int], count: int,
+                   source: str | None) -> list[int]:
+    """The indices a layer pattern (``'all'``, a set, or ``(every, last)``) picks of ``count``
+    decoder layers.
+
+    Raises:
+        ProfileError: a listed layer does not exist, or the pattern picks none.
+    """
+    if layers == "all":
+        return list(range(count))
+    if isinstance(layers, tuple):
+        every, last = layers
+        chosen = [i for i in range(count) if i % every >= every - last]
+        if not chosen:
+            raise ProfileError(name, f"{{every: {every}, last: {last}}} selects no layer of a "
+                               f"model with {count} decoder layers (0..{count - 1}); accepted: "
+                               f"an 'every' of at most {count}, a list of layer indices, or "
+                               f"'all'", source)
+        return chosen
+    missing = sorted(i for i in layers if i >= count)
+    if missing:
+        raise ProfileError(name, f"layers {missing} do not exist: the model has {count} "
+                           f"decoder layers (0..{count - 1})", source)
+    return sorted(layers)
+
+
+def layers_mapping(layers: str | frozenset[int] | tuple[int, int]) -> Any:
+    """A layer pattern as a profile spells it."""
+    if isinstance(layers, tuple):
+        return {"every": layers[0], "last": layers[1]}
+    return sorted(layers) if isinstance(layers, frozenset) else layers
+
+
+def layer_pattern(name: str, spec: Any, source: str | None, placed: bool = False) -> Any:
+    """Parse ``'all'``, a non-empty list of indices, ``{every: N, last: K}`` (and, with
+    ``placed``, ``{count: N}``) into ``'all'``, a frozenset, a tuple or :class:`Placed`."""
+    if spec == "all":
+        return "all"
+    if isinstance(spec, dict) and placed and "count" in spec:
+        group = section(name, spec, source, ["count"])
+        return Placed(int_in(name, group["count"], source, 1, MAX_LAYERS))
+    if isinstance(spec, dict):
+        group = section(name, spec, source, ["every", "last"])
+        if set(group) != {"every", "last"}:
+            raise rejected(name, spec, source, "needs both 'every' and 'last'")
+        every = int_in(name, group["every"], source, 1, MAX_LAYERS)
+        return every, int_in(name, group["last"], source, 1, every)
+    layers = layer_set(name, spec, MAX_LAYERS, source)
+    if not layers:
+        raise ProfileError(name, "is empty: nothing would be chosen; accepted: 'all', a "
+                           "non-empty list, or {every: N, last: K}", source)
+    return layers
 
 
 def offload_section(doc: Any, source: str | None) -> OffloadSpec:
     doc = section("offload", doc, source)
     values = {key: field_value(doc, f"offload.{key}", source) for key in section_keys("offload")}
-    spec = values["layers"]
-    if spec == "all":
-        layers: Any = "all"
-    elif isinstance(spec, dict) and "count" not in spec:
-        group = section("offload.layers", spec, source, ["every", "last"])
-        if set(group) != {"every", "last"}:
-            raise rejected("offload.layers", spec, source, "needs both 'every' and 'last'")
-        every = int_in("offload.layers", group["every"], source, 1, MAX_LAYERS)
-        last = int_in("offload.layers", group["last"], source, 1, every)
-        layers = (every, last)
-    elif isinstance(spec, dict) and "count" in spec:
-        group = section("offload.layers", spec, source, ["count"])
-        layers = Placed(int_in("offload.layers", group["count"], source, 1, MAX_LAYERS))
-    else:
-        layers = layer_set("offload.layers", spec, MAX_LAYERS, source)
-        if not layers:
-            raise ProfileError("offload.layers", "is empty: nothing would be offloaded; accepted: "
-                               "'all', a non-empty list, or {every: N, last: K}", source)
-    return OffloadSpec(**{**values, "layers": layers})
+    return OffloadSpec(**{**values, "layers": layer_pattern("offload.layers", values["layers"],
+                                                             source, placed=True)})
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """Routed experts from host memory through a per-layer cache (Note [Expert cache])."""
+
+    layers: str | frozenset[int] | tuple[int, int]
+    slots: int | None  # None: a quarter of the layer's experts, at least its top_k
+
+    def slots_for(self, experts: int, top_k: int) -> int:
+        """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
+        if self.slots is not None:
+            return min(self.slots, experts)
+        return min(experts, max(top_k, experts // 4))
+
+    def to_mapping(self) -> dict:
+        out: dict[str, Any] = {"layers": layers_mapping(self.layers)}
+        if self.slots is not None:
+            out["slots"] = self.slots
+        return out
+
+
+def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
+    doc = section("experts", doc, source)
+    values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
+    return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
+                       slots=values["slots"])
 
 
 @dataclass(frozen=True)

@@ -272,12 +272,13 @@ def _cmd_place(args: argparse.Namespace) -> int:
 
 
 def _cmd_place_experts(args: argparse.Namespace) -> int:
-    from ringflow.orchestrator.expert_model import predict, simulate
+    from ringflow.integrations.torch.expert_cache import simulate_hit_rate
+    from ringflow.orchestrator.expert_model import predict
     if args.slots > args.experts:
         raise ConfigError(f"--slots {args.slots} exceeds --experts {args.experts}")
     distinct = None
     if args.hit_rate is None:
-        args.hit_rate, distinct = simulate(args.experts, args.top_k, args.slots, args.tokens,
+        args.hit_rate, distinct = simulate_hit_rate(args.experts, args.top_k, args.slots, args.tokens,
                                            args.steps, args.zipf)
         source = f"simulated over {args.steps} steps, zipf {args.zipf}"
     else:

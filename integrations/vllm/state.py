@@ -42,7 +42,7 @@ class PluginState:
     ``profiles``: each profile parsed once per source (:meth:`profile`).
     ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
     their attention layers); ``context_models``: likewise each load's MLA context-chunk ring
-    (``context_ring.py``). ``kv_sized``: the KV cache of the current load is sized, so no
+    (``context_ring.py``); ``expert_caches``: each model's expert caches (``experts.py``). ``kv_sized``: the KV cache of the current load is sized, so no
     ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
     layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``). ``steps``: vLLM's
     per-step lookups (:class:`StepFunctions`).
@@ -65,6 +65,8 @@ class PluginState:
         default_factory=weakref.WeakKeyDictionary)
     context_models: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary)
+    #: each model with an expert lane (the profile's experts section) -> {layer: ExpertCache}
+    expert_caches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     kv_sized: bool = False
     plain_weights: bool = False
     logged: set[str] = field(default_factory=set)

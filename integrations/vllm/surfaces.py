@@ -45,6 +45,7 @@ FEATURES = {
     "weight_writes": "following vLLM's weight writes while streaming (reload, refusals)",
     "full_kv": "full-KV prefetch (kv_prefetch, consumer: full_kv_check)",
     "context": "MLA context prefetch (kv_prefetch, consumer: context)",
+    "experts": "routed experts from host memory (experts)",
     "dcp_context": "prefetch under decode context parallelism (the lanes' own communicator over "
                    "vLLM's DCP group; the context exchange)",
 }
@@ -122,6 +123,18 @@ SURFACES: tuple[Surface, ...] = (
             "weight streamer: host copies pinned, the ring allocated before the KV cache is "
             "sized, vLLM's weights memory credited", hook=f"{_W}:on_load_model",
             params=("self",)),
+    Surface("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+            "UnquantizedFusedMoEMethod.process_weights_after_loading", "method", "experts",
+            "while a model with an experts section loads: copies each MoE layer's routed "
+            "experts to host memory before vLLM processes (on CPU: repacks) them",
+            hook="ringflow.integrations.vllm.experts:before_processing",
+            params=("self", "layer")),
+    Surface("vllm.model_executor.layers.fused_moe.routed_experts",
+            "RoutedExperts.forward_modular", "instance", "experts",
+            "replaced on each chosen layer's routed experts: the expert cache installs the "
+            "missed experts and computes them from its slots (Note [Experts in vLLM])",
+            params=("self", "x", "topk_weights", "topk_ids", "shared_experts",
+                    "shared_experts_input")),
     Surface(_WORKER, "Worker.initialize_from_config", "method", "order",
             "marks the KV cache sized (no ring may be allocated after it) and logs what the "
             "rings took and what vLLM sized", hook=f"{_W}:on_initialize_from_config",
@@ -297,4 +310,6 @@ def needed(profile) -> set[str]:
     spec = profile.kv_prefetch
     if spec is not None:
         features.add("context" if spec.consumer == "context" else "full_kv")
+    if getattr(profile, "experts", None) is not None:
+        features.add("experts")
     return features

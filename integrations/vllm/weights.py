@@ -30,7 +30,7 @@ from ringflow.errors import BudgetError, EngineError, OutputError, ProfileError,
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
-from ringflow.integrations.vllm import (compat, frontend, graph_mode, layers, memory,
+from ringflow.integrations.vllm import (compat, experts, frontend, graph_mode, layers, memory,
                                         startup_errors, surfaces)
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator import dumps
@@ -60,9 +60,15 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
     if layer_ops_only and profile is not None and profile.offload is not None:
         log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
                  "(the layer ops run with nothing moved, as the switch says)", profile.name)
-    with state.loading_with_plain_weights(streaming or plain), layers.recording() as stacks:
+    wants_experts = profile is not None and profile.experts is not None
+    with state.loading_with_plain_weights(streaming or plain), layers.recording() as stacks, \
+            experts.taking_host_copies(wants_experts) as expert_copies:
         result = original(worker, *args, **kwargs)
     try:
+        if wants_experts:
+            model = worker.model_runner.get_model()
+            state.expert_caches[model] = experts.enable(
+                state, profile, layers.decoder_layers(model, stacks), expert_copies)
         if streaming:
             _enable(state, worker, profile, stacks)
         elif layer_ops_only:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ringflow.errors import ConfigError, KernelError
-from ringflow.graphs.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.kernels.moe import moe_from_slots
 from ringflow.kernels.reference import moe_ref
 

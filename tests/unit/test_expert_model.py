@@ -7,8 +7,8 @@ import pytest
 
 from ringflow.cli import main
 from ringflow.errors import ConfigError
-from ringflow.orchestrator.expert_model import (expected_distinct, fetch_ms, predict,
-                                                simulate)
+from ringflow.integrations.torch.expert_cache import simulate_hit_rate as simulate
+from ringflow.orchestrator.expert_model import expected_distinct, fetch_ms, predict
 
 QWEN = dict(layers=48, expert_layers=48, experts=128, top_k=8, expert_bytes=9_437_184,
             compute_ms=0.1)

@@ -33,10 +33,11 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.orchestrator{m}" for m in (
         "", ".vocab", ".budget", ".schema", ".placement", ".sections", ".profile_yaml",
         ".profile", ".dag", ".planner",
-        ".hazards", ".simulate", ".dumps")], "plan"),
+        ".hazards", ".simulate", ".dumps", ".expert_model")], "plan"),
     # leaves: the gathers and exchanges, and the tests' CPU references
     **dict.fromkeys([f"ringflow.kernels{m}" for m in (
-        "", ".row_gather", ".gathers", ".dcp_rows", ".kv_gathers", ".peer_exchange")], "kernels"),
+        "", ".row_gather", ".gathers", ".dcp_rows", ".kv_gathers", ".peer_exchange",
+        ".expert_fetch", ".moe")], "kernels"),
     "ringflow.kernels.reference": "reference",
     # execute: slots, streams, NVTX, executors
     **dict.fromkeys([f"ringflow.graphs{m}" for m in (
@@ -45,13 +46,13 @@ LAYERS = {
     # engine-neutral adapters over a layer stack
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
-        ".torch.verification", ".torch.chunk_prefetch")], "adapters"),
+        ".torch.verification", ".torch.chunk_prefetch", ".torch.expert_cache")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
         "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",
         ".layers", ".memory", ".metadata", ".graph_mode", ".startup_errors", ".weights",
         ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
-        ".context_hooks", ".context_attach", ".attention")], "vllm"),
+        ".context_hooks", ".context_attach", ".attention", ".experts")], "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (

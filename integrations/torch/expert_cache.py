@@ -141,3 +141,29 @@ class ExpertCache:
         """Share of the needed experts found in a slot since the cache was made (host sync)."""
         hits, misses = int(self.hits), int(self.misses)
         return hits / (hits + misses) if hits + misses else None
+
+
+def simulate_hit_rate(experts: int, top_k: int, slots: int, tokens: int, steps: int, zipf: float,
+             seed: int = 0) -> tuple[float, float]:
+    """(hit rate, mean distinct experts per step) of the cache's own eviction over ``steps``
+    steps of Zipf-routed tokens (Note [Expert lane model] in orchestrator/expert_model.py); the first ``4 * experts / top_k``
+    steps warm the cache and are not counted."""
+    if zipf < 0:
+        raise ConfigError(f"zipf must be >= 0 (0: uniform routing), got {zipf}")
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, experts + 1, dtype=torch.float64) ** -zipf
+    weights = weights[torch.randperm(experts, generator=g)]  # popular experts anywhere
+    cache = ExpertCache({"w": torch.zeros(experts, 1, dtype=torch.int32)}, slots, "cpu")
+    warm = math.ceil(4 * experts / top_k)
+    distinct = 0
+    for step in range(warm + steps):
+        if step == warm:
+            cache.hits.zero_()
+            cache.misses.zero_()
+        ids = torch.stack([torch.multinomial(weights, top_k, generator=g)
+                           for _ in range(tokens)])
+        for _ in cache.serve(ids):
+            pass
+        if step >= warm:
+            distinct += ids.unique().numel()
+    return cache.hit_rate() or 0.0, distinct / steps
