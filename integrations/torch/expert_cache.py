@@ -137,6 +137,15 @@ class ExpertCache:
         installed.index_fill_(0, torch.where(valid, ids, e), True)
         return installed[:e]
 
+    def forget(self) -> None:
+        """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
+        Stream-ordered like a step; the next step fetches what it needs."""
+        self.slot_of.fill_(-1)
+        self.expert_in.fill_(-1)
+        self.last_used.fill_(-1)
+        for w in self.weights.values():
+            poison(w)
+
     def hit_rate(self) -> float | None:
         """Share of the needed experts found in a slot since the cache was made (host sync)."""
         hits, misses = int(self.hits), int(self.misses)

@@ -7,7 +7,9 @@ Note [Experts in vLLM]
 
     1. keeps a host copy of the layer's routed experts, taken while vLLM loads the model, just
        before the quant method processes them (``process_weights_after_loading``: vLLM-CPU
-       repacks them there into its grouped-GEMM layout, which no cache slot could hold);
+       repacks them there into its grouped-GEMM layout, which no cache slot could hold); a
+       reload passes there again, and the host copy takes the new weights and the cache
+       forgets every slot;
     2. builds an :class:`~ringflow.integrations.torch.expert_cache.ExpertCache` over that copy;
     3. replaces the layer's ``forward_modular`` (on that object only): the cache installs the
        experts the router chose that are not cached, and the experts are computed from the
@@ -61,6 +63,13 @@ def taking_host_copies(on: bool) -> Iterator[dict[int, dict[str, torch.Tensor]]]
 def before_processing(state: PluginState, original, method, layer, *args, **kwargs):
     """The hook on the unquantized MoE method's ``process_weights_after_loading``: copy the
     layer's routed experts to host memory as loaded, then let vLLM process them."""
+    cache = getattr(layer, "_ringflow_expert_cache", None)
+    if cache is not None:  # a weight write (reload_weights): the host copies take it
+        for name, host in cache.host.items():
+            host.copy_(getattr(layer, f"{name}_weight").detach())
+        cache.forget()
+        log.info("experts: %s's host copies hold the new weights; its cached experts are "
+                 "dropped and fetched again as steps need them", layer.layer_name)
     copies = _snapshots.get()
     if copies is not None:
         pin = torch.cuda.is_available()
