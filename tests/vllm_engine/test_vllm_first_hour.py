@@ -39,7 +39,7 @@ def readme_server_commands() -> list[str]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {name: write_model(root, name) for name in ("llama8", "dsv2")}
+    return {name: write_model(root, name) for name in ("llama8", "dsv2", "qwen3_moe16")}
 
 
 def argv_of(command: str, models: dict) -> tuple[dict, list[str]]:
@@ -54,7 +54,8 @@ def argv_of(command: str, models: dict) -> tuple[dict, list[str]]:
     argv = [sys.executable, "-m", SERVER, *parts[3:]]
     at = argv.index("--model") + 1
     mla = "deepseek" in argv[at].lower()
-    argv[at] = models["dsv2" if mla else "llama8"]
+    moe = "qwen3" in argv[at].lower() and "a3b" in argv[at].lower()
+    argv[at] = models["dsv2" if mla else "qwen3_moe16" if moe else "llama8"]
     return env, argv + CPU_ARGS + (MLA_CPU_ARGS if mla else [])
 
 
