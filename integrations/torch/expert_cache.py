@@ -39,6 +39,7 @@ import torch
 
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import poison
+from ringflow.kernels import expert_fetch
 from ringflow.kernels.expert_fetch import PROGRAMS, check, fetch_experts
 
 _LATEST = torch.iinfo(torch.int64).max
@@ -60,6 +61,11 @@ class ExpertCache:
                               f"experts), got {slots}; at {self.experts} keep the layer resident")
         self.slots, self.programs = slots, programs
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+        if self.device.type == "cuda" and (expert_fetch.triton is None or any(
+                t.device.type != "cpu" for t in host.values())):
+            raise ConfigError("an expert cache on a GPU fetches with its Triton kernel from "
+                              "pinned host memory (Note [Device-indexed expert fetch]); install "
+                              "Triton and keep the host copies on the CPU, pinned")
         self.host = dict(host)
         self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
                                           device=self.device) for name, t in host.items()}

@@ -139,9 +139,19 @@ def _check_layer(index: int, runner, experts) -> None:
         why.append("it runs on vLLM-CPU only so far: on a GPU the experts must stay out of "
                    "device memory while vLLM loads, and vLLM's fused-MoE kernel must compute "
                    "from the slots (issue #39)")
-    activation = str(getattr(experts, "activation", "silu")).lower()
-    if "silu" not in activation:
-        why.append(f"its activation is {activation}, not SiLU")
+    activation = getattr(experts, "activation", None)
+    name = str(getattr(activation, "name", activation)).lower()
+    if name != "silu":  # SiLU-gated (gate * up); not silu_no_mul, gelu, swigluoai...
+        why.append(f"its activation is {name}, not SiLU-gated")
+    config = getattr(experts, "moe_config", None)
+    clamps = {k: getattr(config, k, None) for k in ("swiglu_limit", "swiglu_alpha",
+                                                      "swiglu_beta")}
+    clamps.update({k: getattr(experts, k, None) for k in clamps if getattr(experts, k, None)
+                   is not None})
+    if any(v is not None for v in clamps.values()):
+        why.append(f"its SwiGLU is clamped or scaled ({clamps})")
+    if getattr(experts.quant_method, "is_monolithic", False):
+        why.append("its MoE kernel routes by itself (monolithic): forward_modular never runs")
     if getattr(experts, "w13_bias", None) is not None or getattr(experts, "w2_bias", None) is not None:
         why.append("its experts have biases")
     if getattr(experts, "apply_router_weight_on_input", False):
@@ -170,8 +180,8 @@ def _attach(experts, cache: ExpertCache) -> None:
         for expert_map in cache.serve(topk_ids):
             part = moe_from_slots(x, cache.weights["w13"], cache.weights["w2"], topk_weights,
                                   topk_ids, expert_map)
-            out = part if out is None else out + part
-        return out
+            out = part if out is None else out.add_(part)
+        return out.to(x.dtype)
 
     experts.forward_modular = forward_modular
     experts._ringflow_expert_cache = cache

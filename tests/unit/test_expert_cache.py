@@ -200,3 +200,15 @@ def test_fetch_reads_pinned_host_memory_by_device_ids_and_refuses_pageable():
     with pytest.raises(KernelError, match="pageable"):
         fetch_experts(torch.randn(9, 4), torch.empty(4, 4, device="cuda"), ids, slots,
                       torch.tensor([1], device="cuda"))
+
+
+def test_a_choice_of_minus_one_contributes_nothing():
+    """vLLM writes -1 for a choice another rank serves: it must not wrap to the last expert."""
+    w13, w2 = experts()
+    hidden = torch.randn(1, H)
+    expert_map = torch.arange(E)
+    alone = moe_from_slots(hidden, w13, w2, torch.tensor([[0.5]]), torch.tensor([[E - 1]]),
+                           expert_map)
+    with_minus_one = moe_from_slots(hidden, w13, w2, torch.tensor([[0.5, 0.5]]),
+                                    torch.tensor([[E - 1, -1]]), expert_map)
+    torch.testing.assert_close(with_minus_one, alone)

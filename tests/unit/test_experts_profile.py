@@ -50,3 +50,23 @@ def test_the_front_end_checks_expert_layers_against_the_models_config():
     check_layers(load({"layers": [0, 3]}), config)
     with pytest.raises(ProfileError, match=r"layers \[7\] do not exist"):
         check_layers(load({"layers": [3, 7]}), config)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"activation": SimpleNamespace(name="SILU_NO_MUL")}, "not SiLU-gated"),
+    ({"moe_config": SimpleNamespace(swiglu_limit=7.0)}, "clamped or scaled"),
+    ({"quant_method": type("UnquantizedFusedMoEMethod", (), {"is_monolithic": True})()},
+     "monolithic"),
+    ({"w13_bias": object()}, "biases"),
+    ({"local_num_experts": 8}, "expert parallelism"),
+])
+def test_layers_the_lane_cannot_compute_are_refused_by_name(change, words):
+    from ringflow.errors import UnsupportedModelError
+    from ringflow.integrations.vllm.experts import _check_layer
+    plain = dict(activation=SimpleNamespace(name="SILU"), moe_config=SimpleNamespace(),
+                 quant_method=type("UnquantizedFusedMoEMethod", (), {"is_monolithic": False})(),
+                 global_num_experts=16, local_num_experts=16, layer_name="model.layers.2.mlp",
+                 w13_weight=SimpleNamespace(is_cuda=False))
+    _check_layer(2, SimpleNamespace(), SimpleNamespace(**plain))  # SiLU, unquantized: taken
+    with pytest.raises(UnsupportedModelError, match=words):
+        _check_layer(2, SimpleNamespace(), SimpleNamespace(**{**plain, **change}))
