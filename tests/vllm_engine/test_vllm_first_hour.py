@@ -126,7 +126,8 @@ def test_each_vllm_server_command_of_the_readme_serves(command, models, tmp_path
 FRONT_END = [  # found before any engine process starts: (variables, extra arguments, expected)
     ({"RINGFLOW_PROFILE": "vllm_weightz"}, [], "ringflow: RINGFLOW_PROFILE=vllm_weightz: no such"),
     ({}, ["--additional-config", '{"ringflow": {}}'],
-     "ringflow: additional_config.ringflow: is empty; vLLM needs an offload or a kv_prefetch"),
+     "ringflow: additional_config.ringflow: is empty; vLLM needs an offload, a kv_prefetch "
+     "or an experts"),
     ({"RINGFLOW_PROFILE": "demo"}, [], "ringflow: RINGFLOW_PROFILE=demo (<builtin demo>): is not "
                                        "a vLLM profile"),
 ]
