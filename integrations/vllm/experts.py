@@ -109,7 +109,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     caches: dict[int, ExpertCache] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
-        _check_layer(i, runner, experts)
+        check_layer(i, runner, experts)
         host = copies.get(id(experts))
         if host is None:
             raise UnsupportedModelError(f"experts: layer {i}'s routed experts were not seen "
@@ -130,9 +130,11 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     return caches
 
 
-def _check_layer(index: int, runner, experts) -> None:
+def check_layer(index: int, runner, experts) -> None:
+    """Raise ``UnsupportedModelError`` naming every reason this lane cannot compute layer
+    ``index``'s routed experts exactly (Note [Experts in vLLM])."""
     why = []
-    if getattr(runner, "_shared_experts", None) is not None:
+    if getattr(runner, "shared_experts", None) is not None:
         why.append("it has shared experts, which vLLM's MoE kernel computes beside the routed "
                    "ones")
     if torch.cuda.is_available() and experts.w13_weight.is_cuda:

@@ -62,11 +62,11 @@ def test_the_front_end_checks_expert_layers_against_the_models_config():
 ])
 def test_layers_the_lane_cannot_compute_are_refused_by_name(change, words):
     from ringflow.errors import UnsupportedModelError
-    from ringflow.integrations.vllm.experts import _check_layer
+    from ringflow.integrations.vllm.experts import check_layer
     plain = dict(activation=SimpleNamespace(name="SILU"), moe_config=SimpleNamespace(),
                  quant_method=type("UnquantizedFusedMoEMethod", (), {"is_monolithic": False})(),
                  global_num_experts=16, local_num_experts=16, layer_name="model.layers.2.mlp",
                  w13_weight=SimpleNamespace(is_cuda=False))
-    _check_layer(2, SimpleNamespace(), SimpleNamespace(**plain))  # SiLU, unquantized: taken
+    check_layer(2, SimpleNamespace(), SimpleNamespace(**plain))  # SiLU, unquantized: taken
     with pytest.raises(UnsupportedModelError, match=words):
-        _check_layer(2, SimpleNamespace(), SimpleNamespace(**{**plain, **change}))
+        check_layer(2, SimpleNamespace(), SimpleNamespace(**{**plain, **change}))
