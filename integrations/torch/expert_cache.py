@@ -117,19 +117,21 @@ class ExpertCache:
         victims = torch.argsort(torch.where(used, _LATEST, self.last_used[:s]), stable=True)
         missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
         first = torch.minimum(miss_count, s - used.sum())
-        self._install(missed[self._positions.clamp(max=e - 1)], victims, first)
+        self._install(missed[:s], victims, first)  # s <= e: the first s missed, in order
         yield torch.where(needed, self.slot_of[:e], -1)
         for p in range(1, passes):
             start = first + (p - 1) * s
             ids = missed[(start + self._positions).clamp(max=e - 1)]
             count = (miss_count - start).clamp(0, s)
-            installed = self._install(ids, self._positions, count)
-            yield torch.where(installed, self.slot_of[:e], -1)
+            self._install(ids, self._positions, count)
+            installed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+            installed.index_fill_(0, torch.where(self._positions < count, ids, e), True)
+            yield torch.where(installed[:e], self.slot_of[:e], -1)
 
     def _install(self, ids: torch.Tensor, slots: torch.Tensor,
-                 count: torch.Tensor) -> torch.Tensor:
+                 count: torch.Tensor) -> None:
         """Put expert ``ids[i]`` into slot ``slots[i]`` for ``i < count``: evict the slot's
-        holder, update the maps, copy the weights; returns which experts were installed."""
+        holder, update the maps, copy the weights."""
         e, s = self.experts, self.slots
         valid = self._positions < count
         old = self.expert_in[slots]
@@ -139,9 +141,6 @@ class ExpertCache:
         self.last_used.index_copy_(0, torch.where(valid, slots, s), self.clock.expand(s))
         for name, w in self.weights.items():
             fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
-        installed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
-        installed.index_fill_(0, torch.where(valid, ids, e), True)
-        return installed[:e]
 
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.

@@ -188,7 +188,3 @@ def _attach(experts, cache: ExpertCache) -> None:
     experts.forward_modular = forward_modular
     experts._ringflow_expert_cache = cache
 
-
-def hit_rates(caches: dict[int, ExpertCache]) -> dict[int, float | None]:
-    """Each layer's share of needed experts found cached since its cache was built."""
-    return {i: c.hit_rate() for i, c in caches.items()}
