@@ -13,6 +13,10 @@ Note [Device-indexed expert fetch]
     so it leaves most SMs to the concurrent compute: the measurement that chose it is in
     ``tools/expert_fetch_bench.py``.
 
+    The host side is either a pinned CPU tensor (its device address is looked up once per
+    call) or a CUDA tensor whose memory is pinned host memory, as vLLM's UVA offloader leaves
+    its parameters (``get_accelerator_view_from_cpu_tensor``): the kernel reads both alike.
+
     Where Triton or a GPU is absent the torch path does the same copy (an ``index_copy_``), so
     the CPU tests exercise the same contract bit for bit.
 """
@@ -100,11 +104,12 @@ def fetch_experts(host: torch.Tensor, cache: torch.Tensor, expert_ids: torch.Ten
     if expert_ids.shape != slot_ids.shape or expert_ids.dim() != 1 or count.numel() != 1:
         raise KernelError(f"expert_ids {tuple(expert_ids.shape)} and slot_ids "
                           f"{tuple(slot_ids.shape)} must be 1-D of one length, count one element")
-    if triton is not None and cache.is_cuda and host.device.type == "cpu":
+    if triton is not None and cache.is_cuda:
         src, dst = _words(host, "host experts"), _words(cache, "cache slots")
         words = src.shape[1]
+        source = _HostWords(src) if src.device.type == "cpu" else src  # a CUDA view: as it is
         with torch.cuda.device(cache.device):
-            _fetch_kernel[(programs,)](_HostWords(src), dst, expert_ids, slot_ids, count, words,
+            _fetch_kernel[(programs,)](source, dst, expert_ids, slot_ids, count, words,
                                        triton.cdiv(words, BLOCK), BLOCK=BLOCK)
         return cache
     n = int(count.reshape(()).item())  # CPU (or a GPU without Triton): a plain indexed copy

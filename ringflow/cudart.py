@@ -19,3 +19,12 @@ def checked(name: str, result, error: type[Exception], hint: str):
     if err != rt.cudaError_t.cudaSuccess:
         raise error(f"cuda-python {name} failed with {err}; {hint}")
     return rest[0] if len(rest) == 1 else rest
+
+
+def in_host_memory(ptr: int) -> bool:
+    """Whether ``ptr`` (a CUDA tensor's ``data_ptr()``, say) addresses pinned host memory that
+    the GPU reads across the host link, as vLLM's UVA offloader leaves its parameters."""
+    rt = runtime()
+    attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), RuntimeError,
+                    "the pointer is not one CUDA knows")
+    return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost

@@ -47,7 +47,8 @@ _LATEST = torch.iinfo(torch.int64).max
 
 class ExpertCache:
     """``slots`` GPU copies of one MoE layer's routed experts, whose host copies are ``host``
-    (parameter name → pinned tensor [experts, ...]); see Note [Expert cache]."""
+    (parameter name → tensor [experts, ...]: pinned on the CPU, or a CUDA view of pinned host
+    memory such as vLLM's UVA offloader makes); see Note [Expert cache]."""
 
     def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
                  device: torch.device | str, programs: int = PROGRAMS) -> None:
@@ -61,11 +62,10 @@ class ExpertCache:
                               f"experts), got {slots}; at {self.experts} keep the layer resident")
         self.slots, self.programs = slots, programs
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
-        if self.device.type == "cuda" and (expert_fetch.triton is None or any(
-                t.device.type != "cpu" for t in host.values())):
+        if self.device.type == "cuda" and expert_fetch.triton is None:
             raise ConfigError("an expert cache on a GPU fetches with its Triton kernel from "
-                              "pinned host memory (Note [Device-indexed expert fetch]); install "
-                              "Triton and keep the host copies on the CPU, pinned")
+                              "pinned host memory (Note [Device-indexed expert fetch]): a torch "
+                              "copy would sync every step; install Triton")
         self.host = dict(host)
         self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
                                           device=self.device) for name, t in host.items()}

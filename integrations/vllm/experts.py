@@ -5,24 +5,36 @@ Note [Experts in vLLM]
     expert ids) to its ``RoutedExperts`` module's ``forward_modular``, which runs the quant
     method's kernel over all of the layer's experts. For each chosen layer ringflow:
 
-    1. keeps a host copy of the layer's routed experts, taken while vLLM loads the model, just
-       before the quant method processes them (``process_weights_after_loading``: vLLM-CPU
-       repacks them there into its grouped-GEMM layout, which no cache slot could hold); a
-       reload passes there again, and the host copy takes the new weights and the cache
-       forgets every slot;
-    2. builds an :class:`~ringflow.integrations.torch.expert_cache.ExpertCache` over that copy;
+    1. finds the layer's routed experts in host memory:
+       * on a GPU, where vLLM's UVA offloader put them (``--cpu-offload-gb G
+         --cpu-offload-params experts``): vLLM loads them straight into pinned host memory
+         and keeps a CUDA view of it as the parameter, so the experts never occupy device
+         memory, and the fetch kernel reads that view as it is (Note [Device-indexed expert
+         fetch]); a layer whose experts are in device memory is refused with the flags;
+       * on vLLM's CPU build, as a copy taken while vLLM loads the model, just before the
+         quant method processes them (``process_weights_after_loading``: vLLM-CPU repacks
+         them there into its grouped-GEMM layout, which no cache slot could hold);
+       a reload passes through ``process_weights_after_loading`` again: a CPU copy takes the
+       new weights (a GPU's host store already holds them: vLLM wrote them there), and the
+       cache forgets every slot;
+    2. builds an :class:`~ringflow.integrations.torch.expert_cache.ExpertCache` over them: its
+       slots are allocated while vLLM loads the model, so vLLM counts them as model memory
+       before it sizes the KV cache;
     3. replaces the layer's ``forward_modular`` (on that object only): the cache installs the
-       experts the router chose that are not cached, and the experts are computed from the
-       slots, pass by pass (Note [Expert cache]), summed into the layer's routed output. The
-       runner's shared experts, routed scaling and reductions are untouched.
+       experts the router chose that are not cached, and each pass computes its experts from
+       the slots, summed into the layer's routed output. On a GPU the pass is vLLM's own
+       fused-MoE kernel, called with the slots as the layer's weights and the pass's
+       expert→slot map as its ``expert_map`` (as for expert parallelism: experts mapped to -1
+       contribute nothing); only vLLM's Triton experts honour that map, so other MoE backends
+       are refused with ``--moe-backend triton``. On the CPU it is ringflow's torch MoE
+       (``kernels/moe.py``). The runner's shared experts, routed scaling and reductions are
+       untouched.
 
-    Today the compute is ringflow's torch MoE (``kernels/moe.py``), and the lane runs on vLLM's
-    CPU build. On a GPU it stops at start-up with one line: there the experts must stay out
-    of device memory while vLLM loads (its UVA offloader's place) and be computed by vLLM's
-    fused-MoE kernel with an ``expert_map`` over the slots, which is issue #39's next step.
-    Layers whose experts need more than the SiLU-gated MoE this computes (biases, shared
-    experts handed to the kernel, router weights applied on the input, quantized experts,
-    expert parallelism) are refused by name.
+    Everything ``forward_modular`` does is device work in stream order on vLLM's stream, with
+    no host sync, so it runs inside the opaque ``moe_forward`` op vLLM captures in its CUDA
+    graphs, and a replay fetches what its step's router chose. Layers whose experts need more
+    than the SiLU-gated MoE this computes (biases, shared experts handed to the kernel, router
+    weights applied on the input, quantized experts, expert parallelism) are refused by name.
 """
 
 from __future__ import annotations
@@ -30,11 +42,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
 
 from ringflow.errors import ProfileError, UnsupportedModelError
+from ringflow.graphs import nvtx_ranges
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.kernels.moe import moe_from_slots
@@ -66,21 +80,17 @@ def before_processing(state: PluginState, original, method, layer, *args, **kwar
     cache = getattr(layer, "_ringflow_expert_cache", None)
     if cache is not None:  # a weight write (reload_weights): the host copies take it
         for name, host in cache.host.items():
-            host.copy_(getattr(layer, f"{name}_weight").detach())
+            weight = getattr(layer, f"{name}_weight").detach()
+            if weight.data_ptr() != host.data_ptr():  # a GPU's host store is the weight
+                host.copy_(weight)
         cache.forget()
         log.info("experts: %s's host copies hold the new weights; its cached experts are "
                  "dropped and fetched again as steps need them", layer.layer_name)
     copies = _snapshots.get()
-    if copies is not None:
-        pin = torch.cuda.is_available()
-        copies[id(layer)] = {name: _host(getattr(layer, f"{name}_weight"), pin)
+    if copies is not None and not layer.w13_weight.is_cuda:  # a GPU's store: Note, step 1
+        copies[id(layer)] = {name: getattr(layer, f"{name}_weight").detach().clone()
                              for name in ("w13", "w2")}
     return original(method, layer, *args, **kwargs)
-
-
-def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = t.detach().to("cpu", copy=True).contiguous()
-    return host.pin_memory() if pin else host
 
 
 def moe_runners_of(decoder_layer) -> list:
@@ -106,11 +116,20 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     if empty or not found:
         raise ProfileError("experts.layers", f"decoder layers {empty or chosen} have no routed "
                            f"experts (no MoE); list MoE layers, or 'all'", profile.source)
+    on_gpu = any(r.routed_experts.w13_weight.is_cuda for (r,) in found.values())
+    if on_gpu:
+        need = sum(_store_bytes(r.routed_experts) for (r,) in found.values())
+        offload = (f"start vLLM with --cpu-offload-gb {math.ceil(need / 2**30)} "
+                   f"--cpu-offload-params experts (its UVA offloader then loads the chosen "
+                   f"layers' experts, {need / 2**30:.1f} GiB, into pinned host memory; on "
+                   f"vLLM 0.26 also VLLM_USE_V2_MODEL_RUNNER=0: its V2 runner makes no "
+                   f"offloader)")
     caches: dict[int, ExpertCache] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
-        check_layer(i, runner, experts)
-        host = copies.get(id(experts))
+        check_layer(i, runner, experts, offload if on_gpu else None)
+        host = (copies.get(id(experts)) if not on_gpu else
+                {name: getattr(experts, f"{name}_weight").detach() for name in ("w13", "w2")})
         if host is None:
             raise UnsupportedModelError(f"experts: layer {i}'s routed experts were not seen "
                                         f"while vLLM loaded the model (their quant method is "
@@ -118,8 +137,10 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                                         f"vLLM's unquantized one)")
         cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
                             experts.w13_weight.device)
-        _attach(experts, cache)
+        _attach(i, experts, cache)
         caches[i] = cache
+    if on_gpu:
+        _say_other_offloaded(decoder, caches)
     first = next(iter(caches.values()))
     log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
              "(%s), host copies %s; each step brings in only the experts its router chose "
@@ -130,17 +151,36 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     return caches
 
 
-def check_layer(index: int, runner, experts) -> None:
+def _store_bytes(experts) -> int:
+    return sum(t.numel() * t.element_size() for t in (experts.w13_weight, experts.w2_weight))
+
+
+def _in_host_memory(t: torch.Tensor) -> bool:
+    from ringflow.cudart import in_host_memory
+    return in_host_memory(t.data_ptr())
+
+
+#: vLLM's experts classes whose kernels honour ``expert_map`` (blocks of experts mapped to -1
+#: write zeros); FlashInfer's and others' do not, and would compute the wrong experts
+MAPPED_KERNELS = ("TritonExperts",)
+
+
+def check_layer(index: int, runner, experts, offload: str | None = None) -> None:
     """Raise ``UnsupportedModelError`` naming every reason this lane cannot compute layer
-    ``index``'s routed experts exactly (Note [Experts in vLLM])."""
+    ``index``'s routed experts exactly (Note [Experts in vLLM]); ``offload`` says how to put
+    a GPU layer's experts in host memory."""
     why = []
     if getattr(runner, "shared_experts", None) is not None:
         why.append("it has shared experts, which vLLM's MoE kernel computes beside the routed "
                    "ones")
-    if torch.cuda.is_available() and experts.w13_weight.is_cuda:
-        why.append("it runs on vLLM-CPU only so far: on a GPU the experts must stay out of "
-                   "device memory while vLLM loads, and vLLM's fused-MoE kernel must compute "
-                   "from the slots (issue #39)")
+    if experts.w13_weight.is_cuda:
+        if not all(_in_host_memory(w) for w in (experts.w13_weight, experts.w2_weight)):
+            why.append(f"its routed experts are in device memory: {offload}")
+        kernel = getattr(experts.quant_method, "moe_kernel", None)
+        name = type(getattr(kernel, "fused_experts", None)).__name__
+        if name not in MAPPED_KERNELS:
+            why.append(f"its MoE kernel is {name}, which ignores an expert map: start vLLM "
+                       f"with --moe-backend triton")
     activation = getattr(experts, "activation", None)
     name = str(getattr(activation, "name", activation)).lower()
     if name != "silu":  # SiLU-gated (gate * up); not silu_no_mul, gelu, swigluoai...
@@ -168,9 +208,50 @@ def check_layer(index: int, runner, experts) -> None:
                                     f"Drop it from experts.layers")
 
 
-def _attach(experts, cache: ExpertCache) -> None:
+def _say_other_offloaded(decoder: list, caches: dict[int, ExpertCache]) -> None:
+    """One line naming MoE layers vLLM's UVA offloader put in host memory that the profile did
+    not choose: vLLM's kernel reads all of their experts across the host link every step."""
+    others = [i for i, layer in enumerate(decoder) if i not in caches
+              for r in moe_runners_of(layer) if r.routed_experts.w13_weight.is_cuda
+              and _in_host_memory(r.routed_experts.w13_weight)]
+    if others:
+        log.warning("experts: layers %s are not in experts.layers but vLLM's UVA offloader put "
+                    "their experts in host memory: vLLM reads them across the host link at "
+                    "every step; lower --cpu-offload-gb or add them", others)
+
+
+def _compute(experts):
+    """The pass's MoE over the slots (Note [Experts in vLLM], step 3)."""
+    if not experts.w13_weight.is_cuda:
+        return moe_from_slots
+    kernel = experts.quant_method.moe_kernel
+
+    def vllm_kernel(x, w13, w2, topk_weights, topk_ids, expert_map):
+        return kernel.apply(hidden_states=x, w1=w13, w2=w2, topk_weights=topk_weights,
+                            topk_ids=topk_ids, activation=experts.activation,
+                            global_num_experts=experts.global_num_experts,
+                            expert_map=expert_map.to(torch.int32),
+                            apply_router_weight_on_input=False)
+
+    return vllm_kernel
+
+
+def _attach(index: int, experts, cache: ExpertCache) -> None:
     """Replace this object's ``forward_modular`` by the cache's passes (Note [Experts in
-    vLLM])."""
+    vLLM]), each pass's fetch and MoE in NVTX ranges ``ringflow/experts/{fetch,moe}/L<i>``
+    (at capture time under a CUDA graph, like every range)."""
+    compute = _compute(experts)
+    fetch_range = nvtx_ranges.handle(f"ringflow/experts/fetch/L{index}")
+    moe_range = nvtx_ranges.handle(f"ringflow/experts/moe/L{index}")
+
+    def ranged(h, fn, *args):
+        if h is None:
+            return fn(*args)
+        nvtx_ranges.push(h)
+        try:
+            return fn(*args)
+        finally:
+            nvtx_ranges.pop()
 
     @torch.compiler.disable  # state tensors change in place each step: run it as Python
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None,
@@ -179,12 +260,12 @@ def _attach(experts, cache: ExpertCache) -> None:
             raise UnsupportedModelError(f"experts: {experts.layer_name} hands shared experts to "
                                         f"its MoE kernel; drop this layer from experts.layers")
         out = None
-        for expert_map in cache.serve(topk_ids):
-            part = moe_from_slots(x, cache.weights["w13"], cache.weights["w2"], topk_weights,
-                                  topk_ids, expert_map)
+        passes = cache.serve(topk_ids)
+        while (expert_map := ranged(fetch_range, next, passes, None)) is not None:
+            part = ranged(moe_range, compute, x, cache.weights["w13"], cache.weights["w2"],
+                          topk_weights, topk_ids, expert_map)
             out = part if out is None else out.add_(part)
         return out.to(x.dtype)
 
     experts.forward_modular = forward_modular
     experts._ringflow_expert_cache = cache
-

@@ -135,6 +135,12 @@ SURFACES: tuple[Surface, ...] = (
             "missed experts and computes them from its slots (Note [Experts in vLLM])",
             params=("self", "x", "topk_weights", "topk_ids", "shared_experts",
                     "shared_experts_input")),
+    Surface("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.apply",
+            "read", "experts", "called on a GPU with the expert slots as w1/w2 and each pass's "
+            "expert→slot map as expert_map (Note [Experts in vLLM])",
+            params=("self", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
+                    "activation", "global_num_experts", "expert_map",
+                    "apply_router_weight_on_input", "shared_experts", "shared_experts_input")),
     Surface(_WORKER, "Worker.initialize_from_config", "method", "order",
             "marks the KV cache sized (no ring may be allocated after it) and logs what the "
             "rings took and what vLLM sized", hook=f"{_W}:on_initialize_from_config",

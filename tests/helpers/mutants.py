@@ -107,6 +107,26 @@ def _skip_prime_at_write() -> None:
     DagExecutor.sources_changed = sources_changed
 
 
+def _expert_fetch_without_wait() -> None:
+    """The expert cache's fetch runs on a side stream, ~10 ms late, and vLLM's stream does not
+    wait for it (Note [Expert cache]: the fetch and the MoE share one stream): the MoE reads
+    slots that still hold poison or an evicted expert."""
+    import torch
+
+    from ringflow.integrations.torch import expert_cache
+    original, sides = expert_cache.fetch_experts, {}
+
+    def fetch(host, cache, *args, **kwargs):
+        if not cache.is_cuda:
+            return original(host, cache, *args, **kwargs)
+        side = sides.setdefault(cache.device, torch.cuda.Stream(cache.device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+            return original(host, cache, *args, **kwargs)
+
+    expert_cache.fetch_experts = fetch
+
+
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -117,6 +137,7 @@ MUTANTS = {
     "no-replay-order": _no_replay_order,
     "skip-replay-prime": _skip_replay_prime,
     "skip-prime-at-write": _skip_prime_at_write,
+    "expert-fetch-without-wait": _expert_fetch_without_wait,
 }
 
 ENV = "RINGFLOW_MUTANT"

@@ -529,6 +529,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     spec = engine.get("speculative_config")
     if spec and spec.get("model") == "DRAFT":  # the same tiny model drafts for itself
         spec["model"] = write_model(root, case["model"])
+    if "cpu_offload_params" in engine:  # a set in vLLM's EngineArgs, a list in JSON
+        engine["cpu_offload_params"] = set(engine["cpu_offload_params"])
     kwargs.update(engine)
     if case.get("additional_config") is not None:
         kwargs["additional_config"] = case["additional_config"]

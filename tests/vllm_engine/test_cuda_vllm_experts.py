@@ -1,0 +1,94 @@
+"""Routed experts from host memory inside vLLM's CUDA engine (vLLM 0.26 on the H200; Note
+[Experts in vLLM]).
+
+A Qwen3-MoE-shaped model (4 layers, 16 experts, top-2, seeded random weights, bf16), one request
+at a time (FIELD_NOTES: batched greedy outputs of two GPU engines differ), in eager mode and
+vLLM's default FULL_AND_PIECEWISE graphs:
+
+* ``resident``: vLLM alone, every expert in device memory, Triton MoE;
+* ``lane-3`` / ``lane-1``: every layer's experts in pinned host memory (vLLM's UVA offloader,
+  ``--cpu-offload-params experts``), 3 or 1 slots per layer, slots poisoned: most steps miss,
+  prefills need more experts than the slots hold (several passes), decode steps reuse;
+* refusals: experts left in device memory, and fp8 experts (not served yet).
+
+vLLM 0.26's V2 model runner makes no offloader, so these engines run its V1 runner.
+
+``RINGFLOW_MUTANT=expert-fetch-without-wait`` (tests/helpers/mutants.py) must fail this module.
+"""
+
+import importlib.util
+
+import pytest
+
+from tests.vllm_engine.test_cuda_vllm import BF16_NOISE, POISON, collect, run
+from tests.vllm_engine.test_vllm_plugin import max_logprob_diff
+
+pytestmark = pytest.mark.cuda
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here (tools/gpu-vllm installs the carried vLLM 0.26)",
+                allow_module_level=True)
+
+MODES = ("eager", "default")
+MOE = "qwen3_moe16"
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # vLLM 0.26's V2 runner makes no offloader (0.33 does)
+UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], "moe_backend": "triton"}
+
+
+def lane(slots):
+    return {"ringflow": {"name": "experts", "experts": {"layers": "all", "slots": slots}}}
+
+
+def mode_cases(mode):
+    base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True}
+    return [
+        {"name": f"{mode}/resident", **base, "engine": {"moe_backend": "triton"}},
+        {"name": f"{mode}/lane-3", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(3), "repeat": True},
+        {"name": f"{mode}/lane-1", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(1)},
+    ]
+
+
+REFUSALS = [
+    {"name": "refused/device-memory", "model": MOE, "mode": "eager",
+     "engine": {"moe_backend": "triton"}, "additional_config": lane(3)},
+    {"name": "refused/fp8", "model": MOE, "mode": "eager",
+     "engine": {"moe_backend": "triton", "quantization": "fp8"}, "additional_config": lane(3)},
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    started = [run(mode_cases(mode), f"experts-{mode}", env=V1) for mode in MODES]
+    started.append(run(REFUSALS, "experts-refusals", env=V1))
+    return collect(started)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("slots", [3, 1])
+def test_experts_from_host_memory_give_the_resident_output(runs, mode, slots):
+    """vLLM's greedy tokens and top-5 logprobs, with every expert fetched into poisoned slots
+    by the device-indexed kernel and computed by vLLM's Triton MoE over the slots; with one
+    slot, every step of two or more tokens runs in passes."""
+    resident, got = runs[f"{mode}/resident"], runs[f"{mode}/lane-{slots}"]
+    for r in (resident, got):
+        assert "error" not in r, r["error"]
+    assert got["tokens"] == resident["tokens"]
+    assert max_logprob_diff(got, resident) < BF16_NOISE
+    layers = got["experts"]
+    assert len(layers) == 4
+    for layer in layers:
+        assert layer["slots"] == slots and layer["misses"] > 2 * slots
+    if slots == 3:  # one-token decode steps reuse what the steps before brought in
+        assert all(layer["hits"] > 0 for layer in layers)
+        assert got["repeat_same"]  # the same engine again: warm cache, same output
+    said = [line for line in got["log"] if line.startswith("experts: layers")]
+    assert len(said) == 1, got["log"]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("refused/device-memory", "--cpu-offload-gb 1 --cpu-offload-params experts"),
+    ("refused/fp8", "its experts are quantized (Fp8"),
+])
+def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name, words):
+    assert words in runs[name].get("error", ""), runs[name]
