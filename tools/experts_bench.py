@@ -18,8 +18,9 @@ prefetch offloader needs it). The experts get the same device memory everywhere 
 * ``vllm-prefetch``: vLLM's prefetch offloader on every layer's experts, two layers ahead;
 * ``ringflow-layers``: ringflow's whole-layer streaming, every layer through a ring of two.
 
-Engines are started first and kept alive (each its own engine-core process), then measured
-interleaved, round by round, so ratios come from one run: prefill of one 8,192-token prompt
+Engines are started one after the other and kept alive (each its own engine-core process);
+each is measured once as soon as it is up (a run cut short keeps those rows), then the other
+rounds go interleaved, so ratios come from one run: prefill of one 8,192-token prompt
 (TTFT and tok/s), and decode at batch 1, 8 and 64 (tok/s). For ``ringflow`` the cache's miss
 counters give the experts missed per decode step; ``bound`` is the time those bytes take at the
 measured pinned copy rate (55 GB/s on the H200), added to ``resident``'s step: the fastest a
@@ -65,12 +66,12 @@ def configs(layers: int) -> dict[str, dict]:
                          "layers": "all", "slots": SLOTS}}}},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_gb": round(experts_gib * 0.75, 2),
                      "cpu_offload_params": {"experts"}},
-        "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
-                          "offload_group_size": 1, "offload_num_in_group": 1,
-                          "offload_prefetch_step": 2, "offload_params": {"experts"}},
         "ringflow-layers": {"moe_backend": "triton", "additional_config": {"ringflow": {
             "name": "experts-bench-layers", "offload": {
                 "layers": "all", "depth": 1, "workspace_mib": 2 * layer_mib}}}},
+        "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
+                          "offload_group_size": 1, "offload_num_in_group": 1,
+                          "offload_prefetch_step": 2, "offload_params": {"experts"}},
     }
 
 
@@ -106,42 +107,18 @@ def main() -> int:
     chosen = configs(args.layers)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
-    engines, results = {}, {}
-    for name, extra in chosen.items():
-        t0 = time.perf_counter()
-        try:
-            engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                                dtype="bfloat16", max_model_len=PREFILL + 256, max_num_seqs=64,
-                                max_num_batched_tokens=PREFILL, seed=0,
-                                enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
-                                gpu_memory_utilization=0.5,
-                                compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
-                                **extra)
-        except Exception as exc:  # a peer that cannot start is a row that says why
-            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
-            print(f"[experts-bench] {name}: did not start: {results[name]['error']}", flush=True)
-            continue
-        results[name] = {"startup_s": round(time.perf_counter() - t0, 1),
-                         "prefill_tok_s": [], "ttft_s": [],
-                         **{f"decode_b{b}_tok_s": [] for b in BATCHES}}
-        print(f"[experts-bench] {name}: started in {results[name]['startup_s']} s", flush=True)
-
     vocab = QWEN3_A3B["vocab_size"]
     long = [TokensPrompt(prompt_token_ids=[(j * 7919) % (vocab - 3) + 3 for j in range(PREFILL)])]
     short = [TokensPrompt(prompt_token_ids=[(i * 31 + j * 17) % (vocab - 3) + 3
                                             for j in range(16)]) for i in range(64)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
-    for llm in engines.values():  # warm-up: first replays, lazy allocations, the cache filled
-        llm.generate(long, first, use_tqdm=False)
-        llm.generate(short[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                               detokenize=False), use_tqdm=False)
 
     def summary(rounds: int) -> dict:
         """Medians, ratios and the bound, as the JSON record (written after every round, so a
         run cut short by a time limit keeps what it measured)."""
-        live = {n: r for n, r in results.items() if "error" not in r}
+        live = {n: r for n, r in results.items() if "error" not in r and r["ttft_s"]}
         for r in live.values():
-            for key in [k for k in r if k.endswith("_tok_s") or k == "ttft_s"]:
+            for key in [k for k, v in r.items() if isinstance(v, list)]:
                 r[key + "_median"] = round(statistics.median(r[key]), 3 if key == "ttft_s" else 1)
         base, ours = live.get("resident"), live.get("ringflow")
         for name, r in live.items():
@@ -174,29 +151,58 @@ def main() -> int:
             records.write(args.json, doc)
         return doc
 
-    for round_ in range(args.repeats):
-        for name, llm in engines.items():  # interleaved: every configuration once per round
-            r = results[name]
-            torch.cuda.synchronize()
+    def measure(name: str, llm) -> None:
+        r = results[name]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(long, first, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        r["ttft_s"].append(elapsed)
+        r["prefill_tok_s"].append(PREFILL / elapsed)
+        for b, new in BATCHES.items():
+            params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
+                                    detokenize=False)
+            before = llm.collective_rpc(expert_counters)[0] if name == "ringflow" else None
             t0 = time.perf_counter()
-            llm.generate(long, first, use_tqdm=False)
-            elapsed = time.perf_counter() - t0
-            r["ttft_s"].append(elapsed)
-            r["prefill_tok_s"].append(PREFILL / elapsed)
-            for b, new in BATCHES.items():
-                params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
-                                        detokenize=False)
-                before = llm.collective_rpc(expert_counters)[0] if name == "ringflow" else None
-                t0 = time.perf_counter()
-                llm.generate(short[:b], params, use_tqdm=False)
-                r[f"decode_b{b}_tok_s"].append(b * new / (time.perf_counter() - t0))
-                if before is not None:
-                    after = llm.collective_rpc(expert_counters)[0]
-                    per = r.setdefault("missed_per_step", {}).setdefault(str(b), [])
-                    per.append((after[1] - before[1]) / new)  # the one prefill step included
-                    hits = r.setdefault("hit_rate", {}).setdefault(str(b), [])
-                    seen = (after[0] - before[0]) + (after[1] - before[1])
-                    hits.append(round((after[0] - before[0]) / seen, 3) if seen else None)
+            llm.generate(short[:b], params, use_tqdm=False)
+            r[f"decode_b{b}_tok_s"].append(b * new / (time.perf_counter() - t0))
+            if before is not None:
+                after = llm.collective_rpc(expert_counters)[0]
+                per = r.setdefault("missed_per_step", {}).setdefault(str(b), [])
+                per.append((after[1] - before[1]) / new)  # the one prefill step included
+                hits = r.setdefault("hit_rate", {}).setdefault(str(b), [])
+                seen = (after[0] - before[0]) + (after[1] - before[1])
+                hits.append(round((after[0] - before[0]) / seen, 3) if seen else None)
+
+    engines, results = {}, {}
+    for name, extra in chosen.items():
+        t0 = time.perf_counter()
+        try:
+            engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
+                                dtype="bfloat16", max_model_len=PREFILL + 256, max_num_seqs=64,
+                                max_num_batched_tokens=PREFILL, seed=0,
+                                enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
+                                gpu_memory_utilization=0.5,
+                                compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
+                                **extra)
+        except Exception as exc:  # a peer that cannot start is a row that says why
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+            print(f"[experts-bench] {name}: did not start: {results[name]['error']}", flush=True)
+            continue
+        results[name] = {"startup_s": round(time.perf_counter() - t0, 1),
+                         "prefill_tok_s": [], "ttft_s": [],
+                         **{f"decode_b{b}_tok_s": [] for b in BATCHES}}
+        print(f"[experts-bench] {name}: started in {results[name]['startup_s']} s", flush=True)
+        llm = engines[name]  # warm-up: first replays, lazy allocations, the cache filled
+        llm.generate(long, first, use_tqdm=False)
+        llm.generate(short[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                               detokenize=False), use_tqdm=False)
+        measure(name, llm)  # round 0 now: a run cut short keeps every engine measured so far
+        summary(1)
+
+    for round_ in range(1, args.repeats):
+        for name, llm in engines.items():  # interleaved: every configuration once per round
+            measure(name, llm)
         summary(round_ + 1)
         print(f"[experts-bench] round {round_} done", flush=True)
     doc = summary(args.repeats)

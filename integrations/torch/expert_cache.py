@@ -151,6 +151,17 @@ class ExpertCache:
         for w in self.weights.values():
             poison(w)
 
+    def describe(self) -> dict:
+        """The layout and the counters so far (one host sync): what a dump or a report shows."""
+        hits, misses = int(self.hits), int(self.misses)
+        return {"experts": self.experts, "slots": self.slots,
+                "slot_bytes": self.bytes // self.slots, "device": str(self.device),
+                "host": {name: ("cuda view of pinned host memory" if t.is_cuda else
+                                "pinned host copy" if t.is_pinned() else "host copy")
+                         for name, t in self.host.items()},
+                "hits": hits, "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
+
     def hit_rate(self) -> float | None:
         """Share of the needed experts found in a slot since the cache was made (host sync)."""
         hits, misses = int(self.hits), int(self.misses)

@@ -47,11 +47,14 @@ from collections.abc import Iterator
 
 import torch
 
-from ringflow.errors import ProfileError, UnsupportedModelError
+from ringflow import envs
+from ringflow.bench import records
+from ringflow.errors import OutputError, ProfileError, UnsupportedModelError
 from ringflow.graphs import nvtx_ranges
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.kernels.moe import moe_from_slots
+from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
 from ringflow.orchestrator.sections import resolve_layers
 from ringflow.units import mib
@@ -141,6 +144,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
         caches[i] = cache
     if on_gpu:
         _say_other_offloaded(decoder, caches)
+    if envs.text("RINGFLOW_DUMP"):
+        _dump(caches, decoder, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
     log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
              "(%s), host copies %s; each step brings in only the experts its router chose "
@@ -163,6 +168,46 @@ def _in_host_memory(t: torch.Tensor) -> bool:
 #: vLLM's experts classes whose kernels honour ``expert_map`` (blocks of experts mapped to -1
 #: write zeros); FlashInfer's and others' do not, and would compute the wrong experts
 MAPPED_KERNELS = ("TritonExperts",)
+
+
+def report(caches: dict[int, ExpertCache]) -> list[dict]:
+    """Per chosen layer: its decoder index, the cache's layout, hits, misses and hit rate since
+    start-up (vLLM's warm-up and capture runs included); one host sync per layer."""
+    return [{"layer": i, **cache.describe()} for i, cache in sorted(caches.items())]
+
+
+def worker_report(worker=None) -> list[dict]:
+    """:func:`report` for every model loaded in this process: what
+    ``llm.collective_rpc(worker_report)`` returns from each worker."""
+    from ringflow.integrations.vllm.state import STATE
+    return [row for caches in list(STATE.expert_caches.values()) for row in report(caches)]
+
+
+def _dump(caches: dict[int, ExpertCache], decoder: list, base: str) -> None:
+    """``RINGFLOW_DUMP``: the lane's layout as ``<stem>.experts.json`` (Note [Experts in vLLM]):
+    per layer, the cache, where its host store lives and what computes its passes."""
+    stem = dumps.dump_stem(base)
+    layers = []
+    for row in report(caches):
+        experts = moe_runners_of(decoder[row["layer"]])[0].routed_experts
+        kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts",
+                         None)
+        layers.append({**row, "name": experts.layer_name,
+                       "compute": (f"vLLM {type(kernel).__name__} per pass, expert_map over "
+                                   f"the slots" if experts.w13_weight.is_cuda
+                                   else "ringflow's torch MoE per pass (kernels/moe.py)"),
+                       "passes": "ceil(min(experts, tokens * top_k) / slots)",
+                       "top_k": experts.top_k})
+    doc = {"schema": "ringflow.experts", "version": 1,
+           "stream": "vLLM's: each pass's fetch (device-indexed, Note [Device-indexed expert "
+                     "fetch]) then its MoE, in stream order (Note [Expert cache])",
+           "layers": layers}
+    try:
+        path = records.write(f"{stem}.experts.json", doc)
+    except OutputError as exc:
+        log.warning("RINGFLOW_DUMP: %s; the expert lane is not dumped", exc)
+        return
+    log.info("wrote the expert lane's layout to %s", path)
 
 
 def check_layer(index: int, runner, experts, offload: str | None = None) -> None:

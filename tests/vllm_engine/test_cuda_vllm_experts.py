@@ -9,7 +9,9 @@ vLLM's default FULL_AND_PIECEWISE graphs:
 * ``lane-3`` / ``lane-1``: every layer's experts in pinned host memory (vLLM's UVA offloader,
   ``--cpu-offload-params experts``), 3 or 1 slots per layer, slots poisoned: most steps miss,
   prefills need more experts than the slots hold (several passes), decode steps reuse;
-* refusals: experts left in device memory, and fp8 experts (not served yet).
+* a refusal: experts left in device memory (the line names the flags). fp8 experts are refused
+  by name (tests/unit/test_experts_profile.py); the carried vLLM 0.26 lacks compressed_tensors,
+  which its fp8 path imports, so no fp8 engine starts there.
 
 vLLM 0.26's V2 model runner makes no offloader, so these engines run its V1 runner.
 
@@ -52,8 +54,6 @@ def mode_cases(mode):
 REFUSALS = [
     {"name": "refused/device-memory", "model": MOE, "mode": "eager",
      "engine": {"moe_backend": "triton"}, "additional_config": lane(3)},
-    {"name": "refused/fp8", "model": MOE, "mode": "eager",
-     "engine": {"moe_backend": "triton", "quantization": "fp8"}, "additional_config": lane(3)},
 ]
 
 
@@ -88,7 +88,6 @@ def test_experts_from_host_memory_give_the_resident_output(runs, mode, slots):
 
 @pytest.mark.parametrize("name, words", [
     ("refused/device-memory", "--cpu-offload-gb 1 --cpu-offload-params experts"),
-    ("refused/fp8", "its experts are quantized (Fp8"),
 ])
 def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name, words):
     assert words in runs[name].get("error", ""), runs[name]
