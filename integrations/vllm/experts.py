@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 import math
 from collections.abc import Iterator
@@ -48,8 +49,7 @@ from collections.abc import Iterator
 import torch
 
 from ringflow import envs
-from ringflow.bench import records
-from ringflow.errors import OutputError, ProfileError, UnsupportedModelError
+from ringflow.errors import ProfileError, UnsupportedModelError
 from ringflow.graphs import nvtx_ranges
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.vllm.state import PluginState
@@ -202,10 +202,13 @@ def _dump(caches: dict[int, ExpertCache], decoder: list, base: str) -> None:
            "stream": "vLLM's: each pass's fetch (device-indexed, Note [Device-indexed expert "
                      "fetch]) then its MoE, in stream order (Note [Expert cache])",
            "layers": layers}
+    path = f"{stem}.experts.json"
     try:
-        path = records.write(f"{stem}.experts.json", doc)
-    except OutputError as exc:
-        log.warning("RINGFLOW_DUMP: %s; the expert lane is not dumped", exc)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as exc:
+        log.warning("RINGFLOW_DUMP: cannot write %s (%s); the expert lane is not dumped", path,
+                    exc.strerror)
         return
     log.info("wrote the expert lane's layout to %s", path)
 
