@@ -67,7 +67,8 @@ class PlanError(RingflowError, ValueError):
 
 
 class HazardError(RingflowError):
-    """A Dag is unsafe to run. ``nodes`` are the ids of the offending nodes."""
+    """A Dag (or an expert step's trace) is unsafe to run. ``nodes`` are the ids of the offending
+    nodes (the indices of the offending operations)."""
 
     def __init__(self, kind: str, message: str, nodes: Iterable[int]):
         self.kind = kind

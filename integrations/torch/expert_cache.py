@@ -27,7 +27,9 @@ Note [Expert cache]
     so a pass's install waits for the previous pass's (and step's) compute by stream order, and
     pass 0 writes only slots no token of this step reads. The state (which expert is in which
     slot, the stamps, the hit counters) lives in device tensors that a replay updates like an
-    eager step; ``hit_rate`` reads them (one host sync, at report time).
+    eager step; ``hit_rate`` reads them (one host sync, at report time). With ``trace`` set, each
+    step's installs and reads are recorded for the proof of Note [Expert lane hazards]
+    (orchestrator/expert_hazards.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import poison
 from ringflow.kernels import expert_fetch
 from ringflow.kernels.expert_fetch import PROGRAMS, check, fetch_experts
+from ringflow.orchestrator.expert_hazards import ExpertOp
 
 _LATEST = torch.iinfo(torch.int64).max
 
@@ -81,6 +84,9 @@ class ExpertCache:
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
         self._positions = torch.arange(s, device=dev)
+        #: a list to append each step's operations to (ExpertOp, Note [Expert lane hazards]),
+        #: or None; tracing reads the device state back (a host sync per operation)
+        self.trace: list[ExpertOp] | None = None
 
     @property
     def bytes(self) -> int:
@@ -118,7 +124,7 @@ class ExpertCache:
         missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
         first = torch.minimum(miss_count, s - used.sum())
         self._install(missed[:s], victims, first)  # s <= e: the first s missed, in order
-        yield torch.where(needed, self.slot_of[:e], -1)
+        yield self._traced_read(torch.where(needed, self.slot_of[:e], -1))
         for p in range(1, passes):
             start = first + (p - 1) * s
             ids = missed[(start + self._positions).clamp(max=e - 1)]
@@ -126,7 +132,7 @@ class ExpertCache:
             self._install(ids, self._positions, count)
             installed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
             installed.index_fill_(0, torch.where(self._positions < count, ids, e), True)
-            yield torch.where(installed[:e], self.slot_of[:e], -1)
+            yield self._traced_read(torch.where(installed[:e], self.slot_of[:e], -1))
 
     def _install(self, ids: torch.Tensor, slots: torch.Tensor,
                  count: torch.Tensor) -> None:
@@ -139,8 +145,27 @@ class ExpertCache:
         self.slot_of.index_copy_(0, torch.where(valid, ids, e), slots)
         self.expert_in.index_copy_(0, torch.where(valid, slots, s), ids)
         self.last_used.index_copy_(0, torch.where(valid, slots, s), self.clock.expand(s))
+        if self.trace is not None:
+            n = int(count)
+            self.trace.append(ExpertOp("install", self._stream(), tuple(
+                zip(ids[:n].tolist(), slots[:n].tolist()))))
         for name, w in self.weights.items():
             fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
+
+    def _traced_read(self, expert_map: torch.Tensor) -> torch.Tensor:
+        if self.trace is not None:
+            named = (expert_map >= 0).nonzero().flatten()
+            self.trace.append(ExpertOp("read", self._stream(), tuple(
+                zip(named.tolist(), expert_map[named].tolist()))))
+        return expert_map
+
+    def _stream(self) -> object:
+        return (torch.cuda.current_stream(self.device).cuda_stream
+                if self.device.type == "cuda" else "cpu")
+
+    def holding(self) -> dict[int, int]:
+        """slot → expert it holds (a host sync): where a step's trace starts."""
+        return {s: e for s, e in enumerate(self.expert_in[:self.slots].tolist()) if e >= 0}
 
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.

@@ -27,14 +27,16 @@ Note [Experts in vLLM]
        expert→slot map as its ``expert_map`` (as for expert parallelism: experts mapped to -1
        contribute nothing); only vLLM's Triton experts honour that map, so other MoE backends
        are refused with ``--moe-backend triton``. On the CPU it is ringflow's torch MoE
-       (``kernels/moe.py``). The runner's shared experts, routed scaling and reductions are
-       untouched.
+       (``kernels/moe.py``). The runner's routed scaling and reductions are untouched, and so
+       are its shared experts (DeepSeek's): vLLM computes them in the runner, or, where the
+       runner leaves them to its kernel (``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED``, with
+       expert or data parallelism), the lane calls them in that order as the kernel would.
 
     Everything ``forward_modular`` does is device work in stream order on vLLM's stream, with
     no host sync, so it runs inside the opaque ``moe_forward`` op vLLM captures in its CUDA
     graphs, and a replay fetches what its step's router chose. Layers whose experts need more
-    than the SiLU-gated MoE this computes (biases, shared experts handed to the kernel, router
-    weights applied on the input, quantized experts, expert parallelism) are refused by name.
+    than the SiLU-gated MoE this computes (biases, router weights applied on the input,
+    quantized experts, expert parallelism) are refused by name.
 """
 
 from __future__ import annotations
@@ -218,9 +220,6 @@ def check_layer(index: int, runner, experts, offload: str | None = None) -> None
     ``index``'s routed experts exactly (Note [Experts in vLLM]); ``offload`` says how to put
     a GPU layer's experts in host memory."""
     why = []
-    if getattr(runner, "shared_experts", None) is not None:
-        why.append("it has shared experts, which vLLM's MoE kernel computes beside the routed "
-                   "ones")
     if experts.w13_weight.is_cuda:
         if not all(_in_host_memory(w) for w in (experts.w13_weight, experts.w2_weight)):
             why.append(f"its routed experts are in device memory: {offload}")
@@ -284,6 +283,14 @@ def _compute(experts):
     return vllm_kernel
 
 
+def _kernel_order():
+    """vLLM's order for shared experts that its MoE kernel computes: called with it, the runner's
+    ``SharedExperts`` computes them only when the runner left them to the kernel (with expert
+    or data parallelism), and is a no-op otherwise (the runner computes them itself)."""
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+    return SharedExpertsOrder.MK_INTERNAL_OVERLAPPED
+
+
 def _attach(index: int, experts, cache: ExpertCache) -> None:
     """Replace this object's ``forward_modular`` by the cache's passes (Note [Experts in
     vLLM]), each pass's fetch and MoE in NVTX ranges ``ringflow/experts/{fetch,moe}/L<i>``
@@ -304,12 +311,12 @@ def _attach(index: int, experts, cache: ExpertCache) -> None:
     @torch.compiler.disable  # state tensors change in place each step: run it as Python
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None,
                         shared_experts_input=None):
-        if shared_experts is not None:  # enable() refused such layers: vLLM changed
-            raise UnsupportedModelError(f"experts: {experts.layer_name} hands shared experts to "
-                                        f"its MoE kernel; drop this layer from experts.layers")
+        if shared_experts is not None:  # what vLLM's kernel does with them (Note, step 3)
+            shared_experts(shared_experts_input, _kernel_order())
         out = None
-        passes = cache.serve(topk_ids)
-        while (expert_map := ranged(fetch_range, next, passes, None)) is not None:
+        maps = cache.serve(topk_ids)
+        for _ in range(cache.passes(*topk_ids.shape)):
+            expert_map = ranged(fetch_range, next, maps)
             part = ranged(moe_range, compute, x, cache.weights["w13"], cache.weights["w2"],
                           topk_weights, topk_ids, expert_map)
             out = part if out is None else out.add_(part)

@@ -141,6 +141,9 @@ SURFACES: tuple[Surface, ...] = (
             params=("self", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                     "activation", "global_num_experts", "expert_map",
                     "apply_router_weight_on_input", "shared_experts", "shared_experts_input")),
+    Surface("vllm.model_executor.layers.fused_moe.runner.shared_experts", "SharedExpertsOrder",
+            "read", "experts", "read: the order in which the lane calls a layer's shared experts "
+            "where vLLM's kernel would compute them"),
     Surface(_WORKER, "Worker.initialize_from_config", "method", "order",
             "marks the KV cache sized (no ring may be allocated after it) and logs what the "
             "rings took and what vLLM sized", hook=f"{_W}:on_initialize_from_config",

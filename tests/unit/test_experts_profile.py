@@ -97,3 +97,37 @@ def test_gpu_layers_need_their_experts_in_host_memory_and_a_kernel_that_maps(
     lane.check_layer(2, SimpleNamespace(), layer(True, "TritonExperts"), flags)  # taken
     with pytest.raises(UnsupportedModelError, match=words):
         lane.check_layer(2, SimpleNamespace(), layer(in_host, kernel), flags)
+
+
+def test_each_pass_runs_its_fetch_and_its_moe_in_nvtx_ranges(monkeypatch):
+    """One range per pass for the fetch and one for the MoE, named by the decoder layer: a
+    step of 3 tokens x top-2 over 1 slot takes ceil(min(4, 6) / 1) = 4 passes."""
+    import torch
+
+    from ringflow.graphs import nvtx_ranges
+    from ringflow.integrations.torch.expert_cache import ExpertCache
+    from ringflow.integrations.vllm import experts as lane
+
+    class Recorder:
+        name, pushed, depth = "test", [], 0
+
+        def handle(self, message):
+            return message
+
+        def push(self, h):
+            self.pushed.append(h)
+            self.depth += 1
+
+        def pop(self):
+            self.depth -= 1
+
+    recorder = Recorder()
+    monkeypatch.setattr(nvtx_ranges, "backend", recorder)
+    g = torch.Generator().manual_seed(0)
+    host = {"w13": torch.randn(4, 8, 6, generator=g), "w2": torch.randn(4, 6, 4, generator=g)}
+    layer = SimpleNamespace(w13_weight=host["w13"], layer_name="model.layers.5.mlp.experts")
+    lane._attach(5, layer, ExpertCache(host, 1, "cpu"))
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    out = layer.forward_modular(torch.randn(3, 6, generator=g), torch.full((3, 2), 0.5), ids)
+    assert out.shape == (3, 6) and torch.isfinite(out).all() and recorder.depth == 0
+    assert recorder.pushed == ["ringflow/experts/fetch/L5", "ringflow/experts/moe/L5"] * 4

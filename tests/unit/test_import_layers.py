@@ -33,7 +33,7 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.orchestrator{m}" for m in (
         "", ".vocab", ".budget", ".schema", ".placement", ".sections", ".profile_yaml",
         ".profile", ".dag", ".planner",
-        ".hazards", ".simulate", ".dumps", ".expert_model")], "plan"),
+        ".hazards", ".expert_hazards", ".simulate", ".dumps", ".expert_model")], "plan"),
     # leaves: the gathers and exchanges, and the tests' CPU references
     **dict.fromkeys([f"ringflow.kernels{m}" for m in (
         "", ".row_gather", ".gathers", ".dcp_rows", ".kv_gathers", ".peer_exchange",

@@ -3,6 +3,8 @@ Qwen3-MoE-shaped model with 16 experts, top-2, through caches of 3 and 1 slots p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.vllm_engine.test_vllm_plugin import max_logprob_diff, run_cases
@@ -26,14 +28,27 @@ CASES = [
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
     {"name": "moe/reload", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "reload": True},
+    {"name": "dsv2moe/off", "model": "dsv2_moe16"},
+    {"name": "dsv2moe/lane-3", "model": "dsv2_moe16",
+     "additional_config": experts(layers="all", slots=3)},
     {"name": "moe/missing-layer", "model": MOE, "additional_config": experts(layers=[7])},
     {"name": "moe/dense", "model": "llama", "additional_config": experts(layers="all")},
 ]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    results, _ = run_cases(tmp_path_factory.mktemp("experts"), CASES)
+def dump_stem(tmp_path_factory):
+    return tmp_path_factory.mktemp("dump") / "lane"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, dump_stem):
+    dumped = {"name": "moe/dumped", "model": MOE, "additional_config": experts(layers=[1, 2],
+                                                                                slots=2),
+              "env": {"RINGFLOW_DUMP": str(dump_stem)}}
+    # before the dense case: a MoE engine after a dense one in one process finds vLLM's
+    # expert-parallel group torn down
+    results, _ = run_cases(tmp_path_factory.mktemp("experts"), CASES[:1] + [dumped] + CASES[1:])
     return results
 
 
@@ -84,3 +99,29 @@ def test_reloaded_weights_reach_the_host_copies_and_the_cache(runs):
     for step, fresh in (("path_b", b), ("iter_a", a), ("iter_b", b)):
         assert run["reloads"][step][0] == fresh["tokens"], step
     assert sum("host copies hold the new weights" in l for l in run["log"]) == 4 * 3
+
+
+def test_the_lane_layout_is_dumped_under_ringflow_dump(runs, dump_stem):
+    """RINGFLOW_DUMP=PATH: PATH.experts.json names each chosen layer, its cache and what
+    computes its passes (Note [Experts in vLLM])."""
+    assert "error" not in runs["moe/dumped"], runs["moe/dumped"]["error"]
+    doc = json.loads(dump_stem.with_suffix(".experts.json").read_text())
+    assert doc["schema"] == "ringflow.experts" and doc["version"] == 1
+    assert [l["layer"] for l in doc["layers"]] == [1, 2]
+    for layer in doc["layers"]:
+        assert layer["experts"] == 16 and layer["slots"] == 2 and layer["top_k"] == 2
+        assert layer["name"] == f"model.layers.{layer['layer']}.mlp.experts"
+        assert "torch MoE" in layer["compute"] and set(layer["host"]) == {"w13", "w2"}
+    said = [l for l in runs["moe/dumped"]["log"] if "expert lane's layout" in l]
+    assert len(said) == 1, runs["moe/dumped"]["log"]
+
+
+def test_shared_experts_stay_with_vllm_beside_the_lane(runs):
+    """A DeepSeek-V2-Lite-shaped model (MLA; layers 1-3 MoE: 16 routed experts, top-2, and 2
+    shared experts): the routed experts from 3 slots per layer, the shared ones as vLLM
+    computes them; vLLM's tokens, logprobs within float32 rounding, 'all' finds layers 1-3."""
+    off, run = runs["dsv2moe/off"], runs["dsv2moe/lane-3"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, off) < 1e-3
+    assert len(run["experts"]) == 3 and all(l["misses"] > 3 for l in run["experts"])

@@ -28,6 +28,9 @@ SERVER = "vllm.entrypoints.openai.api_server"
 CPU_ARGS = ["--skip-tokenizer-init", "--max-model-len", "256", "--enforce-eager",
             "--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(32 << 20)]
 MLA_CPU_ARGS = ["--dtype", "float32", "--attention-backend", "CPU_MLA"]
+#: flags of the GPU's expert lane (Note [Experts in vLLM]) that vLLM's CPU build has no use for:
+#: it has no Triton MoE, and its parameters already live in host memory
+GPU_ONLY = ("--moe-backend", "--cpu-offload-gb", "--cpu-offload-params")
 BAD_WORKSPACE = {"offload": {"layers": "all", "depth": 1, "workspace_mib": 1}}
 
 
@@ -56,6 +59,9 @@ def argv_of(command: str, models: dict) -> tuple[dict, list[str]]:
     mla = "deepseek" in argv[at].lower()
     moe = "qwen3" in argv[at].lower() and "a3b" in argv[at].lower()
     argv[at] = models["dsv2" if mla else "qwen3_moe16" if moe else "llama8"]
+    for flag in GPU_ONLY:
+        if flag in argv:
+            del argv[argv.index(flag):argv.index(flag) + 2]
     return env, argv + CPU_ARGS + (MLA_CPU_ARGS if mla else [])
 
 
