@@ -110,7 +110,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
 
     Raises:
         ProfileError: a chosen layer has no routed experts.
-        UnsupportedModelError: this device, or a layer's experts this lane cannot compute.
+        UnsupportedModelError: a layer's experts this lane cannot compute, or, on a GPU,
+            experts in device memory or a MoE kernel that ignores expert maps.
     """
     spec = profile.experts
     chosen = resolve_layers("experts.layers", spec.layers, len(decoder), profile.source)
