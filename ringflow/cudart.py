@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ringflow.errors import KernelError
+
 
 def runtime():
     """cuda-python's runtime module (``cuda.bindings.runtime``; ``cuda.cudart`` before 12.6)."""
@@ -25,6 +27,6 @@ def in_host_memory(ptr: int) -> bool:
     """Whether ``ptr`` (a CUDA tensor's ``data_ptr()``, say) addresses pinned host memory that
     the GPU reads across the host link, as vLLM's UVA offloader leaves its parameters."""
     rt = runtime()
-    attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), RuntimeError,
+    attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), KernelError,
                     "the pointer is not one CUDA knows")
     return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost

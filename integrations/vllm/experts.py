@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import math
@@ -284,6 +285,7 @@ def _compute(experts):
     return vllm_kernel
 
 
+@functools.cache
 def _kernel_order():
     """vLLM's order for shared experts that its MoE kernel computes: called with it, the runner's
     ``SharedExperts`` computes them only when the runner left them to the kernel (with expert
