@@ -99,6 +99,17 @@ def pop() -> None:
     backend.pop()
 
 
+def call(h: object, fn: Callable, *args):
+    """``fn(*args)`` inside the range of handle ``h`` (from :func:`handle`; None: no range)."""
+    if h is None:
+        return fn(*args)
+    backend.push(h)
+    try:
+        return fn(*args)
+    finally:
+        backend.pop()
+
+
 def ranged(message: str, fn: Callable[[], None]) -> Callable[[], None]:
     """``fn`` wrapped in the NVTX range ``message`` (popped even when ``fn`` raises); ``fn``
     itself where no range would be recorded (ranges off, or no tool attached): three Python

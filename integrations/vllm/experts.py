@@ -169,6 +169,12 @@ def _in_host_memory(t: torch.Tensor) -> bool:
     return in_host_memory(t.data_ptr())
 
 
+def _kernel_name(experts) -> str:
+    """The class of vLLM's experts kernel behind this layer's quant method."""
+    kernel = getattr(experts.quant_method, "moe_kernel", None)
+    return type(getattr(kernel, "fused_experts", None)).__name__
+
+
 #: vLLM's experts classes whose kernels honour ``expert_map`` (blocks of experts mapped to -1
 #: write zeros); FlashInfer's and others' do not, and would compute the wrong experts
 MAPPED_KERNELS = ("TritonExperts",)
@@ -194,10 +200,8 @@ def _dump(caches: dict[int, ExpertCache], decoder: list, base: str) -> None:
     layers = []
     for row in report(caches):
         experts = moe_runners_of(decoder[row["layer"]])[0].routed_experts
-        kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts",
-                         None)
         layers.append({**row, "name": experts.layer_name,
-                       "compute": (f"vLLM {type(kernel).__name__} per pass, expert_map over "
+                       "compute": (f"vLLM {_kernel_name(experts)} per pass, expert_map over "
                                    f"the slots" if experts.w13_weight.is_cuda
                                    else "ringflow's torch MoE per pass (kernels/moe.py)"),
                        "passes": "ceil(min(experts, tokens * top_k) / slots)",
@@ -225,8 +229,7 @@ def check_layer(index: int, runner, experts, offload: str | None = None) -> None
     if experts.w13_weight.is_cuda:
         if not all(_in_host_memory(w) for w in (experts.w13_weight, experts.w2_weight)):
             why.append(f"its routed experts are in device memory: {offload}")
-        kernel = getattr(experts.quant_method, "moe_kernel", None)
-        name = type(getattr(kernel, "fused_experts", None)).__name__
+        name = _kernel_name(experts)
         if name not in MAPPED_KERNELS:
             why.append(f"its MoE kernel is {name}, which ignores an expert map: start vLLM "
                        f"with --moe-backend triton")
@@ -302,15 +305,6 @@ def _attach(index: int, experts, cache: ExpertCache) -> None:
     fetch_range = nvtx_ranges.handle(f"ringflow/experts/fetch/L{index}")
     moe_range = nvtx_ranges.handle(f"ringflow/experts/moe/L{index}")
 
-    def ranged(h, fn, *args):
-        if h is None:
-            return fn(*args)
-        nvtx_ranges.push(h)
-        try:
-            return fn(*args)
-        finally:
-            nvtx_ranges.pop()
-
     @torch.compiler.disable  # state tensors change in place each step: run it as Python
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None,
                         shared_experts_input=None):
@@ -319,8 +313,8 @@ def _attach(index: int, experts, cache: ExpertCache) -> None:
         out = None
         maps = cache.serve(topk_ids)
         for _ in range(cache.passes(*topk_ids.shape)):
-            expert_map = ranged(fetch_range, next, maps)
-            part = ranged(moe_range, compute, x, cache.weights["w13"], cache.weights["w2"],
+            expert_map = nvtx_ranges.call(fetch_range, next, maps)
+            part = nvtx_ranges.call(moe_range, compute, x, cache.weights["w13"], cache.weights["w2"],
                           topk_weights, topk_ids, expert_map)
             out = part if out is None else out.add_(part)
         return out.to(x.dtype)
