@@ -6,10 +6,14 @@ Note [Expert lane hazards]
     choice. What can be proven is each step as it ran, from a trace of its operations in issue
     order (``ExpertCache.trace``), and over many random routings in the tests:
 
-    * ``cross-stream``: every install and every read of the step is issued on one stream. The
-      lane records no events: stream order is its only order, so an install on another stream
-      could overwrite a slot a pass still reads, or a pass could read a slot before its install
-      lands.
+    * ``cross-stream``: every slot access is ordered after the accesses it must follow, by
+      stream order or by a ``wait`` (an event recorded on one stream, waited on by another):
+      a read after the install that wrote what it reads, an install after every earlier read
+      and install of its slot, and after the previous steps (whose reads ran on the lane's
+      stream, the stream of the step's reads). Without lookahead (Note [Expert lookahead])
+      everything runs on the lane's stream and this holds by stream order; a lookahead
+      installs on a side stream that must wait for the lane's stream before it writes, and
+      the lane's stream must wait for it before it reads.
     * ``read-before-write``: every (expert, slot) a pass reads names the expert the slot holds
       at that point of the step, counting the installs issued before it (a slot poisoned or
       holding an evicted expert is a wrong answer, not a slow one).
@@ -17,7 +21,8 @@ Note [Expert lane hazards]
       once per install.
     * ``incomplete``: every expert the step's tokens chose is read by exactly one pass, and no
       other expert is read (a missed expert would drop its tokens' share; one read twice would
-      count it twice).
+      count it twice). A pass in place (``host``, Note [Expert cache] step 5) reads its experts
+      from the host store, which no install writes: it counts here and nowhere else.
 
     Pure Python over ints, no torch: the trace is read back from the device by whoever records
     it.
@@ -33,11 +38,17 @@ from ringflow.errors import HazardError
 @dataclass(frozen=True)
 class ExpertOp:
     """One operation of a step, in issue order: ``install`` writes expert ``e`` into slot
-    ``s`` for each ``(e, s)`` of ``pairs``; ``read`` (a pass's MoE) reads them."""
+    ``s`` for each ``(e, s)`` of ``pairs``; ``read`` (a pass's MoE) reads them; ``host`` (a
+    pass in place) reads expert ``e`` from the host store (``s`` is ``e``); ``wait`` orders
+    what ``stream`` issues next after everything issued so far on stream ``on``."""
 
     kind: str
     stream: object
-    pairs: tuple[tuple[int, int], ...]
+    pairs: tuple[tuple[int, int], ...] = ()
+    on: object = None
+
+
+_PREVIOUS = -1  # the steps before this one, in the happens-before sets below
 
 
 def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp],
@@ -51,13 +62,28 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
         HazardError: the first hazard, with the indices of the offending operations.
     """
     held = dict(held)
-    streams = {op.stream for op in ops}
-    if len(streams) > 1:
-        raise HazardError("cross-stream", f"the step's installs and reads run on {len(streams)} "
-                          f"streams ({sorted(map(str, streams))}) with no event between them",
-                          range(len(ops)))
+    lane = next((op.stream for op in ops if op.kind in ("read", "host")),
+                ops[0].stream if ops else None)
+    knows: dict[object, set[int]] = {lane: {_PREVIOUS}}  # per stream: ops ordered before its next
+    issued: dict[object, list[int]] = {}
+    writer: dict[int, int] = {}  # slot -> the install that wrote it this step
+    readers: dict[int, list[int]] = {}  # slot -> reads of it since
     read: dict[int, int] = {}
+
+    def unordered(i: int, after: set[int], s: int, first: list[int]) -> None:
+        late = [j for j in first if j not in after]
+        if late:
+            raise HazardError("cross-stream", f"operation {i} ({ops[i].kind}, stream "
+                              f"{ops[i].stream}) touches slot {s} with no event after "
+                              f"operation(s) {late} on stream(s) "
+                              f"{sorted({str(ops[j].stream) for j in late})}", [*late, i])
+
     for i, op in enumerate(ops):
+        known = knows.setdefault(op.stream, set())
+        if op.kind == "wait":
+            known |= knows.get(op.on, set()) | set(issued.get(op.on, ()))
+            continue
+        after = known | set(issued.get(op.stream, ()))
         if op.kind == "install":
             written = [s for _, s in op.pairs]
             if any(not 0 <= s < slots for s in written):
@@ -66,19 +92,31 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
             if len(set(written)) != len(written):
                 raise HazardError("double-write", f"install {i} writes slots {written}: a slot "
                                   f"twice", [i])
+            for s in written:
+                if _PREVIOUS not in after:
+                    raise HazardError("cross-stream", f"install {i} (stream {op.stream}) writes "
+                                      f"slot {s} with no event after the previous steps' reads "
+                                      f"on the lane's stream {lane}", [i])
+                unordered(i, after, s, [*readers.get(s, ()), *([writer[s]] if s in writer
+                                                               else ())])
+                writer[s], readers[s] = i, []
             held.update({s: e for e, s in op.pairs})
-        elif op.kind == "read":
+        elif op.kind in ("read", "host"):
             for e, s in op.pairs:
-                if held.get(s) != e:
-                    raise HazardError("read-before-write", f"pass {i} reads expert {e} from slot "
-                                      f"{s}, which holds {held.get(s, 'nothing')}", [i])
+                if op.kind == "read":
+                    if held.get(s) != e:
+                        raise HazardError("read-before-write", f"pass {i} reads expert {e} from "
+                                          f"slot {s}, which holds {held.get(s, 'nothing')}", [i])
+                    unordered(i, after, s, [writer[s]] if s in writer else [])
+                    readers.setdefault(s, []).append(i)
                 if e in read:
                     raise HazardError("incomplete", f"expert {e} is read by operations "
                                       f"{read[e]} and {i}: its tokens count twice", [read[e], i])
                 read[e] = i
         else:
-            raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install or read",
-                              [i])
+            raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, host "
+                              f"or wait", [i])
+        issued.setdefault(op.stream, []).append(i)
     if set(read) != needed:
         missing, extra = sorted(needed - set(read)), sorted(set(read) - needed)
         raise HazardError("incomplete", f"experts chosen but never read: {missing}; read but not "

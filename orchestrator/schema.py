@@ -265,6 +265,17 @@ FIELDS: dict[str, ProfileField] = {
                               None, nullable=True,
                               words="an integer >= 1, or omitted for a quarter of the layer's "
                                     "experts (at least its top_k)"),
+    "experts.in_place_tokens": _integer("a step of at most this many tokens that needs more "
+                                        "experts than the slots hold computes the ones it could "
+                                        "not install straight from host memory, in one pass, "
+                                        "as vLLM's UVA offloader reads them (cheaper while each "
+                                        "expert has few tokens); longer steps copy them into the "
+                                        "slots in passes; 0: never", 0, 1 << 20, 1024),
+    "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
+                               "that layer's router and fetches them on a side stream, a layer "
+                               "early (eager steps and FULL CUDA graphs; steps under piecewise "
+                               "graphs and steps of several passes do not guess); the report "
+                               "gives the guesses' hit rate (Note [Expert lookahead])", False),
 }
 
 

@@ -193,6 +193,8 @@ class ExpertsSpec:
 
     layers: str | frozenset[int] | tuple[int, int]
     slots: int | None  # None: a quarter of the layer's experts, at least its top_k
+    in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
+    lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
@@ -204,6 +206,8 @@ class ExpertsSpec:
         out: dict[str, Any] = {"layers": layers_mapping(self.layers)}
         if self.slots is not None:
             out["slots"] = self.slots
+        out["in_place_tokens"] = self.in_place_tokens
+        out["lookahead"] = self.lookahead
         return out
 
 
@@ -211,7 +215,8 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     doc = section("experts", doc, source)
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
-                       slots=values["slots"])
+                       slots=values["slots"], in_place_tokens=values["in_place_tokens"],
+                       lookahead=values["lookahead"])
 
 
 @dataclass(frozen=True)

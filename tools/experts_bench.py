@@ -13,6 +13,10 @@ prefetch offloader needs it). The experts get the same device memory everywhere 
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
   there), 32 of 128 cached per layer, each step fetching the missed ones (Note [Experts in
   vLLM]);
+* ``ringflow-lookahead``: the same, each layer guessing the next layer's experts a layer early
+  (Note [Expert lookahead]);
+* ``ringflow-passes``: the same without reading in place (``in_place_tokens: 0``): steps that
+  need more experts than the slots hold copy them all in passes (Note [Expert cache]);
 * ``vllm-uva``: vLLM's UVA offloader on three quarters of the experts (its MoE kernel reads
   them across the host link every step, no cache), the rest resident;
 * ``ringflow-layers``: ringflow's whole-layer streaming, every layer through a ring of two;
@@ -57,20 +61,28 @@ PINNED_GBPS = 55.0  # measured pinned host-to-device copy rate on the H200
 SLOTS = 32  # a quarter of 128
 BATCHES = {1: 32, 8: 32, 64: 16}  # decode batch -> new tokens per request
 PREFILL = 8192
+LANES = ("ringflow", "ringflow-lookahead", "ringflow-passes")  # the expert lane's variants
 
 
 def configs(layers: int) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     experts_gib = layers * 128 * EXPERT_BYTES / 2**30
     layer_mib = math.ceil((128 * EXPERT_BYTES + 60 * 2**20) / 2**20)  # experts + attention
+    lane = {"moe_backend": "triton", "cpu_offload_gb": math.ceil(experts_gib),
+            "cpu_offload_params": {"experts"}}
     return {
         "resident": {"moe_backend": "triton"},
-        "ringflow": {"moe_backend": "triton", "cpu_offload_gb": math.ceil(experts_gib),
-                     "cpu_offload_params": {"experts"},
-                     "additional_config": {"ringflow": {"name": "experts-bench", "experts": {
-                         "layers": "all", "slots": SLOTS}}}},
+        "ringflow": {**lane, "additional_config": {"ringflow": {"name": "experts-bench",
+                                                               "experts": {"layers": "all",
+                                                                           "slots": SLOTS}}}},
+        "ringflow-lookahead": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-lookahead", "experts": {
+                "layers": "all", "slots": SLOTS, "lookahead": True}}}},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_gb": round(experts_gib * 0.75, 2),
                      "cpu_offload_params": {"experts"}},
+        "ringflow-passes": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-passes", "experts": {
+                "layers": "all", "slots": SLOTS, "in_place_tokens": 0}}}},
         "ringflow-layers": {"moe_backend": "triton", "additional_config": {"ringflow": {
             "name": "experts-bench-layers", "offload": {
                 "layers": "all", "depth": 1, "workspace_mib": 2 * layer_mib}}}},
@@ -168,7 +180,7 @@ def main() -> int:
         for b, new in BATCHES.items():
             params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
                                     detokenize=False)
-            before = llm.collective_rpc(expert_counters)[0] if name == "ringflow" else None
+            before = llm.collective_rpc(expert_counters)[0] if name in LANES else None
             t0 = time.perf_counter()
             llm.generate(short[:b], params, use_tqdm=False)
             r[f"decode_b{b}_tok_s"].append(b * new / (time.perf_counter() - t0))
@@ -179,6 +191,9 @@ def main() -> int:
                 hits = r.setdefault("hit_rate", {}).setdefault(str(b), [])
                 seen = (after[0] - before[0]) + (after[1] - before[1])
                 hits.append(round((after[0] - before[0]) / seen, 3) if seen else None)
+        if name in LANES:  # per layer: hits, misses, steps in place, lookahead's guesses
+            from ringflow.integrations.vllm.experts import worker_report
+            r["report"] = llm.collective_rpc(worker_report)[0]
 
     engines, results = {}, {}
     for name, extra in chosen.items():

@@ -22,6 +22,16 @@ Note [Expert cache]
        How many passes a step gets is fixed by its shape, ``ceil(min(experts, tokens * top_k) /
        slots)``, so a captured graph holds enough passes for any routing of its batch: a cache
        smaller than a step's experts is slower, never wrong.
+    5. In place: a step of at most ``in_place_tokens`` tokens that needs several passes instead
+       takes one more, computed straight from the host store over the experts pass 0 could not
+       install (the host store must be readable by the kernel where the slots are: a CUDA view
+       of pinned memory, as vLLM's UVA offloader makes). A kernel reading an expert in place
+       reads it across the host link once per block of its tokens: for a few tokens per
+       expert that is the bytes a copy would move, without the copy's passes or its second
+       write, and what pass 0 installed still serves the next steps; for many tokens per
+       expert (a long prefill) copying once and computing from the slots is cheaper. The
+       crossing point was measured (``tools/experts_in_place_bench.py``). The choice depends
+       on the step's shape only, so a captured graph replays it for any routing.
 
     No slot is rewritten while a reader may run: the fetch and the MoE kernel share one stream,
     so a pass's install waits for the previous pass's (and step's) compute by stream order, and
@@ -54,7 +64,8 @@ class ExpertCache:
     memory such as vLLM's UVA offloader makes); see Note [Expert cache]."""
 
     def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
-                 device: torch.device | str, programs: int = PROGRAMS) -> None:
+                 device: torch.device | str, programs: int = PROGRAMS,
+                 in_place_tokens: int = 0) -> None:
         counts = {name: t.shape[0] for name, t in host.items()}
         if not counts or len(set(counts.values())) != 1:
             raise ConfigError(f"expert parameters must share their first dimension (the "
@@ -70,6 +81,15 @@ class ExpertCache:
                               "pinned host memory (Note [Device-indexed expert fetch]): a torch "
                               "copy would sync every step; install Triton")
         self.host = dict(host)
+        if in_place_tokens < 0:
+            raise ConfigError(f"in_place_tokens must be >= 0 (0: never in place), got "
+                              f"{in_place_tokens}")
+        if in_place_tokens and any(t.device != self.device for t in self.host.values()):
+            raise ConfigError(f"reading experts in place needs a host store the kernel reads "
+                              f"on {self.device} (a CUDA view of pinned memory); this one is on "
+                              f"{sorted({str(t.device) for t in self.host.values()})}: set "
+                              f"in_place_tokens to 0")
+        self.in_place_tokens = in_place_tokens
         self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
                                           device=self.device) for name, t in host.items()}
         for name, w in self.weights.items():
@@ -83,7 +103,15 @@ class ExpertCache:
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
+        self.in_place_steps = torch.zeros((), dtype=torch.int64, device=dev)
+        # lookahead (Note [Expert lookahead]): the experts predicted for the coming step, and
+        # over all steps how many were predicted, how many of those the step chose, and how
+        # many the prediction installed
+        self.predicted = torch.zeros(e, dtype=torch.bool, device=dev)
+        self.predictions = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.looked_ahead = False  # a Lookahead targets this cache: report its counters
         self._positions = torch.arange(s, device=dev)
+        self._experts = torch.arange(e, device=dev)
         #: a list to append each step's operations to (ExpertOp, Note [Expert lane hazards]),
         #: or None; tracing reads the device state back (a host sync per operation)
         self.trace: list[ExpertOp] | None = None
@@ -95,12 +123,20 @@ class ExpertCache:
 
     def passes(self, tokens: int, top_k: int) -> int:
         """Passes a step of ``tokens`` tokens routed to ``top_k`` experts each gets."""
-        return max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
+        through_slots = max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
+        return 2 if through_slots > 1 and self.reads_in_place(tokens) else through_slots
 
-    def serve(self, topk_ids: torch.Tensor) -> Iterator[torch.Tensor]:
+    def reads_in_place(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens that needs several passes ends with one over the
+        host store (Note [Expert cache], step 5)."""
+        return tokens <= self.in_place_tokens
+
+    def serve(self, topk_ids: torch.Tensor) -> Iterator[tuple[dict[str, torch.Tensor],
+                                                                torch.Tensor]]:
         """Install the experts ``topk_ids`` [tokens, top_k] needs and yield, per pass, the
-        expert→slot map [experts] (int64, -1: not in this pass) to compute that pass with
-        ``self.weights``; compute each pass before taking the next (Note [Expert cache])."""
+        weights to compute it with (``self.weights``, or ``self.host`` for a pass in place) and
+        the expert→index map [experts] into them (int64, -1: not in this pass); compute each
+        pass before taking the next (Note [Expert cache])."""
         if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise KernelError(f"topk_ids must be [tokens, top_k] integers, got "
                               f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -116,6 +152,10 @@ class ExpertCache:
         miss_count = miss.sum()
         self.hits += (needed & cached).sum()
         self.misses += miss_count
+        if self.looked_ahead:  # score the prediction made for this step, then drop it
+            self.predictions[:2] += torch.stack([self.predicted.sum(),
+                                                 (self.predicted & needed).sum()])
+            self.predicted.zero_()
         self.clock += 1
         holder = self.expert_in[:s]
         used = (holder >= 0) & needed[holder.clamp(min=0)]
@@ -124,7 +164,12 @@ class ExpertCache:
         missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
         first = torch.minimum(miss_count, s - used.sum())
         self._install(missed[:s], victims, first)  # s <= e: the first s missed, in order
-        yield self._traced_read(torch.where(needed, self.slot_of[:e], -1))
+        yield self.weights, self._traced_read(torch.where(needed, self.slot_of[:e], -1))
+        if passes > 1 and self.reads_in_place(topk_ids.shape[0]):  # step 5
+            self.in_place_steps += 1
+            rest = needed & (self.slot_of[:e] < 0)
+            yield self.host, self._traced_read(torch.where(rest, self._experts, -1), "host")
+            return
         for p in range(1, passes):
             start = first + (p - 1) * s
             ids = missed[(start + self._positions).clamp(max=e - 1)]
@@ -132,7 +177,27 @@ class ExpertCache:
             self._install(ids, self._positions, count)
             installed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
             installed.index_fill_(0, torch.where(self._positions < count, ids, e), True)
-            yield self._traced_read(torch.where(installed[:e], self.slot_of[:e], -1))
+            yield self.weights, self._traced_read(torch.where(installed[:e], self.slot_of[:e],
+                                                              -1))
+
+    def prefetch(self, topk_ids: torch.Tensor) -> None:
+        """Install the experts ``topk_ids`` [tokens, top_k] predicts for the coming step that are
+        not cached, into the least recently used slots no predicted expert holds; no hit or
+        miss is counted (Note [Expert lookahead]). Issue it on a stream ordered after this
+        cache's previous reads, and the coming step's ``serve`` after it."""
+        e, s = self.experts, self.slots
+        wanted = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
+        wanted.index_fill_(0, topk_ids.reshape(-1).long(), True)
+        wanted = wanted[:e]
+        miss = wanted & (self.slot_of[:e] < 0)
+        holder = self.expert_in[:s]
+        keep = (holder >= 0) & wanted[holder.clamp(min=0)]
+        victims = torch.argsort(torch.where(keep, _LATEST, self.last_used[:s]), stable=True)
+        missed = torch.argsort((~miss).to(torch.int8), stable=True)
+        count = torch.minimum(miss.sum(), s - keep.sum())
+        self._install(missed[:s], victims, count)
+        self.predicted.copy_(wanted)
+        self.predictions[2:] += count
 
     def _install(self, ids: torch.Tensor, slots: torch.Tensor,
                  count: torch.Tensor) -> None:
@@ -152,12 +217,17 @@ class ExpertCache:
         for name, w in self.weights.items():
             fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
 
-    def _traced_read(self, expert_map: torch.Tensor) -> torch.Tensor:
+    def _traced_read(self, expert_map: torch.Tensor, kind: str = "read") -> torch.Tensor:
         if self.trace is not None:
             named = (expert_map >= 0).nonzero().flatten()
-            self.trace.append(ExpertOp("read", self._stream(), tuple(
+            self.trace.append(ExpertOp(kind, self._stream(), tuple(
                 zip(named.tolist(), expert_map[named].tolist()))))
         return expert_map
+
+    def traced_wait(self, on: object) -> None:
+        """Record in the trace that the current stream now waits for stream ``on``."""
+        if self.trace is not None:
+            self.trace.append(ExpertOp("wait", self._stream(), on=on))
 
     def _stream(self) -> object:
         return (torch.cuda.current_stream(self.device).cuda_stream
@@ -173,6 +243,7 @@ class ExpertCache:
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)
         self.last_used.fill_(-1)
+        self.predicted.zero_()
         for w in self.weights.values():
             poison(w)
 
@@ -184,7 +255,11 @@ class ExpertCache:
                 "host": {name: ("cuda view of pinned host memory" if t.is_cuda else
                                 "pinned host copy" if t.is_pinned() else "host copy")
                          for name, t in self.host.items()},
-                "hits": hits, "misses": misses,
+                "hits": hits, "misses": misses, "in_place_tokens": self.in_place_tokens,
+                "in_place_steps": int(self.in_place_steps),
+                **({"lookahead": dict(zip(("predicted", "chosen", "installed"),
+                                          self.predictions.tolist()))}
+                   if self.looked_ahead else {}),
                 "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
 
     def hit_rate(self) -> float | None:

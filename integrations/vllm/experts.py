@@ -22,7 +22,8 @@ Note [Experts in vLLM]
        before it sizes the KV cache;
     3. replaces the layer's ``forward_modular`` (on that object only): the cache installs the
        experts the router chose that are not cached, and each pass computes its experts from
-       the slots, summed into the layer's routed output. On a GPU the pass is vLLM's own
+       the slots (or, in place, from the host store: Note [Expert cache], step 5), summed
+       into the layer's routed output. On a GPU the pass is vLLM's own
        fused-MoE kernel, called with the slots as the layer's weights and the pass's
        expert→slot map as its ``expert_map`` (as for expert parallelism: experts mapped to -1
        contribute nothing); only vLLM's Triton experts honour that map, so other MoE backends
@@ -55,6 +56,7 @@ from ringflow import envs
 from ringflow.errors import ProfileError, UnsupportedModelError
 from ringflow.graphs import nvtx_ranges
 from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_lookahead import Lookahead
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.kernels.moe import moe_from_slots
 from ringflow.orchestrator import dumps
@@ -132,6 +134,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                    f"vLLM 0.26 also VLLM_USE_V2_MODEL_RUNNER=0: its V2 runner makes no "
                    f"offloader)")
     caches: dict[int, ExpertCache] = {}
+    layers: dict[int, object] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
         check_layer(i, runner, experts, offload if on_gpu else None)
@@ -143,9 +146,12 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                                         f"{type(experts.quant_method).__name__}, not "
                                         f"vLLM's unquantized one)")
         cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
-                            experts.w13_weight.device)
-        _attach(i, experts, cache)
-        caches[i] = cache
+                            experts.w13_weight.device, in_place_tokens=spec.in_place_tokens)
+        caches[i], layers[i] = cache, experts
+    ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
+    behind = {la.target: la for la in ahead.values()}
+    for i, experts in layers.items():
+        _attach(i, experts, caches[i], ahead.get(i), behind.get(caches[i]))
     if on_gpu:
         _say_other_offloaded(decoder, caches)
     if envs.text("RINGFLOW_DUMP"):
@@ -158,6 +164,55 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
              mib(sum(t.numel() * t.element_size() for c in caches.values()
                      for t in c.host.values())))
     return caches
+
+
+def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:
+    """Chosen layer -> its guess of the next chosen layer's experts (Note [Expert lookahead]),
+    for every chosen layer but the last whose next layer's router is found."""
+    order = sorted(caches)
+    stream = None
+    if caches[order[0]].device.type == "cuda":
+        stream = torch.cuda.Stream(caches[order[0]].device)
+    out, lost = {}, []
+    for i, j in zip(order, order[1:]):
+        target = caches[j]
+        (runner,) = moe_runners_of(decoder[j])
+        router = _router_of(decoder[j], target.experts)
+        if router is None:
+            lost.append(j)
+            continue
+        out[i] = Lookahead(router, target, runner.routed_experts.top_k, stream)
+    if lost:
+        log.warning("experts.lookahead: no router (a module named 'gate' with one output per "
+                    "expert) in layers %s; the layers before them do not look ahead", lost)
+    log.info("experts.lookahead: layers %s guess the next chosen layer's experts with its "
+             "router and fetch them on a side stream (eager steps and FULL graphs; not in "
+             "piecewise graphs nor in steps of several passes)", sorted(out))
+    return out
+
+
+def _router_of(decoder_layer, experts: int):
+    """The router of a decoder layer as a function of hidden states to logits [tokens,
+    experts], or None: vLLM's MoE blocks call it ``gate``, a linear layer with one output per
+    expert. Called as vLLM calls it (its own GEMM: vLLM-CPU packs the weight away, and a
+    GPU's may be a dedicated router kernel)."""
+    for name, module in decoder_layer.named_modules():
+        if name.rsplit(".", 1)[-1] == "gate" and getattr(module, "output_size", None) == experts:
+            def logits(x: torch.Tensor, gate=module) -> torch.Tensor:
+                out = gate(x)
+                return out[0] if isinstance(out, tuple) else out
+            return logits
+    return None
+
+
+def _may_fork() -> bool:
+    """Whether this step may fork a side stream and join it a layer later: not while vLLM
+    runs or captures it as piecewise CUDA graphs (Note [Expert lookahead])."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    if not is_forward_context_available():
+        return True
+    mode = get_forward_context().cudagraph_runtime_mode
+    return getattr(mode, "name", str(mode)) != "PIECEWISE"
 
 
 def _store_bytes(experts) -> int:
@@ -204,7 +259,9 @@ def _dump(caches: dict[int, ExpertCache], decoder: list, base: str) -> None:
                        "compute": (f"vLLM {_kernel_name(experts)} per pass, expert_map over "
                                    f"the slots" if experts.w13_weight.is_cuda
                                    else "ringflow's torch MoE per pass (kernels/moe.py)"),
-                       "passes": "ceil(min(experts, tokens * top_k) / slots)",
+                       "passes": (f"ceil(min(experts, tokens * top_k) / slots); a step of "
+                                  f"at most {row['in_place_tokens']} tokens needing more than "
+                                  f"one: 2, the second over the host store in place"),
                        "top_k": experts.top_k})
     doc = {"schema": "ringflow.experts", "version": 1,
            "stream": "vLLM's: each pass's fetch (device-indexed, Note [Device-indexed expert "
@@ -297,13 +354,17 @@ def _kernel_order():
     return SharedExpertsOrder.MK_INTERNAL_OVERLAPPED
 
 
-def _attach(index: int, experts, cache: ExpertCache) -> None:
+def _attach(index: int, experts, cache: ExpertCache, ahead: Lookahead | None = None,
+            behind: Lookahead | None = None) -> None:
     """Replace this object's ``forward_modular`` by the cache's passes (Note [Experts in
     vLLM]), each pass's fetch and MoE in NVTX ranges ``ringflow/experts/{fetch,moe}/L<i>``
-    (at capture time under a CUDA graph, like every range)."""
+    (at capture time under a CUDA graph, like every range); with a lookahead, this layer
+    joins the guess made for it (``behind``) and guesses for the next (``ahead``, range
+    ``ringflow/experts/lookahead/L<i>``: Note [Expert lookahead])."""
     compute = _compute(experts)
     fetch_range = nvtx_ranges.handle(f"ringflow/experts/fetch/L{index}")
     moe_range = nvtx_ranges.handle(f"ringflow/experts/moe/L{index}")
+    ahead_range = nvtx_ranges.handle(f"ringflow/experts/lookahead/L{index}")
 
     @torch.compiler.disable  # state tensors change in place each step: run it as Python
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None,
@@ -311,11 +372,15 @@ def _attach(index: int, experts, cache: ExpertCache) -> None:
         if shared_experts is not None:  # what vLLM's kernel does with them (Note, step 3)
             shared_experts(shared_experts_input, _kernel_order())
         out = None
+        if behind is not None:
+            behind.join()
         maps = cache.serve(topk_ids)
-        for _ in range(cache.passes(*topk_ids.shape)):
-            expert_map = nvtx_ranges.call(fetch_range, next, maps)
-            part = nvtx_ranges.call(moe_range, compute, x, cache.weights["w13"], cache.weights["w2"],
-                          topk_weights, topk_ids, expert_map)
+        for p in range(cache.passes(*topk_ids.shape)):
+            weights, expert_map = nvtx_ranges.call(fetch_range, next, maps)
+            if p == 0 and ahead is not None:
+                nvtx_ranges.call(ahead_range, ahead.launch, x, _may_fork())
+            part = nvtx_ranges.call(moe_range, compute, x, weights["w13"], weights["w2"],
+                                    topk_weights, topk_ids, expert_map)
             out = part if out is None else out.add_(part)
         return out.to(x.dtype)
 

@@ -127,6 +127,28 @@ def _expert_fetch_without_wait() -> None:
     expert_cache.fetch_experts = fetch
 
 
+def _lookahead_without_join() -> None:
+    """The lookahead's installs on the side stream start ~10 ms late and the next layer does
+    not wait for them (Note [Expert lookahead], step 3): they land while later steps read the
+    slots they overwrite."""
+    import torch
+
+    from ringflow.integrations.torch import expert_lookahead
+    from ringflow.integrations.torch.expert_cache import ExpertCache
+    original = ExpertCache.prefetch
+
+    def late_prefetch(self, topk_ids):
+        if self.device.type == "cuda":
+            torch.cuda._sleep(20_000_000)
+        return original(self, topk_ids)
+
+    def join(self):
+        self.pending, self._guess = False, None
+
+    ExpertCache.prefetch = late_prefetch
+    expert_lookahead.Lookahead.join = join
+
+
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -138,6 +160,7 @@ MUTANTS = {
     "skip-replay-prime": _skip_replay_prime,
     "skip-prime-at-write": _skip_prime_at_write,
     "expert-fetch-without-wait": _expert_fetch_without_wait,
+    "lookahead-without-join": _lookahead_without_join,
 }
 
 ENV = "RINGFLOW_MUTANT"

@@ -594,9 +594,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
         if expert_caches:
-            result["experts"] = [{"hits": int(c.hits), "misses": int(c.misses),
-                                  "slots": c.slots, "experts": c.experts}
-                                 for c in expert_caches]
+            result["experts"] = [c.describe() for c in expert_caches]
         config = llm.llm_engine.vllm_config
         result["kv_blocks"] = config.cache_config.num_gpu_blocks
         result["kv_block_size"] = config.cache_config.block_size

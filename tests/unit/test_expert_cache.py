@@ -33,23 +33,27 @@ def routing(seed: int, tokens: int, pool: int = E):
 def step(cache: ExpertCache, hidden, ids, weights):
     out = torch.zeros_like(hidden)
     maps = []
-    for expert_map in cache.serve(ids):
+    for source, expert_map in cache.serve(ids):
         maps.append(expert_map.clone())
-        out += moe_from_slots(hidden, cache.weights["w13"], cache.weights["w2"], weights, ids,
-                              expert_map)
+        out += moe_from_slots(hidden, source["w13"], source["w2"], weights, ids, expert_map)
     return out, maps
 
 
-def make(slots: int, device="cpu", dtype=torch.float32):
+def make(slots: int, device="cpu", dtype=torch.float32, in_place_tokens: int = 0):
+    """A cache over seeded experts: pinned host copies on a GPU, or (in place) copies the
+    GPU's kernel reads where they are, as vLLM's CUDA view of pinned memory is read."""
     w13, w2 = experts(dtype=dtype)
+    host = {"w13": w13, "w2": w2}
     if device != "cpu":
-        w13, w2 = w13.pin_memory(), w2.pin_memory()
-    return ExpertCache({"w13": w13, "w2": w2}, slots, device), w13, w2
+        host = {k: v.to(device) if in_place_tokens else v.pin_memory() for k, v in host.items()}
+    cache = ExpertCache(host, slots, device, in_place_tokens=in_place_tokens)
+    return cache, w13, w2
 
 
+@pytest.mark.parametrize("in_place_tokens", [0, 4])
 @pytest.mark.parametrize("slots", [E, 7, K, 2, 1])
-def test_every_step_equals_the_float64_moe_for_random_routings(slots):
-    cache, w13, w2 = make(slots)
+def test_every_step_equals_the_float64_moe_for_random_routings(slots, in_place_tokens):
+    cache, w13, w2 = make(slots, in_place_tokens=in_place_tokens)
     g = torch.Generator().manual_seed(1)
     for s, tokens in enumerate([1, 1, 2, 5, 1, 3, 8, 1]):
         ids, weights = routing(100 + s, tokens, pool=6 if s % 2 else E)  # repeats, then fresh
@@ -67,7 +71,7 @@ def test_slots_hold_exactly_the_host_experts_the_maps_name():
     cache, w13, w2 = make(5)
     ids, weights = routing(3, 4)
     hidden = torch.randn(4, H)
-    for expert_map in cache.serve(ids):
+    for _, expert_map in cache.serve(ids):
         for e in torch.nonzero(expert_map >= 0).flatten().tolist():
             s = int(expert_map[e])
             assert torch.equal(cache.weights["w13"][s], w13[e])
@@ -107,6 +111,32 @@ def test_least_recently_used_expert_is_evicted_first():
 def test_passes_grow_with_the_step_and_stop_at_the_layer():
     cache, _, _ = make(4)
     assert [cache.passes(t, K) for t in (1, 2, 3, 4, 64)] == [1, 2, 3, 3, 3]
+    in_place, _, _ = make(4, in_place_tokens=3)  # up to 3 tokens: pass 0, then one in place
+    assert [in_place.passes(t, K) for t in (1, 2, 3, 4, 64)] == [1, 2, 2, 3, 3]
+
+
+def test_a_step_in_place_installs_what_pass_0_can_and_reads_the_rest_from_the_host():
+    """Step 5 of Note [Expert cache]: the cache still learns (the next step hits what pass 0
+    installed), the second pass names only host experts no slot holds, and the counters say
+    which steps went in place."""
+    cache, w13, w2 = make(2, in_place_tokens=8)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    weights = torch.softmax(torch.randn(2, K), -1)
+    hidden = torch.randn(2, H)
+    (first, map0), (second, map1) = [(src, m.clone()) for src, m in cache.serve(ids)]
+    assert first is cache.weights and second is cache.host
+    assert int((map0 >= 0).sum()) == 2 and int((map1 >= 0).sum()) == 4
+    in_place = torch.nonzero(map1 >= 0).flatten()
+    assert torch.equal(map1[in_place], in_place)  # host experts by their own index
+    assert (cache.slot_of[in_place] < 0).all()
+    out, _ = step(cache, hidden, ids, weights)
+    torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+    assert cache.describe()["in_place_steps"] == 2
+    hits = int(cache.hits)
+    list(cache.serve(torch.tensor([[int(e) for e in torch.nonzero(map0 >= 0).flatten()]
+                                   + [6]])))  # one token, two of its experts in the slots
+    assert int(cache.hits) == hits + 2 and cache.describe()["in_place_steps"] == 3
 
 
 def test_bad_inputs_are_typed_errors():
@@ -118,17 +148,20 @@ def test_bad_inputs_are_typed_errors():
     cache = ExpertCache({"w13": w13, "w2": w2}, 2, "cpu")
     with pytest.raises(KernelError, match=r"\[tokens, top_k\]"):
         next(cache.serve(torch.zeros(3)))
+    with pytest.raises(ConfigError, match="in_place_tokens must be >= 0"):
+        ExpertCache({"w13": w13, "w2": w2}, 2, "cpu", in_place_tokens=-1)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("slots", [7, 2])
-def test_a_captured_step_replays_any_routing_exactly(slots):
+@pytest.mark.parametrize("slots,in_place_tokens", [(7, 0), (2, 0), (2, 3)])
+def test_a_captured_step_replays_any_routing_exactly(slots, in_place_tokens):
     """One graph captured for 3 tokens, replayed with new routings written into its input:
-    the output equals the float64 MoE each time, with poisoned slots before the capture."""
+    the output equals the float64 MoE each time, with poisoned slots before the capture (and,
+    in place, its second pass reading the host store inside the graph)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     dev = torch.device("cuda")
-    cache, w13, w2 = make(slots, dev)
+    cache, w13, w2 = make(slots, dev, in_place_tokens=in_place_tokens)
     ids_in = torch.zeros(3, K, dtype=torch.int64, device=dev)
     weights_in = torch.zeros(3, K, device=dev)
     hidden_in = torch.zeros(3, H, device=dev)
@@ -136,9 +169,9 @@ def test_a_captured_step_replays_any_routing_exactly(slots):
 
     def forward():
         out.zero_()
-        for expert_map in cache.serve(ids_in):
-            out.add_(moe_from_slots(hidden_in, cache.weights["w13"], cache.weights["w2"],
-                                    weights_in, ids_in, expert_map))
+        for source, expert_map in cache.serve(ids_in):
+            out.add_(moe_from_slots(hidden_in, source["w13"], source["w2"], weights_in, ids_in,
+                                    expert_map))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -164,6 +197,7 @@ def test_a_captured_step_replays_any_routing_exactly(slots):
         torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
                                    rtol=1e-4, atol=1e-4)
     assert 0 < cache.hit_rate() < 1
+    assert cache.describe()["in_place_steps"] == (7 if in_place_tokens else 0)  # and warm-up
 
 
 def test_fetch_copies_only_the_first_count_pairs_and_checks_its_inputs():

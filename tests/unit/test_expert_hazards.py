@@ -14,11 +14,12 @@ from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step
 E, K = 12, 3
 
 
-def run_steps(slots: int, steps: int, seed: int) -> int:
+def run_steps(slots: int, steps: int, seed: int, in_place_tokens: int = 0) -> int:
     """Random routings (a few tokens up to prefill-sized steps, popular and fresh experts, -1
     choices), each step traced and proven; the number of operations proven."""
     g = torch.Generator().manual_seed(seed)
-    cache = ExpertCache({"w": torch.arange(E, dtype=torch.int32).reshape(E, 1)}, slots, "cpu")
+    cache = ExpertCache({"w": torch.arange(E, dtype=torch.int32).reshape(E, 1)}, slots, "cpu",
+                        in_place_tokens=in_place_tokens)
     cache.trace, proven = [], 0
     for _ in range(steps):
         tokens = int(torch.randint(1, 9, (1,), generator=g))
@@ -27,18 +28,19 @@ def run_steps(slots: int, steps: int, seed: int) -> int:
         ids[torch.rand(ids.shape, generator=g) < 0.1] = -1
         held = cache.holding()
         cache.trace.clear()
-        for expert_map in cache.serve(ids):  # the slots hold what the trace says they hold
+        for source, expert_map in cache.serve(ids):  # it holds what the trace says it holds
             named = (expert_map >= 0).nonzero().flatten()
-            assert cache.weights["w"][expert_map[named], 0].tolist() == named.tolist()
+            assert source["w"][expert_map[named], 0].tolist() == named.tolist()
         after = check_expert_step(held, set(ids[ids >= 0].tolist()), cache.trace, slots)
         assert after == cache.holding()
         proven += len(cache.trace)
     return proven
 
 
+@pytest.mark.parametrize("in_place_tokens", [0, 4])
 @pytest.mark.parametrize("slots", [E, 7, K, 2, 1])
-def test_every_step_of_random_routings_proves(slots):
-    assert run_steps(slots, steps=150, seed=slots) > 150
+def test_every_step_of_random_routings_proves(slots, in_place_tokens):
+    assert run_steps(slots, steps=150, seed=slots, in_place_tokens=in_place_tokens) > 150
 
 
 def test_evicting_an_expert_the_step_needs_is_caught(monkeypatch):

@@ -30,7 +30,8 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"layers": [1, 1]}, "experts.layers"),
     ({"layers": {"count": 2}}, "experts.layers"),
     ({"slots": 0}, "experts.slots"),
-    ({"lookahead": True}, "experts.lookahead"),
+    ({"lookahead": "often"}, "experts.lookahead"),
+    ({"in_place_tokens": -1}, "experts.in_place_tokens"),
 ])
 def test_bad_experts_sections_name_their_field(section, field):
     with pytest.raises(ProfileError) as err:

@@ -227,7 +227,7 @@ def test_every_field_is_documented_in_the_profiles_readme():
 
 # one document with every section, so any field can be set in place
 EVERY_SECTION = {**GOOD, "offload": {"layers": "all", "workspace_mib": 8},
-                 "kv_prefetch": {"workspace_mib": 8}}
+                 "kv_prefetch": {"workspace_mib": 8}, "experts": {"layers": "all"}}
 
 
 def _with_field(name, value):

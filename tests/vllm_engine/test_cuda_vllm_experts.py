@@ -8,7 +8,9 @@ vLLM's default FULL_AND_PIECEWISE graphs:
 * ``resident``: vLLM alone, every expert in device memory, Triton MoE;
 * ``lane-3`` / ``lane-1``: every layer's experts in pinned host memory (vLLM's UVA offloader,
   ``--cpu-offload-params experts``), 3 or 1 slots per layer, slots poisoned: most steps miss,
-  prefills need more experts than the slots hold (several passes), decode steps reuse;
+  prefills need more experts than the slots hold (pass 0, then the rest in place), decode
+  steps reuse; ``passes-1``: the same through the slots only (``in_place_tokens: 0``);
+  ``lookahead-3``: each layer guesses the next one's experts on a side stream;
 * a refusal: experts left in device memory (the line names the flags). fp8 experts are refused
   by name (tests/unit/test_experts_profile.py); the carried vLLM 0.26 lacks compressed_tensors,
   which its fp8 path imports, so no fp8 engine starts there.
@@ -36,8 +38,9 @@ V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # vLLM 0.26's V2 runner makes no offload
 UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], "moe_backend": "triton"}
 
 
-def lane(slots):
-    return {"ringflow": {"name": "experts", "experts": {"layers": "all", "slots": slots}}}
+def lane(slots, **more):
+    return {"ringflow": {"name": "experts", "experts": {"layers": "all", "slots": slots,
+                                                        **more}}}
 
 
 def mode_cases(mode):
@@ -48,6 +51,10 @@ def mode_cases(mode):
          "additional_config": lane(3), "repeat": True},
         {"name": f"{mode}/lane-1", **base, "engine": UVA, "env": POISON,
          "additional_config": lane(1)},
+        {"name": f"{mode}/passes-1", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(1, in_place_tokens=0)},
+        {"name": f"{mode}/lookahead-3", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(3, lookahead=True)},
     ]
 
 
@@ -64,13 +71,20 @@ def runs():
     return collect(started)
 
 
+SLOTS = {"lane-3": 3, "lane-1": 1, "passes-1": 1, "lookahead-3": 3}
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("slots", [3, 1])
-def test_experts_from_host_memory_give_the_resident_output(runs, mode, slots):
+@pytest.mark.parametrize("name", list(SLOTS))
+def test_experts_from_host_memory_give_the_resident_output(runs, mode, name):
     """vLLM's greedy tokens and top-5 logprobs, with every expert fetched into poisoned slots
     by the device-indexed kernel and computed by vLLM's Triton MoE over the slots; with one
-    slot, every step of two or more tokens runs in passes."""
-    resident, got = runs[f"{mode}/resident"], runs[f"{mode}/lane-{slots}"]
+    slot, every step of two or more tokens needs several passes: the last in place from the
+    host view (Note [Expert cache], step 5), or with ``in_place_tokens: 0`` all through the
+    slots; with lookahead, one-token decode steps (eager, or vLLM's FULL decode graphs) guess
+    each next layer's experts on a side stream (Note [Expert lookahead])."""
+    slots = SLOTS[name]
+    resident, got = runs[f"{mode}/resident"], runs[f"{mode}/{name}"]
     for r in (resident, got):
         assert "error" not in r, r["error"]
     assert got["tokens"] == resident["tokens"]
@@ -79,9 +93,16 @@ def test_experts_from_host_memory_give_the_resident_output(runs, mode, slots):
     assert len(layers) == 4
     for layer in layers:
         assert layer["slots"] == slots and layer["misses"] > 2 * slots
+        assert (layer["in_place_steps"] > 0) == (name != "passes-1")
     if slots == 3:  # one-token decode steps reuse what the steps before brought in
         assert all(layer["hits"] > 0 for layer in layers)
+    if name == "lane-3":
         assert got["repeat_same"]  # the same engine again: warm cache, same output
+    if name == "lookahead-3":  # 3 prompts x 11 decode steps, top-2 guessed per layer
+        assert "lookahead" not in layers[0]
+        for layer in layers[1:]:
+            guessed = layer["lookahead"]
+            assert guessed["predicted"] >= 2 * 30 and guessed["chosen"] <= guessed["predicted"]
     said = [line for line in got["log"] if line.startswith("experts: layers")]
     assert len(said) == 1, got["log"]
 

@@ -22,6 +22,10 @@ CASES = [
     {"name": "moe/off", "model": MOE},
     {"name": "moe/all-3", "model": MOE, "additional_config": experts(layers="all", slots=3)},
     {"name": "moe/all-1", "model": MOE, "additional_config": experts(layers="all", slots=1)},
+    {"name": "moe/passes-1", "model": MOE,
+     "additional_config": experts(layers="all", slots=1, in_place_tokens=0)},
+    {"name": "moe/lookahead", "model": MOE, "serial": True,  # one-token decode steps: guessed
+     "additional_config": experts(layers="all", slots=3, lookahead=True)},
     {"name": "moe/some", "model": MOE, "additional_config": experts(layers=[1, 3])},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
@@ -52,11 +56,17 @@ def runs(tmp_path_factory, dump_stem):
     return results
 
 
-@pytest.mark.parametrize("name", ["moe/all-3", "moe/all-1", "moe/some"])
+SLOTS = {"moe/all-3": 3, "moe/all-1": 1, "moe/passes-1": 1, "moe/lookahead": 3, "moe/some": 4}
+
+
+@pytest.mark.parametrize("name", list(SLOTS))
 def test_experts_from_host_memory_give_vllms_output(runs, name):
     """The slots start poisoned and steps need more experts than they hold (prefills of 14
     tokens ask for most of the 16): vLLM's greedy tokens, logprobs within float32 rounding of
-    vLLM's own CPU MoE kernel, and misses, hits and evictions counted per layer."""
+    vLLM's own CPU MoE kernel, and misses, hits and evictions counted per layer. Steps of
+    several passes end in place from the host copies (Note [Expert cache], step 5), or, with
+    ``in_place_tokens: 0``, run every pass through the slots; with lookahead each layer but
+    the first gets guesses from the layer before (Note [Expert lookahead])."""
     off, run = runs["moe/off"], runs[name]
     assert "error" not in run, run["error"]
     assert run["tokens"] == off["tokens"]
@@ -65,9 +75,17 @@ def test_experts_from_host_memory_give_vllms_output(runs, name):
     assert len(layers) == (2 if name == "moe/some" else 4)
     for layer in layers:
         assert layer["experts"] == 16 and layer["misses"] > layer["slots"]
-        assert layer["slots"] == {"moe/all-3": 3, "moe/all-1": 1, "moe/some": 4}[name]
-    if name == "moe/all-3":  # decode steps of one token reuse experts of the steps before
+        assert layer["slots"] == SLOTS[name]
+        assert (layer["in_place_steps"] > 0) == (name != "moe/passes-1")
+    if name in ("moe/all-3", "moe/lookahead"):  # one-token decode steps reuse experts
         assert all(layer["hits"] > 0 for layer in layers)
+    if name == "moe/lookahead":
+        assert "lookahead" not in layers[0]
+        for layer in layers[1:]:  # one guess of top_k per decode step at least
+            guessed = layer["lookahead"]
+            assert guessed["predicted"] >= 2 * 10 and 0 <= guessed["chosen"] <= guessed["predicted"]
+        said = [l for l in run["log"] if l.startswith("experts.lookahead: layers [0, 1, 2]")]
+        assert len(said) == 1, run["log"]
     said = [l for l in run["log"] if l.startswith("experts: layers")]
     assert len(said) == 1 and "16 routed experts each" in said[0], run["log"]
 
