@@ -205,14 +205,25 @@ def _router_of(decoder_layer, experts: int):
     return None
 
 
+_said_modes: set[str] = set()
+
+
 def _may_fork() -> bool:
     """Whether this step may fork a side stream and join it a layer later: not while vLLM
-    runs or captures it as piecewise CUDA graphs (Note [Expert lookahead])."""
+    runs or captures it as piecewise CUDA graphs (Note [Expert lookahead]). Says once per
+    graph mode what the lookahead does under it."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
-    if not is_forward_context_available():
-        return True
-    mode = get_forward_context().cudagraph_runtime_mode
-    return getattr(mode, "name", str(mode)) != "PIECEWISE"
+    mode = "NONE"
+    if is_forward_context_available():
+        runtime = get_forward_context().cudagraph_runtime_mode
+        mode = getattr(runtime, "name", str(runtime))
+    may = mode != "PIECEWISE"
+    if mode not in _said_modes:
+        _said_modes.add(mode)
+        log.info("experts.lookahead: steps vLLM runs with CUDA graph mode %s %s", mode,
+                 "are guessed (unless they need several passes)" if may else
+                 "are not guessed: a piecewise graph would end between the fork and its join")
+    return may
 
 
 def _store_bytes(experts) -> int:

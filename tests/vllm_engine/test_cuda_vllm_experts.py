@@ -102,7 +102,8 @@ def test_experts_from_host_memory_give_the_resident_output(runs, mode, name):
         assert "lookahead" not in layers[0]
         for layer in layers[1:]:
             guessed = layer["lookahead"]
-            assert guessed["predicted"] >= 2 * 30 and guessed["chosen"] <= guessed["predicted"]
+            assert guessed["predicted"] >= 2 * 30 and guessed["chosen"] <= guessed["predicted"], \
+                (got.get("cudagraph_mode"), [l for l in got["log"] if "lookahead" in l])
     said = [line for line in got["log"] if line.startswith("experts: layers")]
     assert len(said) == 1, got["log"]
 
