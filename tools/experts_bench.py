@@ -193,7 +193,7 @@ def main() -> int:
                 hits.append(round((after[0] - before[0]) / seen, 3) if seen else None)
         if name in LANES:  # per layer: hits, misses, steps in place, lookahead's guesses
             from ringflow.integrations.vllm.experts import worker_report
-            r["report"] = llm.collective_rpc(worker_report)[0]
+            r["report"] = {"layers": llm.collective_rpc(worker_report)[0]}
 
     engines, results = {}, {}
     for name, extra in chosen.items():
