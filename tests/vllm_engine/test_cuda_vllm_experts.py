@@ -10,7 +10,8 @@ vLLM's default FULL_AND_PIECEWISE graphs:
   ``--cpu-offload-params experts``), 3 or 1 slots per layer, slots poisoned: most steps miss,
   prefills need more experts than the slots hold (pass 0, then the rest in place), decode
   steps reuse; ``passes-1``: the same through the slots only (``in_place_tokens: 0``);
-  ``lookahead-3``: each layer guesses the next one's experts on a side stream;
+  ``lookahead-8``: each layer guesses the next one's experts on a side stream (8 slots: the
+  graphs pad decode steps to 4 tokens, and a step of more choices than slots is not guessed);
 * a refusal: experts left in device memory (the line names the flags). fp8 experts are refused
   by name (tests/unit/test_experts_profile.py); the carried vLLM 0.26 lacks compressed_tensors,
   which its fp8 path imports, so no fp8 engine starts there.
@@ -53,8 +54,8 @@ def mode_cases(mode):
          "additional_config": lane(1)},
         {"name": f"{mode}/passes-1", **base, "engine": UVA, "env": POISON,
          "additional_config": lane(1, in_place_tokens=0)},
-        {"name": f"{mode}/lookahead-3", **base, "engine": UVA, "env": POISON,
-         "additional_config": lane(3, lookahead=True)},
+        {"name": f"{mode}/lookahead-8", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(8, lookahead=True)},
     ]
 
 
@@ -71,7 +72,7 @@ def runs():
     return collect(started)
 
 
-SLOTS = {"lane-3": 3, "lane-1": 1, "passes-1": 1, "lookahead-3": 3}
+SLOTS = {"lane-3": 3, "lane-1": 1, "passes-1": 1, "lookahead-8": 8}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -92,13 +93,14 @@ def test_experts_from_host_memory_give_the_resident_output(runs, mode, name):
     layers = got["experts"]
     assert len(layers) == 4
     for layer in layers:
-        assert layer["slots"] == slots and layer["misses"] > 2 * slots
+        assert layer["slots"] == slots and layer["misses"] > min(2 * slots, 12)
         assert (layer["in_place_steps"] > 0) == (name != "passes-1")
-    if slots == 3:  # one-token decode steps reuse what the steps before brought in
+    if slots > 1:  # one-token decode steps reuse what the steps before brought in
         assert all(layer["hits"] > 0 for layer in layers)
     if name == "lane-3":
         assert got["repeat_same"]  # the same engine again: warm cache, same output
-    if name == "lookahead-3":  # 3 prompts x 11 decode steps, top-2 guessed per layer
+    if name == "lookahead-8":  # 3 prompts x 11 decode steps, top-2 guessed per layer; 8
+        # slots: vLLM pads decode steps to the one captured size, 4 tokens (8 choices)
         assert "lookahead" not in layers[0]
         for layer in layers[1:]:
             guessed = layer["lookahead"]
