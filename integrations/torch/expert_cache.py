@@ -144,9 +144,7 @@ class ExpertCache:
             raise KernelError(f"topk_ids are on {topk_ids.device}, the cache on {self.device}")
         e, s = self.experts, self.slots
         passes = self.passes(*topk_ids.shape)
-        needed = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
-        needed.index_fill_(0, topk_ids.reshape(-1).long(), True)
-        needed = needed[:e]
+        needed = self._chosen(topk_ids)
         cached = self.slot_of[:e] >= 0
         miss = needed & ~cached
         miss_count = miss.sum()
@@ -157,13 +155,7 @@ class ExpertCache:
                                                  (self.predicted & needed).sum()])
             self.predicted.zero_()
         self.clock += 1
-        holder = self.expert_in[:s]
-        used = (holder >= 0) & needed[holder.clamp(min=0)]
-        self.last_used[:s] = torch.where(used, self.clock, self.last_used[:s])
-        victims = torch.argsort(torch.where(used, _LATEST, self.last_used[:s]), stable=True)
-        missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
-        first = torch.minimum(miss_count, s - used.sum())
-        self._install(missed[:s], victims, first)  # s <= e: the first s missed, in order
+        missed, first = self._install_missing(needed, miss, miss_count, stamp=True)
         yield self.weights, self._traced_read(torch.where(needed, self.slot_of[:e], -1))
         if passes > 1 and self.reads_in_place(topk_ids.shape[0]):  # step 5
             self.in_place_steps += 1
@@ -185,19 +177,35 @@ class ExpertCache:
         not cached, into the least recently used slots no predicted expert holds; no hit or
         miss is counted (Note [Expert lookahead]). Issue it on a stream ordered after this
         cache's previous reads, and the coming step's ``serve`` after it."""
-        e, s = self.experts, self.slots
-        wanted = torch.zeros(e + 1, dtype=torch.bool, device=self.device)
-        wanted.index_fill_(0, topk_ids.reshape(-1).long(), True)
-        wanted = wanted[:e]
-        miss = wanted & (self.slot_of[:e] < 0)
-        holder = self.expert_in[:s]
-        keep = (holder >= 0) & wanted[holder.clamp(min=0)]
-        victims = torch.argsort(torch.where(keep, _LATEST, self.last_used[:s]), stable=True)
-        missed = torch.argsort((~miss).to(torch.int8), stable=True)
-        count = torch.minimum(miss.sum(), s - keep.sum())
-        self._install(missed[:s], victims, count)
+        wanted = self._chosen(topk_ids)
+        miss = wanted & (self.slot_of[:self.experts] < 0)
+        _, count = self._install_missing(wanted, miss, miss.sum(), stamp=False)
         self.predicted.copy_(wanted)
         self.predictions[2:] += count
+
+    def _chosen(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[experts] bool: the experts any token chose (a -1 choice lands on the spare entry)."""
+        chosen = torch.zeros(self.experts + 1, dtype=torch.bool, device=self.device)
+        chosen.index_fill_(0, topk_ids.reshape(-1).long(), True)
+        return chosen[:self.experts]
+
+    def _install_missing(self, wanted: torch.Tensor, miss: torch.Tensor,
+                         miss_count: torch.Tensor, stamp: bool) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+        """Pass 0 (Note [Expert cache], steps 2 and 3): install the first missed experts into
+        the least recently used slots no ``wanted`` expert holds, those slots stamped with the
+        clock first when ``stamp``. Returns the missed experts first in order, and how many
+        were installed."""
+        s = self.slots
+        holder = self.expert_in[:s]
+        used = (holder >= 0) & wanted[holder.clamp(min=0)]
+        if stamp:
+            self.last_used[:s] = torch.where(used, self.clock, self.last_used[:s])
+        victims = torch.argsort(torch.where(used, _LATEST, self.last_used[:s]), stable=True)
+        missed = torch.argsort((~miss).to(torch.int8), stable=True)  # missed experts first
+        count = torch.minimum(miss_count, s - used.sum())
+        self._install(missed[:s], victims, count)  # s <= e: the first s missed, in order
+        return missed, count
 
     def _install(self, ids: torch.Tensor, slots: torch.Tensor,
                  count: torch.Tensor) -> None:
