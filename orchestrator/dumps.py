@@ -72,13 +72,31 @@ def to_json(dag: Dag, **extra: Any) -> str:
     return json.dumps({**to_dict(dag), **extra}, indent=1, sort_keys=True) + "\n"
 
 
-def dump_stem(base: str) -> str:
+def dump_stem(base: str, rank: int | None = None) -> str:
     """The file stem ``RINGFLOW_DUMP=base`` names: ``base`` without a ``.json`` ending, or, for
     a directory (one that exists, or a path ending in ``/``), ``ringflow-plan`` inside it (never
-    the hidden ``dir/.json``)."""
+    the hidden ``dir/.json``); with ``rank`` (a worker among several: tensor parallelism),
+    ``.rank<R>`` after it, so that the ranks never write one file."""
     if base.endswith(("/", "\\")) or Path(base).is_dir():
-        return str(Path(base) / "ringflow-plan")
-    return base[:-5] if base.endswith(".json") else base
+        stem = str(Path(base) / "ringflow-plan")
+    else:
+        stem = base[:-5] if base.endswith(".json") else base
+    return stem if rank is None else f"{stem}.rank{rank}"
+
+
+def write_json(path: str | Path, doc: Any) -> Path:
+    """``doc`` as indented JSON at ``path``: what ``RINGFLOW_DUMP`` writes besides plans.
+
+    Raises:
+        OutputError: the file cannot be written (the OS error is the cause).
+    """
+    path = Path(path)
+    try:
+        path.write_text(json.dumps(doc, indent=1))
+    except OSError as exc:
+        raise OutputError(f"cannot write {path} ({exc.strerror or exc}); point RINGFLOW_DUMP "
+                          f"at a writable path") from exc
+    return path
 
 
 def write_files(dag: Dag, stem: str, *, executor: str | None = None) -> tuple[Path, Path]:

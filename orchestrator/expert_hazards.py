@@ -24,6 +24,22 @@ Note [Expert lane hazards]
       count it twice). A pass in place (``host``, Note [Expert cache] step 5) reads its experts
       from the host store, which no install writes: it counts here and nowhere else.
 
+    The layer ring (Note [Expert layer ring]) is proven over a trace of many steps by
+    :func:`check_ring`: its ``fill`` writes a whole layer (a position of the chosen layers)
+    into a ring slot on the copy stream, its ``read`` is a layer's MoE on the compute stream,
+    and the two streams are ordered only by ``record``/``wait`` of named events:
+
+    * ``wrong-layer``: every read names the position the slot's latest fill wrote;
+    * ``cross-stream``: every read happens-after that fill, and every fill happens-after every
+      read of its slot since the slot's previous fill (write-after-read: a refill before its
+      readers retire is the mutant ``layer-refill-before-retire`` of tests/helpers/mutants.py).
+
+    An event (``record`` with ``on`` naming it) orders what its stream issued before the
+    record; a ``wait`` on an event orders the waiting stream's next operations after it, and
+    a ``wait`` on a stream after everything that stream issued so far. The slot cache's steps
+    and the ring's share these rules, so one lane's trace mixes both (a prefill on the ring, a
+    decode step on the slots) and each part is proven where it ran.
+
     Pure Python over ints, no torch: the trace is read back from the device by whoever records
     it.
 """
@@ -39,8 +55,11 @@ from ringflow.errors import HazardError
 class ExpertOp:
     """One operation of a step, in issue order: ``install`` writes expert ``e`` into slot
     ``s`` for each ``(e, s)`` of ``pairs``; ``read`` (a pass's MoE) reads them; ``host`` (a
-    pass in place) reads expert ``e`` from the host store (``s`` is ``e``); ``wait`` orders
-    what ``stream`` issues next after everything issued so far on stream ``on``."""
+    pass in place) reads expert ``e`` from the host store (``s`` is ``e``); ``record`` names
+    (``on``) an event after what ``stream`` issued so far; ``wait`` orders what ``stream``
+    issues next after that event, or, where ``on`` names no event, after everything issued
+    so far on stream ``on``. The layer ring's ``fill`` writes layer position ``p`` into ring
+    slot ``s`` for each ``(p, s)``, and its ``read`` reads them."""
 
     kind: str
     stream: object
@@ -69,6 +88,7 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
     writer: dict[int, int] = {}  # slot -> the install that wrote it this step
     readers: dict[int, list[int]] = {}  # slot -> reads of it since
     read: dict[int, int] = {}
+    events: dict[object, set[int]] = {}
 
     def unordered(i: int, after: set[int], s: int, first: list[int]) -> None:
         late = [j for j in first if j not in after]
@@ -81,9 +101,12 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
     for i, op in enumerate(ops):
         known = knows.setdefault(op.stream, set())
         if op.kind == "wait":
-            known |= knows.get(op.on, set()) | set(issued.get(op.on, ()))
+            known |= _waited(op.on, events, knows, issued)
             continue
         after = known | set(issued.get(op.stream, ()))
+        if op.kind == "record":
+            events[op.on] = after
+            continue
         if op.kind == "install":
             written = [s for _, s in op.pairs]
             if any(not 0 <= s < slots for s in written):
@@ -114,11 +137,74 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                                       f"{read[e]} and {i}: its tokens count twice", [read[e], i])
                 read[e] = i
         else:
-            raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, host "
-                              f"or wait", [i])
+            raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, "
+                              f"host, record or wait", [i])
         issued.setdefault(op.stream, []).append(i)
     if set(read) != needed:
         missing, extra = sorted(needed - set(read)), sorted(set(read) - needed)
         raise HazardError("incomplete", f"experts chosen but never read: {missing}; read but not "
                           f"chosen: {extra}", [read[e] for e in extra])
     return held
+
+
+def _waited(on: object, events: dict[object, set[int]], knows: dict[object, set[int]],
+            issued: dict[object, list[int]]) -> set[int]:
+    """What a ``wait`` on ``on`` orders after: the event's record, or everything stream ``on``
+    issued and knew."""
+    if on in events:
+        return events[on]
+    return knows.get(on, set()) | set(issued.get(on, ()))
+
+
+def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
+    """Prove a layer ring's trace over any number of steps (Note [Expert lane hazards]); the
+    ring has ``slots`` slots, empty when the trace starts.
+
+    Returns:
+        slot → layer position it holds at the end.
+
+    Raises:
+        HazardError: the first hazard, with the indices of the offending operations.
+    """
+    knows: dict[object, set[int]] = {}
+    issued: dict[object, list[int]] = {}
+    events: dict[object, set[int]] = {}
+    holds: dict[int, int] = {}
+    writer: dict[int, int] = {}  # slot -> its latest fill
+    readers: dict[int, list[int]] = {}  # slot -> reads since that fill
+    for i, op in enumerate(ops):
+        known = knows.setdefault(op.stream, set())
+        if op.kind == "wait":
+            known |= _waited(op.on, events, knows, issued)
+            continue
+        after = known | set(issued.get(op.stream, ()))
+        if op.kind == "record":
+            events[op.on] = after
+        elif op.kind in ("fill", "read"):
+            for position, s in op.pairs:
+                if not 0 <= s < slots:
+                    raise HazardError("slot-range", f"operation {i} ({op.kind}) names ring slot "
+                                      f"{s}; the ring has {slots}", [i])
+                if op.kind == "fill":
+                    late = [j for j in [*readers.get(s, ()), *([writer[s]] if s in writer
+                                                               else ())] if j not in after]
+                    if late:
+                        raise HazardError("cross-stream", f"fill {i} (stream {op.stream}) "
+                                          f"rewrites ring slot {s} with no event after "
+                                          f"operation(s) {late} that read or wrote it", [*late, i])
+                    holds[s], writer[s], readers[s] = position, i, []
+                    continue
+                if holds.get(s) != position:
+                    raise HazardError("wrong-layer", f"read {i} takes layer position {position} "
+                                      f"from ring slot {s}, which holds "
+                                      f"{holds.get(s, 'nothing')}", [i])
+                if writer[s] not in after:
+                    raise HazardError("cross-stream", f"read {i} (stream {op.stream}) of ring "
+                                      f"slot {s} with no event after its fill {writer[s]}",
+                                      [writer[s], i])
+                readers[s].append(i)
+        else:
+            raise HazardError("unknown", f"operation {i} is {op.kind!r}, not fill, read, record "
+                              f"or wait", [i])
+        issued.setdefault(op.stream, []).append(i)
+    return holds

@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringflow.errors import ConfigError
+from ringflow.orchestrator.placement import H2D_BYTES_PER_S
 
 FETCH_GBPS = 47.0  # device-indexed fetch, H200, 8+ experts (expert-fetch-h200.json)
 FETCH_FIXED_MS = 0.04
-PINNED_GBPS = 55.0  # the H200's pinned host->device rate (copy engines, one direction)
+PINNED_GBPS = H2D_BYTES_PER_S / 1e9  # the H200's pinned host->device rate, in GB/s
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,17 @@ FIELDS: dict[str, ProfileField] = {
                                         "as vLLM's UVA offloader reads them (cheaper while each "
                                         "expert has few tokens); longer steps copy them into the "
                                         "slots in passes; 0: never", 0, 1 << 20, 1024),
+    "experts.layer_tokens": _integer("a step of at least this many tokens needs nearly every "
+                                     "expert: it takes each chosen layer's experts whole from "
+                                     "the layer ring (copied ahead on a copy engine while the "
+                                     "layers before compute, the next step's first layers in "
+                                     "this step's tail) instead of the slot cache; never under "
+                                     "a CUDA graph capture (Note [Expert layer ring])",
+                                     1, 1 << 30, 1024),
+    "experts.layer_buffers": _integer("layers of experts the layer ring holds on the device "
+                                      "(each the size of one chosen layer's routed experts; "
+                                      "capped at the chosen layers); 0: no ring, every step "
+                                      "through the slot cache", 0, 1 << 10, 2),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -195,6 +195,8 @@ class ExpertsSpec:
     slots: int | None  # None: a quarter of the layer's experts, at least its top_k
     in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
+    layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
+    layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
@@ -208,6 +210,8 @@ class ExpertsSpec:
             out["slots"] = self.slots
         out["in_place_tokens"] = self.in_place_tokens
         out["lookahead"] = self.lookahead
+        out["layer_tokens"] = self.layer_tokens
+        out["layer_buffers"] = self.layer_buffers
         return out
 
 
@@ -216,7 +220,8 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
                        slots=values["slots"], in_place_tokens=values["in_place_tokens"],
-                       lookahead=values["lookahead"])
+                       lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],
+                       layer_buffers=values["layer_buffers"])
 
 
 @dataclass(frozen=True)

@@ -30,3 +30,14 @@ def in_host_memory(ptr: int) -> bool:
     attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), KernelError,
                     "the pointer is not one CUDA knows")
     return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``cudaMemcpyAsync`` of ``nbytes`` from ``src`` to ``dst`` on ``stream`` (a handle), the
+    direction read from the pointers (unified addressing): a copy engine's DMA between device
+    memory and pinned host memory, also where the host side is a CUDA view of pinned memory
+    (vLLM's UVA offloader's parameters), which torch would copy as device-to-device."""
+    rt = runtime()
+    checked("cudaMemcpyAsync", rt.cudaMemcpyAsync(dst, src, nbytes,
+                                                  rt.cudaMemcpyKind.cudaMemcpyDefault, stream),
+            KernelError, "both sides must be device memory or pinned host memory")

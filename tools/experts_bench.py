@@ -1,39 +1,44 @@
 #!/usr/bin/env python3
-"""Routed experts from host memory in vLLM's real engine: ringflow's expert cache vs its peers.
+"""Routed experts from host memory in vLLM's real engine: ringflow's expert lane vs its peers.
 
-    python3 tools/experts_bench.py [--layers 4] [--repeats 2] [--only a,b] [--json FILE]
+    python3 tools/experts_bench.py [--layers 4] [--rounds 5] [--only a,b] [--routings hard,easy]
+                                   [--prefills 8192,32768] [--batches 1,8,64] [--json FILE]
 
 A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8, bf16, dummy
 weights: speed does not depend on values; ``--layers`` of its 48 layers) in vLLM 0.26's engine,
 vLLM's default graphs (FULL_AND_PIECEWISE, captured sizes 1, 8, 64), the V1 model runner (vLLM's
-prefetch offloader needs it). The experts get the same device memory everywhere but
-``resident``: that of a quarter of them:
+offloaders need it there). Every configuration but ``resident`` gets the same device memory for
+the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
+(``DEVICE_LAYERS``, in layers' worth of experts):
 
 * ``resident``: every expert in device memory (the ceiling);
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
-  there), 32 of 128 cached per layer, each step fetching the missed ones (Note [Experts in
-  vLLM]);
-* ``ringflow-lookahead``: the same, each layer guessing the next layer's experts a layer early
-  (Note [Expert lookahead]);
-* ``ringflow-passes``: the same without reading in place (``in_place_tokens: 0``): steps that
-  need more experts than the slots hold copy them all in passes (Note [Expert cache]);
-* ``vllm-uva``: vLLM's UVA offloader on three quarters of the experts (its MoE kernel reads
-  them across the host link every step, no cache), the rest resident;
-* ``ringflow-layers``: ringflow's whole-layer streaming, every layer through a ring of two;
-* ``vllm-prefetch``: vLLM's prefetch offloader on every layer's experts, two layers ahead. It
-  starts last: it makes its dummy weights on the CPU, which took 290 s for 8 layers on the
-  H200's host.
+  there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
+  cache, larger ones through the layer ring (Note [Expert lane modes]);
+* ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
+  the slot cache, long prefills in passes (the lane before the ring);
+* ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
+  reads them across the host link every step), the rest resident;
+* ``vllm-prefetch``: vLLM's prefetch offloader on every layer's experts, as many layers ahead
+  as the device memory holds; it makes its dummy weights on the CPU (minutes for 8 layers);
+* ``ringflow-layers``: ringflow's whole-layer weight streaming (``offload``), every layer
+  through a ring of two.
 
-Every engine's warm-up runs each batch size once (in the first run, whose warm-ups did not,
-the first engine decoded slower at batch 8 than at batch 1, most likely compiling kernels while
-measured).
-Engines are started one after the other and kept alive (each its own engine-core process);
-each is measured once as soon as it is up (a run cut short keeps those rows), then the other
-rounds go interleaved, so ratios come from one run: prefill of one 8,192-token prompt
-(TTFT and tok/s), and decode at batch 1, 8 and 64 (tok/s). For ``ringflow`` the cache's miss
-counters give the experts missed per decode step; ``bound`` is the time those bytes take at the
-measured pinned copy rate (55 GB/s on the H200), added to ``resident``'s step: the fastest a
-design that copies exactly the missed experts, one layer after the other, can go.
+Measured per engine and round, rounds interleaved across engines (ratios from one run):
+
+* prefill: one prompt of each ``--prefills`` size, one step each (``max_num_batched_tokens``
+  is the largest), generating one token: tokens/s of the prompt;
+* decode: steady-state step time at each batch size, the batch's prefill outside the window:
+  the same batch generating ``short`` and ``long`` new tokens, ``long`` sized so the
+  difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
+  t_short). Two routings, stated per row: ``hard``, sampled at temperature 1 with a seed per
+  request over dummy weights (new experts at every token), and ``easy``, greedy (the same
+  token, so the same experts, every step).
+
+The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
+than the difference it would show says nothing. ``copy bound`` rows: the time every expert of
+every layer takes at the pinned copy rate (``PINNED_GBPS``, orchestrator/expert_model.py) next
+to the resident step, for prefills where every expert is copied.
 """
 
 import argparse
@@ -46,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ringflow.orchestrator.expert_model import PINNED_GBPS
+
 QWEN3_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -57,58 +64,67 @@ QWEN3_A3B = {
     "eos_token_id": 2,
 }
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
-PINNED_GBPS = 55.0  # measured pinned host-to-device copy rate on the H200
 SLOTS = 32  # a quarter of 128
-BATCHES = {1: 32, 8: 32, 64: 16}  # decode batch -> new tokens per request
-PREFILL = 8192
-LANES = ("ringflow", "ringflow-lookahead", "ringflow-passes")  # the expert lane's variants
+RING = 2  # the lane's layer buffers
+LANES = ("ringflow", "ringflow-slots")  # the expert lane's variants (worker_report rows)
+ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
+
+
+def device_layers(layers: int) -> float:
+    """Layers' worth of experts every peer keeps on the device: the lane's slots and ring."""
+    return layers * SLOTS / 128 + RING
 
 
 def configs(layers: int) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
-    experts_gib = layers * 128 * EXPERT_BYTES / 2**30
+    layer_gib = 128 * EXPERT_BYTES / 2**30
     layer_mib = math.ceil((128 * EXPERT_BYTES + 60 * 2**20) / 2**20)  # experts + attention
-    lane = {"moe_backend": "triton", "cpu_offload_gb": math.ceil(experts_gib),
+    lane = {"moe_backend": "triton", "cpu_offload_gb": math.ceil(layers * layer_gib),
             "cpu_offload_params": {"experts"}}
+
+    def experts(name, **more):
+        return {"ringflow": {"name": name, "experts": {"layers": "all", "slots": SLOTS,
+                                                       "layer_buffers": RING, **more}}}
+
+    ahead = max(1, round(device_layers(layers)))
     return {
         "resident": {"moe_backend": "triton"},
-        "ringflow": {**lane, "additional_config": {"ringflow": {"name": "experts-bench",
-                                                               "experts": {"layers": "all",
-                                                                           "slots": SLOTS}}}},
-        "ringflow-lookahead": {**lane, "additional_config": {"ringflow": {
-            "name": "experts-bench-lookahead", "experts": {
-                "layers": "all", "slots": SLOTS, "lookahead": True}}}},
-        "vllm-uva": {"moe_backend": "triton", "cpu_offload_gb": round(experts_gib * 0.75, 2),
-                     "cpu_offload_params": {"experts"}},
-        "ringflow-passes": {**lane, "additional_config": {"ringflow": {
-            "name": "experts-bench-passes", "experts": {
-                "layers": "all", "slots": SLOTS, "in_place_tokens": 0}}}},
+        "ringflow": {**lane, "additional_config": experts("experts-bench")},
+        "ringflow-slots": {**lane, "additional_config": experts("experts-bench-slots",
+                                                                 layer_buffers=0)},
+        "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
+                     "cpu_offload_gb": math.ceil((layers - device_layers(layers)) * layer_gib)},
+        "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
+                          "offload_group_size": 1, "offload_num_in_group": 1,
+                          "offload_prefetch_step": ahead, "offload_params": {"experts"}},
         "ringflow-layers": {"moe_backend": "triton", "additional_config": {"ringflow": {
             "name": "experts-bench-layers", "offload": {
                 "layers": "all", "depth": 1, "workspace_mib": 2 * layer_mib}}}},
-        "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
-                          "offload_group_size": 1, "offload_num_in_group": 1,
-                          "offload_prefetch_step": 2, "offload_params": {"experts"}},
     }
 
 
-def expert_counters(worker=None) -> list[int]:
-    """[hits, misses] over every expert cache in this worker (collective_rpc runs it there)."""
-    from ringflow.integrations.vllm.state import STATE
-    caches = [c for per_model in list(STATE.expert_caches.values()) for c in per_model.values()]
-    return [sum(int(c.hits) for c in caches), sum(int(c.misses) for c in caches)]
+def spread(values: list[float]) -> dict:
+    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
+            "max": round(max(values), 1), "rounds": [round(v, 1) for v in values]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4 of 48)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--only", default=None, help="comma-separated configurations")
+    parser.add_argument("--routings", default="hard,easy", help="decode routings measured")
+    parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, one step each")
+    parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
+    parser.add_argument("--window", type=float, default=1.0, help="decode window, seconds")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    if args.repeats < 1 or args.layers < 4:
-        parser.error("--repeats must be at least 1 and --layers at least 4")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's prefetch offloader needs V1
+    prefills = [int(p) for p in args.prefills.split(",") if p]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    routings = [r for r in args.routings.split(",") if r]
+    if args.rounds < 1 or args.layers < 4 or not set(routings) <= set(ROUTINGS):
+        parser.error("--rounds >= 1, --layers >= 4, --routings among hard,easy")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloaders need V1 (0.26)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(function)
 
     import torch
@@ -126,82 +142,97 @@ def main() -> int:
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     vocab = QWEN3_A3B["vocab_size"]
-    long = [TokensPrompt(prompt_token_ids=[(j * 7919) % (vocab - 3) + 3 for j in range(PREFILL)])]
+    longest = max(prefills)
+    prompts = {p: [TokensPrompt(prompt_token_ids=[(j * 7919 + p) % (vocab - 3) + 3
+                                                  for j in range(p)])] for p in prefills}
     short = [TokensPrompt(prompt_token_ids=[(i * 31 + j * 17) % (vocab - 3) + 3
-                                            for j in range(16)]) for i in range(64)]
+                                            for j in range(16)]) for i in range(max(batches))]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
 
-    def summary(rounds: int) -> dict:
-        """Medians, ratios and the bound, as the JSON record (written after every round, so a
-        run cut short by a time limit keeps what it measured)."""
-        live = {n: r for n, r in results.items() if "error" not in r and r["ttft_s"]}
-        for r in live.values():
-            for key in [k for k, v in r.items() if isinstance(v, list)]:
-                r[key + "_median"] = round(statistics.median(r[key]), 3 if key == "ttft_s" else 1)
-        base, ours = live.get("resident"), live.get("ringflow")
-        for name, r in live.items():
-            for b in BATCHES:
-                key = f"decode_b{b}_tok_s_median"
-                if base:
-                    r[f"decode_b{b}_vs_resident"] = round(r[key] / base[key], 3)
-                if ours and name != "ringflow":
-                    r[f"ringflow_decode_b{b}_vs_this"] = round(ours[key] / r[key], 2)
-            if ours and name != "ringflow":
-                r["ringflow_prefill_vs_this"] = round(ours["prefill_tok_s_median"] /
-                                                      r["prefill_tok_s_median"], 2)
-        if base and ours and ours.get("missed_per_step"):
-            for b in BATCHES:
-                missed = statistics.median(ours["missed_per_step"][str(b)])
-                copy_s = missed * EXPERT_BYTES / (PINNED_GBPS * 1e9)
-                step_s = b / base[f"decode_b{b}_tok_s_median"]
-                bound = b / (step_s + copy_s)
-                ours[f"decode_b{b}_missed_experts_per_step"] = round(missed, 1)
-                ours[f"decode_b{b}_bound_tok_s"] = round(bound, 1)
-                ours[f"decode_b{b}_bound_over_ringflow"] = round(
-                    bound / ours[f"decode_b{b}_tok_s_median"], 2)
-        doc = records.record("python3 tools/experts_bench.py", vllm=vllm.__version__,
-                             runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)", layers=args.layers,
-                             repeats=args.repeats, rounds_done=rounds, slots_per_layer=SLOTS,
-                             model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
-                             pinned_gbps=PINNED_GBPS, decode_new_tokens=BATCHES,
-                             prefill_tokens=PREFILL, results=results)
-        if args.json:
-            records.write(args.json, doc)
-        return doc
+    def params(routing: str, new: int) -> SamplingParams:
+        t = ROUTINGS[routing]
+        return SamplingParams(temperature=t, max_tokens=new, ignore_eos=True, detokenize=False,
+                              **({"seed": 11} if t else {}))
+
+    def timed(llm, batch, p) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(batch, p, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    windows: dict[tuple, int] = {}  # (engine, routing, batch) -> long's new tokens
 
     def measure(name: str, llm) -> None:
         r = results[name]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate(long, first, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        r["ttft_s"].append(elapsed)
-        r["prefill_tok_s"].append(PREFILL / elapsed)
-        for b, new in BATCHES.items():
-            params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
-                                    detokenize=False)
-            before = llm.collective_rpc(expert_counters)[0] if name in LANES else None
-            t0 = time.perf_counter()
-            llm.generate(short[:b], params, use_tqdm=False)
-            r[f"decode_b{b}_tok_s"].append(b * new / (time.perf_counter() - t0))
-            if before is not None:
-                after = llm.collective_rpc(expert_counters)[0]
-                per = r.setdefault("missed_per_step", {}).setdefault(str(b), [])
-                per.append((after[1] - before[1]) / new)  # the one prefill step included
-                hits = r.setdefault("hit_rate", {}).setdefault(str(b), [])
-                seen = (after[0] - before[0]) + (after[1] - before[1])
-                hits.append(round((after[0] - before[0]) / seen, 3) if seen else None)
-        if name in LANES:  # per layer: hits, misses, steps in place, lookahead's guesses
+        for p in prefills:
+            r.setdefault(f"prefill_{p}_tok_s", []).append(p / timed(llm, prompts[p], first))
+        for routing in routings:
+            for b in batches:
+                key = (name, routing, b)
+                if key not in windows:  # size the window once, from a first estimate
+                    step = (timed(llm, short[:b], params(routing, 18))
+                            - timed(llm, short[:b], params(routing, 2))) / 16
+                    windows[key] = 2 + max(16, math.ceil(args.window / max(step, 1e-4)))
+                t_short = timed(llm, short[:b], params(routing, 2))
+                t_long = timed(llm, short[:b], params(routing, windows[key]))
+                r.setdefault(f"decode_{routing}_b{b}_tok_s", []).append(
+                    b * (windows[key] - 2) / (t_long - t_short))
+                r.setdefault(f"decode_{routing}_b{b}_window_s", []).append(
+                    round(t_long - t_short, 2))
+        if name in LANES:
             from ringflow.integrations.vllm.experts import worker_report
-            r["report"] = {"layers": llm.collective_rpc(worker_report)[0]}
+            r["report"] = llm.collective_rpc(worker_report)[0]
+
+    def summary(rounds: int) -> dict:
+        """Per cell min/median/max and ratios of medians (written after every round, so a run
+        cut short keeps what it measured)."""
+        table = {}
+        for name, r in results.items():
+            if "error" in r:
+                table[name] = {"error": r["error"]}
+                continue
+            table[name] = {k: spread(v) for k, v in r.items()
+                           if isinstance(v, list) and v and k.endswith("tok_s")}
+        base = table.get("resident", {})
+        for name, row in table.items():
+            if "error" in row:
+                continue
+            for key, cell in row.items():
+                if key in base and "error" not in base:
+                    cell["vs_resident"] = round(cell["median"] / base[key]["median"], 3)
+                for peer in ("vllm-prefetch", "vllm-uva", "ringflow-slots"):
+                    other = table.get(peer, {})
+                    if name.startswith("ringflow") and peer != name and key in other:
+                        cell[f"vs_{peer}"] = round(cell["median"] / other[key]["median"], 2)
+        bounds = {}
+        if "error" not in base:
+            for p in prefills:
+                key = f"prefill_{p}_tok_s"
+                if key in base:
+                    copy_s = args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
+                    bounds[key] = round(p / max(p / base[key]["median"], copy_s), 1)
+        doc = records.record("python3 tools/experts_bench.py " + " ".join(sys.argv[1:]),
+                             vllm=vllm.__version__, runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
+                             layers=args.layers, rounds=rounds, slots_per_layer=SLOTS,
+                             ring_layers=RING, device_layers_of_experts=device_layers(args.layers),
+                             model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
+                             routings={k: ("sampled, temperature 1, seeded: new experts every "
+                                           "token" if ROUTINGS[k] else "greedy: the same "
+                                           "experts every step") for k in routings},
+                             pinned_gbps=PINNED_GBPS, decode_windows={
+                                 f"{n}/{rt}/b{b}": w for (n, rt, b), w in windows.items()},
+                             copy_bound_tok_s=bounds, table=table, raw=results)
+        if args.json:
+            records.write(args.json, doc)
+        return doc
 
     engines, results = {}, {}
     for name, extra in chosen.items():
         t0 = time.perf_counter()
         try:
             engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
-                                dtype="bfloat16", max_model_len=PREFILL + 256, max_num_seqs=64,
-                                max_num_batched_tokens=PREFILL, seed=0,
+                                dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
+                                max_num_batched_tokens=longest, seed=0,
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
                                 gpu_memory_utilization=0.5,
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
@@ -210,40 +241,41 @@ def main() -> int:
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
             print(f"[experts-bench] {name}: did not start: {results[name]['error']}", flush=True)
             continue
-        results[name] = {"startup_s": round(time.perf_counter() - t0, 1),
-                         "prefill_tok_s": [], "ttft_s": [],
-                         **{f"decode_b{b}_tok_s": [] for b in BATCHES}}
+        results[name] = {"startup_s": round(time.perf_counter() - t0, 1)}
         print(f"[experts-bench] {name}: started in {results[name]['startup_s']} s", flush=True)
-        llm = engines[name]  # warm-up: first replays, kernels compiled for every batch size
-        llm.generate(long, first, use_tqdm=False)
-        for b in BATCHES:
-            llm.generate(short[:b], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                                                   detokenize=False), use_tqdm=False)
+        llm = engines[name]  # warm-up: first replays, kernels compiled for every size
+        for p in prefills:
+            llm.generate(prompts[p], first, use_tqdm=False)
+        for b in batches:
+            llm.generate(short[:b], params(routings[0], 4), use_tqdm=False)
         measure(name, llm)  # round 0 now: a run cut short keeps every engine measured so far
         summary(1)
 
-    for round_ in range(1, args.repeats):
+    for round_ in range(1, args.rounds):
         for name, llm in engines.items():  # interleaved: every configuration once per round
             measure(name, llm)
         summary(round_ + 1)
-        print(f"[experts-bench] round {round_} done", flush=True)
-    doc = summary(args.repeats)
-    live = {n: r for n, r in doc["results"].items() if "error" not in r}
-    print("| config | prefill 8k tok/s | TTFT s | " +
-          " | ".join(f"decode b{b} tok/s" for b in BATCHES) + " | ringflow b1/this |")
-    print("| --- " * (4 + len(BATCHES)) + "|")
-    for name, r in live.items():
-        print(f"| {name} | {r['prefill_tok_s_median']:,} | {r['ttft_s_median']} | " +
-              " | ".join(str(r[f"decode_b{b}_tok_s_median"]) for b in BATCHES) +
-              f" | {r.get('ringflow_decode_b1_vs_this', '-')} |")
-    ours = live.get("ringflow", {})
-    if "decode_b1_bound_tok_s" in ours:
-        print("| bound (resident step + missed experts at 55 GB/s) | | | " +
-              " | ".join(f"{ours[f'decode_b{b}_bound_tok_s']} (x{ours[f'decode_b{b}_bound_over_ringflow']})"
-                         for b in BATCHES) + " | |")
-    for name, r in doc["results"].items():
-        if "error" in r:
-            print(f"| {name} | did not start: {r['error'][:120]} |")
+        print(f"[experts-bench] round {round_ + 1} done", flush=True)
+    doc = summary(args.rounds)
+    cells = [f"prefill_{p}_tok_s" for p in prefills] + [
+        f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]
+    print("| config | " + " | ".join(c.replace("_tok_s", "") for c in cells) + " |")
+    print("| --- " * (1 + len(cells)) + "|")
+    for name, row in doc["table"].items():
+        if "error" in row:
+            print(f"| {name} | did not start: {row['error'][:120]} |")
+            continue
+        print(f"| {name} | " + " | ".join(
+            (f"{row[c]['median']:,} [{row[c]['min']:,}-{row[c]['max']:,}]" if c in row else "-")
+            for c in cells) + " |")
+    if doc["copy_bound_tok_s"]:
+        print("| copy bound | " + " | ".join(str(doc["copy_bound_tok_s"].get(c, ""))
+                                            for c in cells) + " |")
+    for name in LANES:
+        for key, cell in doc["table"].get(name, {}).items():
+            if isinstance(cell, dict) and "vs_vllm-prefetch" in cell:
+                print(f"[experts-bench] {name} {key}: x{cell['vs_vllm-prefetch']} vLLM's prefetch "
+                      f"offloader, x{cell.get('vs_vllm-uva', '-')} its UVA offloader")
     sys.stdout.flush()
     os._exit(0)  # engine shutdown can hang; the results are written
 

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import logging
 import re
+import weakref
 from dataclasses import dataclass, field
 
 from ringflow.errors import EngineError
@@ -54,6 +55,8 @@ class Installed:
     off: dict[str, tuple[str, str]] = field(default_factory=dict)  # feature -> (key, why)
     #: (owner, name, what the owner held before): what :func:`uninstall` puts back
     installed: list[tuple[object, str, object]] = field(default_factory=list)
+    #: (a weak reference to an object vLLM built, name): attributes :func:`shadow` set on it
+    shadowed: list[tuple[weakref.ref, str]] = field(default_factory=list)
 
     @property
     def parsed(self) -> tuple[int, int] | None:
@@ -224,6 +227,11 @@ def uninstall(state) -> None:
     found = getattr(state, "surfaces", None)
     if found is None:
         return
+    for ref, name in reversed(found.shadowed):
+        obj = ref()
+        if obj is not None and name in vars(obj):
+            delattr(obj, name)
+    found.shadowed.clear()
     for owner, name, held in reversed(found.installed):
         if held is _ABSENT:
             if name in vars(owner):
@@ -271,6 +279,21 @@ def hook_class(state, key: str, cls: type) -> bool:
     except EngineError as exc:  # hooked for another plugin state
         _cannot_hook(state, surface, cls, exc)
         return False
+    return True
+
+
+def shadow(state, key: str, obj, value) -> bool:
+    """Give ``obj`` (an object vLLM built: a layer) its own ``value`` for the ``instance``
+    surface ``key``, its class and every other object untouched; :func:`uninstall` takes it
+    away again (held weakly: the object dies with its model). False where the surface's
+    parameters changed on ``obj``'s class (logged once, :func:`instance_ok`)."""
+    name = surfaces.by_key()[key].path.rpartition(".")[2]
+    if not instance_ok(state, key, type(obj)):
+        return False
+    setattr(obj, name, value)
+    found = getattr(state, "surfaces", None)
+    if found is not None:
+        found.shadowed.append((weakref.ref(obj), name))
     return True
 
 

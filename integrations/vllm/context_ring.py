@@ -35,7 +35,7 @@ from ringflow.errors import BudgetError, ConfigError, OutputError, ProfileError
 from ringflow.graphs.executor import poison_default
 from ringflow.integrations.torch.chunk_prefetch import ChunkPrefetcher
 from ringflow.integrations.vllm.context_recording import Exchange, GatherCall, signature
-from ringflow.integrations.vllm.state import PluginState
+from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator.profile import Profile
 from ringflow.units import MIB
 
@@ -57,7 +57,7 @@ def one_rank_left_to_vllm(spec, dcp_size: int) -> bool:
 def _dump_plan(base: str, dag) -> None:
     """RINGFLOW_DUMP: each (layers x chunks) plan, once, as PATH.context-LxC.json and .dot."""
     from ringflow.orchestrator import dumps
-    stem = dumps.dump_stem(base)
+    stem = dumps.dump_stem(base, dump_rank())
     stem = f"{stem}.context-{dag.meta['layers']}x{dag.meta['chunks']}"
     try:
         dumps.write_files(dag, stem)

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -53,12 +52,15 @@ from collections.abc import Iterator
 import torch
 
 from ringflow import envs
-from ringflow.errors import ProfileError, UnsupportedModelError
-from ringflow.graphs import nvtx_ranges
+from ringflow.errors import OutputError, ProfileError, UnsupportedModelError
+from ringflow.graphs.streams import dedicated_streams
 from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
+from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.integrations.torch.expert_lookahead import Lookahead
-from ringflow.integrations.vllm.state import PluginState
-from ringflow.kernels.moe import moe_from_slots
+from ringflow.integrations.vllm import compat
+from ringflow.integrations.vllm.expert_kernel import ResidentKernel
+from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
 from ringflow.orchestrator.sections import resolve_layers
@@ -85,15 +87,18 @@ def taking_host_copies(on: bool) -> Iterator[dict[int, dict[str, torch.Tensor]]]
 def before_processing(state: PluginState, original, method, layer, *args, **kwargs):
     """The hook on the unquantized MoE method's ``process_weights_after_loading``: copy the
     layer's routed experts to host memory as loaded, then let vLLM process them."""
-    cache = getattr(layer, "_ringflow_expert_cache", None)
-    if cache is not None:  # a weight write (reload_weights): the host copies take it
-        for name, host in cache.host.items():
+    owner = next(((lane, i) for lane in list(state.expert_lanes.values())
+                  for i, m in lane.modules.items() if m is layer), None)
+    if owner is not None:  # a weight write (reload_weights): the host copies take it
+        lane, i = owner
+        for name, host in lane.caches[i].host.items():
             weight = getattr(layer, f"{name}_weight").detach()
             if weight.data_ptr() != host.data_ptr():  # a GPU's host store is the weight
                 host.copy_(weight)
-        cache.forget()
-        log.info("experts: %s's host copies hold the new weights; its cached experts are "
-                 "dropped and fetched again as steps need them", layer.layer_name)
+        lane.forget()
+        log.info("experts: %s's host copies hold the new weights; the lane's cached experts "
+                 "and ring fills are dropped and fetched again as steps need them",
+                 layer.layer_name)
     copies = _snapshots.get()
     if copies is not None and not layer.w13_weight.is_cuda:  # a GPU's store: Note, step 1
         copies[id(layer)] = {name: getattr(layer, f"{name}_weight").detach().clone()
@@ -108,8 +113,11 @@ def moe_runners_of(decoder_layer) -> list:
             if type(getattr(m, "routed_experts", None)).__name__ == "RoutedExperts"]
 
 
-def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) -> dict[int, ExpertCache]:
-    """Attach a cache to each chosen layer's routed experts (Note [Experts in vLLM]).
+def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) -> ExpertLane:
+    """Build the model's expert lane over each chosen layer's routed experts and attach it
+    (Note [Experts in vLLM]): a cache per layer, one layer ring over them all (Note [Expert
+    layer ring]), vLLM's kernel called as the resident layer calls it on a GPU (Note [Same
+    bits as resident]).
 
     Raises:
         ProfileError: a chosen layer has no routed experts.
@@ -134,7 +142,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                    f"vLLM 0.26 also VLLM_USE_V2_MODEL_RUNNER=0: its V2 runner makes no "
                    f"offloader)")
     caches: dict[int, ExpertCache] = {}
-    layers: dict[int, object] = {}
+    modules: dict[int, object] = {}
+    computes: dict[int, object] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
         check_layer(i, runner, experts, offload if on_gpu else None)
@@ -147,23 +156,44 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                                         f"vLLM's unquantized one)")
         cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
                             experts.w13_weight.device, in_place_tokens=spec.in_place_tokens)
-        caches[i], layers[i] = cache, experts
+        caches[i], modules[i] = cache, experts
+        computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
+                       if on_gpu else TorchCompute())
+    device = next(iter(caches.values())).device
+    ring = None
+    if spec.layer_buffers:
+        stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
+                                    priority=0)["experts-copy"]
+                  if device.type == "cuda" else None)  # lives while the lane's caches do
+        ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
+                               device, stream, poison_reads=envs.flag("RINGFLOW_POISON"))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
-    behind = {la.target: la for la in ahead.values()}
-    for i, experts in layers.items():
-        _attach(i, experts, caches[i], ahead.get(i), behind.get(caches[i]))
+    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead)
+    lane.modules = modules
+    for i, experts in modules.items():
+        if not compat.shadow(state, _FORWARD, experts, _forward(i, lane)):
+            raise UnsupportedModelError(f"experts: layer {i}'s {type(experts).__qualname__}."
+                                        f"forward_modular does not take what ringflow "
+                                        f"replaces it with (the line above says why); drop "
+                                        f"the experts section or use a vLLM ringflow supports")
     if on_gpu:
         _say_other_offloaded(decoder, caches)
     if envs.text("RINGFLOW_DUMP"):
-        _dump(caches, decoder, envs.text("RINGFLOW_DUMP"))
+        _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
+    asked = spec.slots if spec.slots is not None else None
+    cut = (f" (experts.slots: {asked} asked, cut to the layer's {first.experts} experts)"
+           if asked is not None and asked > first.experts else "")
     log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
-             "(%s), host copies %s; each step brings in only the experts its router chose "
-             "that are not kept", sorted(caches), first.experts, first.slots,
-             mib(sum(c.bytes for c in caches.values())),
+             "(%s)%s, host copies %s; a step of fewer than %d tokens brings in only the experts "
+             "its router chose that are not kept%s", sorted(caches), first.experts, first.slots,
+             mib(sum(c.bytes for c in caches.values())), cut,
              mib(sum(t.numel() * t.element_size() for c in caches.values()
-                     for t in c.host.values())))
-    return caches
+                     for t in c.host.values())), spec.layer_tokens,
+             (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
+              f"buffers ({mib(ring.bytes)}), copied ahead on a copy engine"
+              if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
+    return lane
 
 
 def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:
@@ -171,8 +201,10 @@ def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Look
     for every chosen layer but the last whose next layer's router is found."""
     order = sorted(caches)
     stream = None
-    if caches[order[0]].device.type == "cuda":
-        stream = torch.cuda.Stream(caches[order[0]].device)
+    device = caches[order[0]].device
+    if device.type == "cuda":  # ringflow's own, never one of torch's pool (Note [Dedicated streams])
+        stream = dedicated_streams(caches[order[0]], device, ["experts-lookahead"],
+                                   priority=0)["experts-lookahead"]
     out, lost = {}, []
     for i, j in zip(order, order[1:]):
         target = caches[j]
@@ -246,45 +278,42 @@ def _kernel_name(experts) -> str:
 MAPPED_KERNELS = ("TritonExperts",)
 
 
-def report(caches: dict[int, ExpertCache]) -> list[dict]:
-    """Per chosen layer: its decoder index, the cache's layout, hits, misses and hit rate since
-    start-up (vLLM's warm-up and capture runs included); one host sync per layer."""
-    return [{"layer": i, **cache.describe()} for i, cache in sorted(caches.items())]
-
-
 def worker_report(worker=None) -> list[dict]:
-    """:func:`report` for every model loaded in this process: what
-    ``llm.collective_rpc(worker_report)`` returns from each worker."""
+    """Per chosen layer of every model loaded in this process, its cache's and the ring's
+    layout and counters (``ExpertLane.report``): what ``llm.collective_rpc(worker_report)``
+    returns from each worker."""
     from ringflow.integrations.vllm.state import STATE
-    return [row for caches in list(STATE.expert_caches.values()) for row in report(caches)]
+    return [row for lane in list(STATE.expert_lanes.values()) for row in lane.report()]
 
 
-def _dump(caches: dict[int, ExpertCache], decoder: list, base: str) -> None:
-    """``RINGFLOW_DUMP``: the lane's layout as ``<stem>.experts.json`` (Note [Experts in vLLM]):
-    per layer, the cache, where its host store lives and what computes its passes."""
-    stem = dumps.dump_stem(base)
+def _dump(lane: ExpertLane, base: str) -> None:
+    """``RINGFLOW_DUMP``: the lane's layout as ``<stem>.experts.json`` (``<stem>.rankR.experts
+    .json`` under tensor parallelism, one file per rank; Note [Experts in vLLM]): per layer,
+    the cache, where its host store lives, what computes its passes, and the ring."""
+    stem = dumps.dump_stem(base, dump_rank())
     layers = []
-    for row in report(caches):
-        experts = moe_runners_of(decoder[row["layer"]])[0].routed_experts
+    for row in lane.report():
+        experts = lane.modules[row["layer"]]
         layers.append({**row, "name": experts.layer_name,
-                       "compute": (f"vLLM {_kernel_name(experts)} per pass, expert_map over "
-                                   f"the slots" if experts.w13_weight.is_cuda
+                       "compute": (f"vLLM {_kernel_name(experts)} with the resident layer's "
+                                   f"tiles, summed once (Note [Same bits as resident])"
+                                   if experts.w13_weight.is_cuda
                                    else "ringflow's torch MoE per pass (kernels/moe.py)"),
-                       "passes": (f"ceil(min(experts, tokens * top_k) / slots); a step of "
+                       "passes": (f"steps of fewer than {lane.layer_tokens} tokens: "
+                                  f"ceil(min(experts, tokens * top_k) / slots); a step of "
                                   f"at most {row['in_place_tokens']} tokens needing more than "
-                                  f"one: 2, the second over the host store in place"),
+                                  f"one: 2, the second over the host store in place; larger "
+                                  f"steps: the layer ring, one pass"),
                        "top_k": experts.top_k})
-    doc = {"schema": "ringflow.experts", "version": 1,
+    doc = {"schema": "ringflow.experts", "version": 2,
            "stream": "vLLM's: each pass's fetch (device-indexed, Note [Device-indexed expert "
-                     "fetch]) then its MoE, in stream order (Note [Expert cache])",
+                     "fetch]) then its MoE, in stream order (Note [Expert cache]); the layer "
+                     "ring's fills on ringflow's copy stream (Note [Expert layer ring])",
            "layers": layers}
-    path = f"{stem}.experts.json"
     try:
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-    except OSError as exc:
-        log.warning("RINGFLOW_DUMP: cannot write %s (%s); the expert lane is not dumped", path,
-                    exc.strerror)
+        path = dumps.write_json(f"{stem}.experts.json", doc)
+    except OutputError as exc:
+        log.warning("RINGFLOW_DUMP: %s; the expert lane is not dumped", exc)
         return
     log.info("wrote the expert lane's layout to %s", path)
 
@@ -340,22 +369,6 @@ def _say_other_offloaded(decoder: list, caches: dict[int, ExpertCache]) -> None:
                     "every step; lower --cpu-offload-gb or add them", others)
 
 
-def _compute(experts):
-    """The pass's MoE over the slots (Note [Experts in vLLM], step 3)."""
-    if not experts.w13_weight.is_cuda:
-        return moe_from_slots
-    kernel = experts.quant_method.moe_kernel
-
-    def vllm_kernel(x, w13, w2, topk_weights, topk_ids, expert_map):
-        return kernel.apply(hidden_states=x, w1=w13, w2=w2, topk_weights=topk_weights,
-                            topk_ids=topk_ids, activation=experts.activation,
-                            global_num_experts=experts.global_num_experts,
-                            expert_map=expert_map.to(torch.int32),
-                            apply_router_weight_on_input=False)
-
-    return vllm_kernel
-
-
 @functools.cache
 def _kernel_order():
     """vLLM's order for shared experts that its MoE kernel computes: called with it, the runner's
@@ -365,35 +378,20 @@ def _kernel_order():
     return SharedExpertsOrder.MK_INTERNAL_OVERLAPPED
 
 
-def _attach(index: int, experts, cache: ExpertCache, ahead: Lookahead | None = None,
-            behind: Lookahead | None = None) -> None:
-    """Replace this object's ``forward_modular`` by the cache's passes (Note [Experts in
-    vLLM]), each pass's fetch and MoE in NVTX ranges ``ringflow/experts/{fetch,moe}/L<i>``
-    (at capture time under a CUDA graph, like every range); with a lookahead, this layer
-    joins the guess made for it (``behind``) and guesses for the next (``ahead``, range
-    ``ringflow/experts/lookahead/L<i>``: Note [Expert lookahead])."""
-    compute = _compute(experts)
-    fetch_range = nvtx_ranges.handle(f"ringflow/experts/fetch/L{index}")
-    moe_range = nvtx_ranges.handle(f"ringflow/experts/moe/L{index}")
-    ahead_range = nvtx_ranges.handle(f"ringflow/experts/lookahead/L{index}")
+_FORWARD = "vllm.model_executor.layers.fused_moe.routed_experts.RoutedExperts.forward_modular"
+
+
+def _forward(index: int, lane: ExpertLane):
+    """Layer ``index``'s ``forward_modular`` through the lane (Note [Experts in vLLM]), set on
+    that layer's ``RoutedExperts`` only (``compat.shadow``): each pass's fetch and MoE in NVTX
+    ranges ``ringflow/experts/{fetch,moe}/L<i>`` and a ring layer's wait in
+    ``ringflow/experts/layer/L<i>`` (at capture time under a CUDA graph, like every range)."""
 
     @torch.compiler.disable  # state tensors change in place each step: run it as Python
     def forward_modular(x, topk_weights, topk_ids, shared_experts=None,
                         shared_experts_input=None):
         if shared_experts is not None:  # what vLLM's kernel does with them (Note, step 3)
             shared_experts(shared_experts_input, _kernel_order())
-        out = None
-        if behind is not None:
-            behind.join()
-        maps = cache.serve(topk_ids)
-        for p in range(cache.passes(*topk_ids.shape)):
-            weights, expert_map = nvtx_ranges.call(fetch_range, next, maps)
-            if p == 0 and ahead is not None:
-                nvtx_ranges.call(ahead_range, ahead.launch, x, _may_fork())
-            part = nvtx_ranges.call(moe_range, compute, x, weights["w13"], weights["w2"],
-                                    topk_weights, topk_ids, expert_map)
-            out = part if out is None else out.add_(part)
-        return out.to(x.dtype)
+        return lane.forward(index, x, topk_weights, topk_ids, _may_fork)
 
-    experts.forward_modular = forward_modular
-    experts._ringflow_expert_cache = cache
+    return forward_modular

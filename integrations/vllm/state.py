@@ -42,7 +42,9 @@ class PluginState:
     ``profiles``: each profile parsed once per source (:meth:`profile`).
     ``models``: each model load's full-KV lanes, by model group (weak: they live as long as
     their attention layers); ``context_models``: likewise each load's MLA context-chunk ring
-    (``context_ring.py``); ``expert_caches``: each model's expert caches (``experts.py``). ``kv_sized``: the KV cache of the current load is sized, so no
+    (``context_ring.py``); ``expert_lanes``: each model's expert lane (``experts.py``: its
+    caches, its layer ring, the MoE modules it serves), the one owner of it; nothing of it is
+    kept on vLLM's modules. ``kv_sized``: the KV cache of the current load is sized, so no
     ring may be allocated any more. ``plain_weights``: a model load is in progress whose linear
     layers must keep plain weights (streaming; ``RINGFLOW_CPU_PLAIN_GEMM``). ``steps``: vLLM's
     per-step lookups (:class:`StepFunctions`).
@@ -65,8 +67,8 @@ class PluginState:
         default_factory=weakref.WeakKeyDictionary)
     context_models: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary)
-    #: each model with an expert lane (the profile's experts section) -> {layer: ExpertCache}
-    expert_caches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    #: each model with an expert lane (the profile's experts section) -> its ExpertLane
+    expert_lanes: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     kv_sized: bool = False
     plain_weights: bool = False
     logged: set[str] = field(default_factory=set)
@@ -150,3 +152,12 @@ class PluginState:
 
 #: this process's state: the one the installed hooks are bound to
 STATE = PluginState()
+
+
+def dump_rank() -> int | None:
+    """This worker's rank where several workers run one model (tensor parallelism), for the
+    files ``RINGFLOW_DUMP`` writes (``dumps.dump_stem``); None in a single process."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    return None

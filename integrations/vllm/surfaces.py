@@ -135,12 +135,26 @@ SURFACES: tuple[Surface, ...] = (
             "missed experts and computes them from its slots (Note [Experts in vLLM])",
             params=("self", "x", "topk_weights", "topk_ids", "shared_experts",
                     "shared_experts_input")),
-    Surface("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.apply",
-            "read", "experts", "called on a GPU with the expert slots as w1/w2 and each pass's "
-            "expert→slot map as expert_map (Note [Experts in vLLM])",
-            params=("self", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
+    Surface("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.impl",
+            "attribute", "experts", "read: the modular kernel's implementation, copied (never "
+            "changed) so that a step of several passes sums its rows once (Note [Same bits as "
+            "resident])"),
+    Surface("vllm.model_executor.layers.fused_moe.modular_kernel",
+            "FusedMoEKernelModularImpl.apply", "read", "experts", "called on ringflow's "
+            "shallow copy of a layer's kernel implementation, for each pass",
+            params=("self", "hidden_states", "w1", "w2", "topk_ids", "topk_weights",
                     "activation", "global_num_experts", "expert_map",
-                    "apply_router_weight_on_input", "shared_experts", "shared_experts_input")),
+                    "apply_router_weight_on_input")),
+    Surface("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts.moe_sum",
+            "read", "experts", "set on ringflow's copy of the layer's experts object only: a "
+            "pass keeps its rows and the last sums them, with vLLM's moe_sum, once",
+            params=("self", "input", "output")),
+    Surface("vllm.model_executor.layers.fused_moe.fused_moe", "try_get_optimal_moe_config",
+            "read", "experts", "read: the tiles vLLM gives the resident layer (its own expert "
+            "count), which the lane's passes run with (Note [Same bits as resident])",
+            params=("w1_shape", "w2_shape", "top_k", "dtype", "M", "block_shape")),
+    Surface("vllm.model_executor.layers.fused_moe", "override_config", "read", "experts",
+            "read: the context that makes the kernel use those tiles", params=("config",)),
     Surface("vllm.model_executor.layers.fused_moe.runner.shared_experts", "SharedExpertsOrder",
             "read", "experts", "read: the order in which the lane calls a layer's shared experts "
             "where vLLM's kernel would compute them"),

@@ -32,7 +32,7 @@ from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
 from ringflow.integrations.vllm import (compat, experts, frontend, graph_mode, layers, memory,
                                         startup_errors, surfaces)
-from ringflow.integrations.vllm.state import PluginState
+from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
 from ringflow.units import MIB, mib
@@ -67,7 +67,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
     try:
         if wants_experts:
             model = worker.model_runner.get_model()
-            state.expert_caches[model] = experts.enable(
+            state.expert_lanes[model] = experts.enable(
                 state, profile, layers.decoder_layers(model, stacks), expert_copies)
         if streaming:
             _enable(state, worker, profile, stacks)
@@ -257,9 +257,12 @@ def on_engine_sleep(state: PluginState, original, core, level: int = 1, *args, *
             profile = state.profile(core.vllm_config)
         except RingflowError:  # the worker already refused this profile at load
             profile = None
-        if frontend.streams_weights(profile):
-            exc = EngineError(f"sleep(level={level}) is not supported while ringflow streams "
-                              f"weights (profile '{profile.name}'): the ring and the pinned "
+        lane = profile is not None and getattr(profile, "experts", None) is not None
+        if frontend.streams_weights(profile) or lane:
+            what = "streams weights" if frontend.streams_weights(profile) else \
+                "serves routed experts from host memory (experts)"
+            exc = EngineError(f"sleep(level={level}) is not supported while ringflow {what} "
+                              f"(profile '{profile.name}'): the ring and the pinned "
                               f"host copies would not follow it; sleep(level=0) pauses "
                               f"scheduling, reload_weights changes weights")
             log.error("%s", exc)
@@ -305,13 +308,15 @@ def refusal(surface: surfaces.Surface):
     def hook(state: PluginState, original, worker, *args, **kwargs):
         runner = getattr(worker, "model_runner", None)  # vLLM's workers may have none yet
         streams = runner is not None and state.streamers.get(runner) is not None
+        lane = len(state.expert_lanes) > 0  # its slots and ring would keep the old experts
         rings = verb in RING_VERBS and state.ring_bytes() > 0
-        if streams or rings:
-            what = "ringflow streams weights" if streams else "ringflow holds a KV ring"
+        if streams or lane or rings:
+            what, section = (("ringflow streams weights", "offload") if streams else
+                             ("ringflow serves routed experts from host memory", "experts")
+                             if lane else ("ringflow holds a KV ring", "kv_prefetch"))
             exc = EngineError(f"{verb} is not supported while {what} (the ring and what it "
                               f"gathers from would not follow it); use reload_weights to "
-                              f"change weights, or drop the profile's "
-                              f"{'offload' if streams else 'kv_prefetch'} section")
+                              f"change weights, or drop the profile's {section} section")
             log.error("%s", exc)
             raise exc
         return original(worker, *args, **kwargs)
@@ -333,7 +338,7 @@ def _dump_once(streamer: WeightStreamer, base: str, worker):
     def write() -> None:
         streamer.stepper.on_forward_done = None
         rank = getattr(worker, "rank", 0) or 0
-        stem = dumps.dump_stem(base)
+        stem = dumps.dump_stem(base, dump_rank())
         stem = f"{stem}.rank{rank}" if rank else stem
         executor = streamer.executor
         ran = ("sync: every node on vLLM's stream, in plan order (the CPU has no streams)"

@@ -149,6 +149,20 @@ def _lookahead_without_join() -> None:
     expert_lookahead.Lookahead.join = join
 
 
+def _layer_refill_before_retire() -> None:
+    """The expert layer ring's copy stream refills a slot without waiting for the retire event
+    of its last read (Note [Expert layer ring]): the next layer's copy may overwrite the
+    experts a layer is still computing with."""
+    from ringflow.integrations.torch.expert_layers import ExpertLayerRing
+    original = ExpertLayerRing._fill
+
+    def fill(self, position, lease):
+        self._retired[lease.slot] = None  # as if the slot had never been read
+        original(self, position, lease)
+
+    ExpertLayerRing._fill = fill
+
+
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -161,6 +175,7 @@ MUTANTS = {
     "skip-prime-at-write": _skip_prime_at_write,
     "expert-fetch-without-wait": _expert_fetch_without_wait,
     "lookahead-without-join": _lookahead_without_join,
+    "layer-refill-before-retire": _layer_refill_before_retire,
 }
 
 ENV = "RINGFLOW_MUTANT"

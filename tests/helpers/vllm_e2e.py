@@ -71,6 +71,11 @@ MODELS = {
 }
 #: more experts than the slots an experts profile keeps: misses, evictions and passes
 MODELS["qwen3_moe16"] = {**MODELS["qwen3_moe"], "num_experts": 16}
+#: 128 experts, top-8, intermediate 96: vLLM ships tuned H200 tiles for this layer (E=128,
+#: N=96) and none for a cache's 32 slots, so a lane computing with the slots' own tiles rounds
+#: differently from the resident layer (Note [Same bits as resident])
+MODELS["qwen3_moe128"] = {**MODELS["qwen3_moe"], "num_experts": 128, "num_experts_per_tok": 8,
+                          "moe_intermediate_size": 96}
 #: DeepSeek-V2-Lite's MoE shape, small: MLA, layers 1-3 MoE with 16 routed experts (top-2) and
 #: 2 shared experts beside them
 MODELS["dsv2_moe16"] = {**MODELS["dsv2"], "first_k_dense_replace": 1, "n_routed_experts": 16,
@@ -425,13 +430,16 @@ def lifecycle_rounds(llm, root: Path, model: str, generate, cycles: int) -> dict
     return out
 
 
-def run_prompts(llm, prompts, max_tokens: int) -> tuple[list, list]:
-    """Greedy tokens and top-5 logprobs of ``prompts`` (token-id lists), in one batch."""
+def run_prompts(llm, prompts, max_tokens: int, temperature: float = 0.0) -> tuple[list, list]:
+    """Tokens and top-5 logprobs of ``prompts`` (token-id lists), in one batch: greedy, or
+    sampled at ``temperature`` with a fixed seed per request (the same logits give the same
+    tokens)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    seed = {"seed": 7} if temperature else {}
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5),
-                        use_tqdm=False)
+                        SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                       logprobs=5, **seed), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], [top5(o.outputs[0]) for o in outs]
 
 
@@ -535,7 +543,7 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
     put_back = change_surface(case["surface"]) if case.get("surface") else None
     earlier = {id(m) for m in attention.models()}  # an earlier case's engine may linger
     earlier |= {id(m) for m in STATE.context_models.values()}
-    earlier |= {id(m) for m in list(STATE.expert_caches)}
+    earlier |= {id(m) for m in list(STATE.expert_lanes)}
     kwargs = engine_kwargs(case)
     engine = json.loads(json.dumps(case.get("engine", {})))
     spec = engine.get("speculative_config")
@@ -557,19 +565,23 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         llm = LLM(model=write_model(root, case["model"], not case.get("dummy"),
                                     case.get("seed", 0)), **kwargs)
         result["startup_s"] = round(time.perf_counter() - started, 1)
-        expert_caches = [c for model, caches in list(STATE.expert_caches.items())
-                         if id(model) not in earlier for c in caches.values()]
+        expert_lanes = [lane for model, lane in list(STATE.expert_lanes.items())
+                        if id(model) not in earlier]
         if case.get("shift_host_experts"):  # the lane must read the host copies: move them
-            for cache in expert_caches:
+            for cache in [c for lane in expert_lanes for c in lane.caches.values()]:
                 for host in cache.host.values():
                     host.mul_(case["shift_host_experts"])
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
 
+        temperature = case.get("temperature", 0.0)
+
         def generate():
             if case.get("serial"):  # one request at a time (FIELD_NOTES: batched greedy
-                runs = [run_prompts(llm, [p], case.get("max_tokens", 8)) for p in prompts]
+                runs = [run_prompts(llm, [p], case.get("max_tokens", 8), temperature)
+                        for p in prompts]
                 return [r[0][0] for r in runs], [r[1][0] for r in runs]  # outputs of two
-            return run_prompts(llm, prompts, case.get("max_tokens", 8))  # GPU engines differ)
+            return run_prompts(llm, prompts, case.get("max_tokens", 8),  # GPU engines differ)
+                               temperature)
         if case.get("inflight"):  # the weights change under a request in flight
             result["inflight"] = inflight_reloads(llm, root, case["model"],
                                                   case.get("max_tokens", 8))
@@ -593,8 +605,8 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
                                                case["verbs"])
         if case.get("repeat"):  # the same engine again: identical, poison and all
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
-        if expert_caches:
-            result["experts"] = [c.describe() for c in expert_caches]
+        if expert_lanes:
+            result["experts"] = [row for lane in expert_lanes for row in lane.report()]
         config = llm.llm_engine.vllm_config
         result["kv_blocks"] = config.cache_config.num_gpu_blocks
         result["kv_block_size"] = config.cache_config.block_size

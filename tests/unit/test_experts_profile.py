@@ -107,6 +107,7 @@ def test_each_pass_runs_its_fetch_and_its_moe_in_nvtx_ranges(monkeypatch):
 
     from ringflow.graphs import nvtx_ranges
     from ringflow.integrations.torch.expert_cache import ExpertCache
+    from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
     from ringflow.integrations.vllm import experts as lane
 
     class Recorder:
@@ -127,8 +128,37 @@ def test_each_pass_runs_its_fetch_and_its_moe_in_nvtx_ranges(monkeypatch):
     g = torch.Generator().manual_seed(0)
     host = {"w13": torch.randn(4, 8, 6, generator=g), "w2": torch.randn(4, 6, 4, generator=g)}
     layer = SimpleNamespace(w13_weight=host["w13"], layer_name="model.layers.5.mlp.experts")
-    lane._attach(5, layer, ExpertCache(host, 1, "cpu"))
+    cache = ExpertCache(host, 1, "cpu")
+    layer.forward_modular = lane._forward(5, ExpertLane({5: cache}, {5: TorchCompute()}))
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
     out = layer.forward_modular(torch.randn(3, 6, generator=g), torch.full((3, 2), 0.5), ids)
     assert out.shape == (3, 6) and torch.isfinite(out).all() and recorder.depth == 0
     assert recorder.pushed == ["ringflow/experts/fetch/L5", "ringflow/experts/moe/L5"] * 4
+
+
+def test_weight_verbs_and_sleep_are_refused_while_a_lane_serves_experts():
+    """The lane's slots and ring hold copies of the experts: a call that moves or rewrites
+    weights behind reload_weights' back (weight transfer, sleep levels 1 and 2) is refused
+    with one line naming the section, as for weight streaming."""
+    from ringflow.errors import EngineError
+    from ringflow.integrations.vllm import surfaces, weights
+    from ringflow.integrations.vllm.state import PluginState
+
+    class Model:
+        pass
+
+    state, model = PluginState(), Model()
+    verb = weights.refusal(surfaces.by_key()[
+        "vllm.v1.worker.gpu_worker.Worker.update_weights"])
+    calls = []
+    verb(state, lambda worker: calls.append(worker), SimpleNamespace())
+    assert len(calls) == 1  # no lane: passed through
+    state.expert_lanes[model] = SimpleNamespace()
+    with pytest.raises(EngineError, match="serves routed experts from host memory.*experts "
+                                          "section"):
+        verb(state, lambda worker: calls.append(worker), SimpleNamespace())
+    core = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"ringflow": {
+        "name": "e", "experts": {"layers": "all"}}}))
+    with pytest.raises(EngineError, match=r"sleep\(level=1\).*routed experts"):
+        weights.on_engine_sleep(state, lambda c, level: None, core, 1)
+    assert weights.on_engine_sleep(state, lambda c, level: "paused", core, 0) == "paused"

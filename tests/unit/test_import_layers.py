@@ -47,13 +47,14 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
         ".torch.verification", ".torch.chunk_prefetch", ".torch.expert_cache",
-        ".torch.expert_lookahead")], "adapters"),
+        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_lane")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
         "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",
         ".layers", ".memory", ".metadata", ".graph_mode", ".startup_errors", ".weights",
         ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
-        ".context_hooks", ".context_attach", ".attention", ".experts")], "vllm"),
+        ".context_hooks", ".context_attach", ".attention", ".expert_kernel", ".experts")],
+        "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (

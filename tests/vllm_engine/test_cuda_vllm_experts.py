@@ -1,31 +1,35 @@
 """Routed experts from host memory inside vLLM's CUDA engine (vLLM 0.26 on the H200; Note
-[Experts in vLLM]).
+[Experts in vLLM]), bit for bit what all-resident vLLM computes (Note [Same bits as resident]).
 
-A Qwen3-MoE-shaped model (4 layers, 16 experts, top-2, seeded random weights, bf16), one request
-at a time (FIELD_NOTES: batched greedy outputs of two GPU engines differ), in eager mode and
+A Qwen3-MoE-shaped model (4 layers, 128 experts of intermediate 96, top-8: vLLM has tuned H200
+tiles for that layer and none for a cache's slots; seeded random weights of real scale, bf16),
+one request at a time (FIELD_NOTES: batched outputs of two GPU engines differ), prompts of 3, 8,
+14 and 70 tokens, greedy and sampled (temperature 1, a seed per request), in eager mode and
 vLLM's default FULL_AND_PIECEWISE graphs:
 
-* ``resident``: vLLM alone, every expert in device memory, Triton MoE;
-* ``lane-3`` / ``lane-1``: every layer's experts in pinned host memory (vLLM's UVA offloader,
-  ``--cpu-offload-params experts``), 3 or 1 slots per layer, slots poisoned: most steps miss,
-  prefills need more experts than the slots hold (pass 0, then the rest in place), decode
-  steps reuse; ``passes-1``: the same through the slots only (``in_place_tokens: 0``);
-  ``lookahead-8``: each layer guesses the next one's experts on a side stream (8 slots: the
-  graphs pad decode steps to 4 tokens, and a step of more choices than slots is not guessed);
+* ``resident`` / ``resident-sampled``: vLLM alone, every expert in device memory, Triton MoE;
+* ``lane-32`` / ``lane-32-sampled``: every layer's experts in pinned host memory (vLLM's UVA
+  offloader, ``--cpu-offload-params experts``), 32 slots per layer and a ring of 2 layers,
+  ``layer_tokens: 8``: the prompts of 8 tokens or more through the ring, the rest through the
+  cache (Note [Expert lane modes]); slots and ring buffers poisoned;
+* ``lane-8`` / ``passes-8``: 8 slots, no ring: steps of more experts than the slots hold run
+  in passes (the last in place from the host view, or all through the slots), summed once;
+* ``lookahead-32``: each layer guesses the next one's experts on a side stream;
 * a refusal: experts left in device memory (the line names the flags). fp8 experts are refused
-  by name (tests/unit/test_experts_profile.py); the carried vLLM 0.26 lacks compressed_tensors,
-  which its fp8 path imports, so no fp8 engine starts there.
+  by name (tests/unit/test_experts_profile.py).
 
 vLLM 0.26's V2 model runner makes no offloader, so these engines run its V1 runner.
 
-``RINGFLOW_MUTANT=expert-fetch-without-wait`` (tests/helpers/mutants.py) must fail this module.
+``RINGFLOW_MUTANT=expert-fetch-without-wait`` (tests/helpers/mutants.py) must fail this module;
+the layer ring's mutant (``layer-refill-before-retire``) is killed by
+tests/unit/test_expert_layers.py.
 """
 
 import importlib.util
 
 import pytest
 
-from tests.vllm_engine.test_cuda_vllm import BF16_NOISE, POISON, collect, run
+from tests.vllm_engine.test_cuda_vllm import POISON, collect, run
 from tests.vllm_engine.test_vllm_plugin import max_logprob_diff
 
 pytestmark = pytest.mark.cuda
@@ -34,9 +38,10 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 MODES = ("eager", "default")
-MOE = "qwen3_moe16"
+MOE = "qwen3_moe128"
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # vLLM 0.26's V2 runner makes no offloader (0.33 does)
 UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], "moe_backend": "triton"}
+SAMPLED = 1.0  # temperature of the sampled cases (seeded per request)
 
 
 def lane(slots, **more):
@@ -44,19 +49,33 @@ def lane(slots, **more):
                                                         **more}}}
 
 
+#: per case: the profile's experts section, and whether prompts are sampled. layer_tokens 8:
+#: the prompts of 8, 14 and 70 tokens take the layer ring, the one of 3 and every decode step
+#: the slot cache (both sides of the threshold); 8 slots: those 3 tokens x top-8 need more
+#: experts than the slots hold, so steps run in passes (pass 0 and one in place, or, with
+#: in_place_tokens 0, every pass through the slots)
+LANES = {
+    "lane-32": ({"slots": 32, "layer_tokens": 8}, False),
+    "lane-32-sampled": ({"slots": 32, "layer_tokens": 8}, True),
+    "lane-8": ({"slots": 8, "layer_buffers": 0}, False),
+    "passes-8": ({"slots": 8, "layer_buffers": 0, "in_place_tokens": 0}, False),
+    "lookahead-32": ({"slots": 32, "lookahead": True, "layer_buffers": 0}, False),
+}
+
+
 def mode_cases(mode):
-    base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True}
-    return [
-        {"name": f"{mode}/resident", **base, "engine": {"moe_backend": "triton"}},
-        {"name": f"{mode}/lane-3", **base, "engine": UVA, "env": POISON,
-         "additional_config": lane(3), "repeat": True},
-        {"name": f"{mode}/lane-1", **base, "engine": UVA, "env": POISON,
-         "additional_config": lane(1)},
-        {"name": f"{mode}/passes-1", **base, "engine": UVA, "env": POISON,
-         "additional_config": lane(1, in_place_tokens=0)},
-        {"name": f"{mode}/lookahead-8", **base, "engine": UVA, "env": POISON,
-         "additional_config": lane(8, lookahead=True)},
-    ]
+    base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True}
+    cases = [{"name": f"{mode}/resident", **base, "engine": {"moe_backend": "triton"}},
+             {"name": f"{mode}/resident-sampled", **base, "engine": {"moe_backend": "triton"},
+              "temperature": SAMPLED}]
+    for name, (section, sampled) in LANES.items():
+        slots = section.pop("slots")
+        cases.append({"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
+                      "additional_config": lane(slots, **section),
+                      **({"temperature": SAMPLED} if sampled else {}),
+                      **({"repeat": True} if name == "lane-32" else {})})
+        section["slots"] = slots
+    return cases
 
 
 REFUSALS = [
@@ -72,39 +91,44 @@ def runs():
     return collect(started)
 
 
-SLOTS = {"lane-3": 3, "lane-1": 1, "passes-1": 1, "lookahead-8": 8}
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(SLOTS))
-def test_experts_from_host_memory_give_the_resident_output(runs, mode, name):
-    """vLLM's greedy tokens and top-5 logprobs, with every expert fetched into poisoned slots
-    by the device-indexed kernel and computed by vLLM's Triton MoE over the slots; with one
-    slot, every step of two or more tokens needs several passes: the last in place from the
-    host view (Note [Expert cache], step 5), or with ``in_place_tokens: 0`` all through the
-    slots; with lookahead, one-token decode steps (eager, or vLLM's FULL decode graphs) guess
-    each next layer's experts on a side stream (Note [Expert lookahead])."""
-    slots = SLOTS[name]
-    resident, got = runs[f"{mode}/resident"], runs[f"{mode}/{name}"]
-    for r in (resident, got):
+@pytest.mark.parametrize("name", list(LANES))
+def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
+    """vLLM's tokens and top-5 logprobs, bit for bit (Note [Same bits as resident]), greedy and
+    sampled, one request at a time, with 128 experts of real scale per layer in pinned host
+    memory: prompts of 8, 14 and 70 tokens through the layer ring (whole layers copied ahead
+    into poisoned buffers, poisoned again after each read), the prompt of 3 and every decode
+    step through the slot cache (poisoned slots) with vLLM's kernel on the resident layer's
+    tiles; with 8 slots the steps that need more run in passes summed once, the last in place
+    from the host view, or, with ``in_place_tokens: 0``, all through the slots; with lookahead,
+    decode steps (eager, or vLLM's FULL decode graphs) guess each next layer's experts."""
+    section, sampled = LANES[name]
+    want = runs[f"{mode}/resident-sampled" if sampled else f"{mode}/resident"]
+    got = runs[f"{mode}/{name}"]
+    for r in (want, got):
         assert "error" not in r, r["error"]
-    assert got["tokens"] == resident["tokens"]
-    assert max_logprob_diff(got, resident) < BF16_NOISE
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) == 0.0, max_logprob_diff(got, want)
     layers = got["experts"]
     assert len(layers) == 4
     for layer in layers:
-        assert layer["slots"] == slots and layer["misses"] > min(2 * slots, 12)
-        assert (layer["in_place_steps"] > 0) == (name != "passes-1")
-    if slots > 1:  # one-token decode steps reuse what the steps before brought in
+        assert layer["slots"] == section["slots"] and layer["misses"] > section["slots"]
+        ring = layer["ring"]
+        if section.get("layer_buffers", 2):  # 3 long prompts, plus vLLM's warm-up steps
+            assert ring["steps"] >= 3 and ring["fills"] >= 4 * ring["steps"], ring
+        else:
+            assert ring is None
+        if section["slots"] == 8:
+            assert (layer["in_place_steps"] > 0) == (name != "passes-8")
+    if section["slots"] == 32:  # one-token decode steps reuse what the steps before brought in
         assert all(layer["hits"] > 0 for layer in layers)
-    if name == "lane-3":
+    if name == "lane-32":
         assert got["repeat_same"]  # the same engine again: warm cache, same output
-    if name == "lookahead-8":  # 3 prompts x 11 decode steps, top-2 guessed per layer; 8
-        # slots: vLLM pads decode steps to the one captured size, 4 tokens (8 choices)
+    if name == "lookahead-32":  # 4 prompts x 11 decode steps, top-8 guessed per layer
         assert "lookahead" not in layers[0]
         for layer in layers[1:]:
             guessed = layer["lookahead"]
-            assert guessed["predicted"] >= 2 * 30 and guessed["chosen"] <= guessed["predicted"], \
+            assert guessed["predicted"] >= 8 * 40 and guessed["chosen"] <= guessed["predicted"], \
                 (got.get("cudagraph_mode"), [l for l in got["log"] if "lookahead" in l])
     said = [line for line in got["log"] if line.startswith("experts: layers")]
     assert len(said) == 1, got["log"]

@@ -27,6 +27,8 @@ CASES = [
     {"name": "moe/lookahead", "model": MOE, "serial": True,  # one-token decode steps: guessed
      "additional_config": experts(layers="all", slots=3, lookahead=True)},
     {"name": "moe/some", "model": MOE, "additional_config": experts(layers=[1, 3])},
+    {"name": "moe/ring", "model": MOE, "serial": True,  # prompts of 8, 14 tokens: the ring
+     "additional_config": experts(layers="all", slots=3, layer_tokens=8)},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
@@ -56,7 +58,8 @@ def runs(tmp_path_factory, dump_stem):
     return results
 
 
-SLOTS = {"moe/all-3": 3, "moe/all-1": 1, "moe/passes-1": 1, "moe/lookahead": 3, "moe/some": 4}
+SLOTS = {"moe/all-3": 3, "moe/all-1": 1, "moe/passes-1": 1, "moe/lookahead": 3, "moe/some": 4,
+         "moe/ring": 3}
 
 
 @pytest.mark.parametrize("name", list(SLOTS))
@@ -77,8 +80,17 @@ def test_experts_from_host_memory_give_vllms_output(runs, name):
         assert layer["experts"] == 16 and layer["misses"] > layer["slots"]
         assert layer["slots"] == SLOTS[name]
         assert (layer["in_place_steps"] > 0) == (name != "moe/passes-1")
-    if name in ("moe/all-3", "moe/lookahead"):  # one-token decode steps reuse experts
+    if name in ("moe/all-3", "moe/lookahead", "moe/ring"):  # one-token decode steps reuse
         assert all(layer["hits"] > 0 for layer in layers)
+    ring = layers[0]["ring"]
+    if name == "moe/ring":  # the two long prompts' prefills (and vLLM's warm-up steps), each
+        # layer copied whole into the ring; the prompt of 3 tokens and decode through the slots
+        assert ring["steps"] >= 2 and ring["fills"] >= 4 * ring["steps"], ring
+        said = [l for l in run["log"] if "takes each layer whole from a ring of 2" in l]
+        assert len(said) == 1, run["log"]
+    else:
+        assert ring is None or ring["steps"] <= 1, ring  # default layer_tokens 1024: at most
+        # vLLM's profiling step
     if name == "moe/lookahead":
         assert "lookahead" not in layers[0]
         for layer in layers[1:]:  # one guess of top_k per decode step at least
@@ -121,15 +133,17 @@ def test_reloaded_weights_reach_the_host_copies_and_the_cache(runs):
 
 def test_the_lane_layout_is_dumped_under_ringflow_dump(runs, dump_stem):
     """RINGFLOW_DUMP=PATH: PATH.experts.json names each chosen layer, its cache and what
-    computes its passes (Note [Experts in vLLM])."""
+    computes its passes and the layer ring (Note [Experts in vLLM])."""
     assert "error" not in runs["moe/dumped"], runs["moe/dumped"]["error"]
     doc = json.loads(dump_stem.with_suffix(".experts.json").read_text())
-    assert doc["schema"] == "ringflow.experts" and doc["version"] == 1
+    assert doc["schema"] == "ringflow.experts" and doc["version"] == 2
     assert [l["layer"] for l in doc["layers"]] == [1, 2]
     for layer in doc["layers"]:
         assert layer["experts"] == 16 and layer["slots"] == 2 and layer["top_k"] == 2
         assert layer["name"] == f"model.layers.{layer['layer']}.mlp.experts"
         assert "torch MoE" in layer["compute"] and set(layer["host"]) == {"w13", "w2"}
+        assert layer["ring"]["layers"] == 2 and layer["ring"]["buffers"] == 2
+        assert layer["layer_tokens"] == 1024 and "layer ring" in layer["passes"]
     said = [l for l in runs["moe/dumped"]["log"] if "expert lane's layout" in l]
     assert len(said) == 1, runs["moe/dumped"]["log"]
 

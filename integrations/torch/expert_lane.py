@@ -1,0 +1,153 @@
+"""ExpertLane: one model's expert lane, the slot caches of its chosen layers and one layer ring,
+and the choice, per step, of which serves it.
+
+Note [Expert lane modes]
+    A step of few tokens (decode) reads a few experts per layer: the layer's slot cache brings
+    in only the ones its router chose that it lacks (Note [Expert cache]). A step of many
+    tokens (prefill, a large batch) reads nearly all of them: the layer ring copies each
+    chosen layer whole, ahead, on a copy engine (Note [Expert layer ring]). The lane picks one
+    per step from the step's token count against ``layer_tokens``: every chosen layer of a
+    step sees the same count, so a step is served by one mode throughout, and the ring's fill
+    order (position after position) holds. A step under a CUDA graph capture always takes the
+    slot cache (the ring's fills cross layers and steps; a graph holds one piece of one step).
+    The choice depends on the step's shape and on whether it is captured, so a replay repeats
+    it.
+
+    Both modes compute with the caller's ``compute`` (Note [Same bits as resident] for vLLM's
+    kernel on a GPU): ``compute(x, weights, topk_weights, topk_ids, expert_map, last)`` with
+    ``expert_map`` None where ``weights`` hold every expert at its own index (a ring buffer)
+    and the step's sum returned when ``last``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ringflow.errors import ConfigError
+from ringflow.graphs import nvtx_ranges
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_layers import ExpertLayerRing
+from ringflow.integrations.torch.expert_lookahead import Lookahead
+from ringflow.kernels.moe import moe_from_slots
+
+log = logging.getLogger("ringflow")
+
+#: (x, weights, topk_weights, topk_ids, expert_map or None, last) -> the step's sum when last
+Compute = Callable[..., "torch.Tensor | None"]
+
+
+class TorchCompute:
+    """The lane's compute where vLLM's kernels are not in play (vLLM's CPU build, tests):
+    ringflow's torch MoE per pass, summed in float32 over the passes and cast once."""
+
+    def __init__(self) -> None:
+        self._acc: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, weights: Mapping[str, torch.Tensor],
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: torch.Tensor | None, last: bool = True) -> torch.Tensor | None:
+        if expert_map is None:  # every expert at its own index
+            expert_map = torch.arange(weights["w13"].shape[0], device=x.device)
+        part = moe_from_slots(x, weights["w13"], weights["w2"], topk_weights, topk_ids,
+                              expert_map)
+        self._acc = part if self._acc is None else self._acc.add_(part)
+        if not last:
+            return None
+        out, self._acc = self._acc.to(x.dtype), None
+        return out
+
+
+class ExpertLane:
+    """The chosen layers' ``caches`` (decoder index → cache), one ``ring`` over the same layers
+    in index order (None: no ring), ``computes`` per layer, and the lookaheads (layer → its
+    guess of the next chosen layer, Note [Expert lookahead]); see Note [Expert lane modes]."""
+
+    def __init__(self, caches: Mapping[int, ExpertCache], computes: Mapping[int, Compute],
+                 ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
+                 lookaheads: Mapping[int, Lookahead] | None = None) -> None:
+        if set(computes) != set(caches):
+            raise ConfigError(f"one compute per cached layer: caches {sorted(caches)}, "
+                              f"computes {sorted(computes)}")
+        if ring is not None and ring.layers != len(caches):
+            raise ConfigError(f"the layer ring holds {ring.layers} layers, the lane "
+                              f"{len(caches)}")
+        if layer_tokens < 1:
+            raise ConfigError(f"layer_tokens must be >= 1, got {layer_tokens}")
+        self.caches = dict(sorted(caches.items()))
+        self.computes = dict(computes)
+        self.ring, self.layer_tokens = ring, layer_tokens
+        self.position = {layer: i for i, layer in enumerate(self.caches)}
+        self.ahead = dict(lookaheads or {})
+        self.behind = {self._layer_of(la.target): la for la in self.ahead.values()}
+        self._ranges = {layer: {kind: nvtx_ranges.handle(f"ringflow/experts/{kind}/L{layer}")
+                                for kind in ("fetch", "moe", "lookahead", "layer")}
+                        for layer in self.caches}
+        self.said_capture = False
+
+    def _layer_of(self, cache: ExpertCache) -> int:
+        return next(i for i, c in self.caches.items() if c is cache)
+
+    def uses_ring(self, tokens: int, device: torch.device) -> bool:
+        """Whether a step of ``tokens`` tokens takes the layer ring (Note [Expert lane modes])."""
+        if self.ring is None or tokens < self.layer_tokens:
+            return False
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if not self.said_capture:
+                self.said_capture = True
+                log.info("experts.layer_tokens: a step of %d tokens is being captured into a "
+                         "CUDA graph; captured steps take the slot cache, never the layer "
+                         "ring", tokens)
+            return False
+        return True
+
+    def forward(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, may_fork: Callable[[], bool] = lambda: True
+                ) -> torch.Tensor:
+        """Layer ``layer``'s routed experts for this step's tokens ``x``, in ``x.dtype``."""
+        behind = self.behind.get(layer)
+        if behind is not None:
+            behind.join()
+        ranges, compute = self._ranges[layer], self.computes[layer]
+        if self.uses_ring(x.shape[0], x.device):
+            position = self.position[layer]
+            weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
+            try:
+                out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights,
+                                       topk_ids, None, True)
+            finally:
+                self.ring.end(position)
+            return out
+        cache, ahead = self.caches[layer], self.ahead.get(layer)
+        maps = cache.serve(topk_ids)
+        passes = cache.passes(*topk_ids.shape)
+        out = None
+        for p in range(passes):
+            weights, expert_map = nvtx_ranges.call(ranges["fetch"], next, maps)
+            if p == 0 and ahead is not None:
+                nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
+            out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
+                                   expert_map, p == passes - 1)
+        return out
+
+    def forget(self) -> None:
+        """The host copies changed (a reload): no cached expert nor ring fill is current."""
+        for cache in self.caches.values():
+            cache.forget()
+        if self.ring is not None:
+            self.ring.forget()
+
+    def report(self) -> list[dict]:
+        """Per chosen layer: its decoder index, the cache's layout and counters, and the ring's
+        (one host sync per layer)."""
+        ring = self.ring.describe() if self.ring is not None else None
+        return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
+                 "ring": ring} for i, cache in self.caches.items()]
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes of the slots and the ring."""
+        return (sum(c.bytes for c in self.caches.values())
+                + (self.ring.bytes if self.ring is not None else 0))

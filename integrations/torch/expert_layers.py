@@ -1,0 +1,243 @@
+"""ExpertLayerRing: whole layers of routed experts streamed ahead on the copy engines, for steps
+that need nearly every expert (prefill, large batches).
+
+Note [Expert layer ring]
+    A step of many tokens chooses nearly every expert of every layer (at top-8 of 128, a step
+    of 64 tokens leaves about one expert unchosen). Its router then tells nothing worth
+    waiting for: the cache's device-indexed fetch (Note [Expert cache]) would copy almost the
+    whole layer through the SMs, on the step's own stream, after the router, with nothing to
+    overlap. Such a step is better served as the weight streamer serves layers: copy each
+    chosen layer's experts whole, in their own layout, on a copy engine, ahead of the layer,
+    while the layers before it compute.
+
+    The ring is a :class:`~ringflow.graphs.slots.SlotPool` of ``buffers`` byte slots, each one
+    layer's ``w13`` and ``w2`` back to back, allocated once with the lane (before vLLM sizes
+    its KV cache). Its leases keep the usual lifecycle (Note [Lease lifecycle]):
+
+    1. A fill (position ``p`` of the chosen layers) leases the longest-free slot; the copy
+       stream waits for that slot's last retire event (recorded on the compute stream after
+       its last read) and copies the layer's experts from host memory with ``copy_`` (DMA: a
+       copy engine, not the SMs), then records the lease's ready event.
+    2. Layer ``p`` waits for its ready event on the compute stream, computes from the slot and
+       records the retire event; the lease goes back; the freed slot is filled next with
+       position ``p + buffers``: each copy starts as soon as its slot's reader is done, never a
+       fixed number of layers ahead (Note [When a gather is issued]).
+    3. In a step's tail, past the last chosen layer, the freed slots take the next step's first
+       positions (carried, ``SlotPool.carried``): the next large step starts with them filled,
+       and the copies ran while the GPU finished this step and vLLM scheduled the next. A step
+       whose first position is not carried (the first one, after ``forget``) fills at its
+       start. Carried fills are only ever waited on by a layer step, so slot-cache steps in
+       between leave them as they are.
+
+    Where the ring serves a step is the caller's choice, by the step's token count
+    (``experts.layer_tokens``), never under a CUDA graph capture: a fork to the copy stream in
+    one layer and its join in another would straddle vLLM's piecewise graphs, and a carried
+    fill outlives the step a graph holds. Large steps are not captured by vLLM anyway (its
+    capture sizes end at a few hundred tokens); steps that are fall back to the slot cache.
+
+    With ``trace`` set, every fill, read, event record and wait is recorded
+    (``ExpertOp``) for the proof of Note [Expert lane hazards]. With ``poison_reads``, a slot is
+    poisoned after its read, on the compute stream before its retire event: a read that skips
+    its fill's ready event sees NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ringflow.cudart import copy_async
+from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs.slots import SlotPool, poison
+from ringflow.orchestrator.expert_hazards import ExpertOp
+
+LANE = "experts-layers"
+_ALIGN = 256  # each parameter's offset in a slot: aligned for any dtype and for DMA
+
+
+class ExpertLayerRing:
+    """``buffers`` device slots, each the routed experts of one layer, filled in the order of
+    ``hosts`` (per chosen layer: parameter name → tensor [experts, ...], all layers of one
+    layout) from host memory, on ``stream`` (None on the CPU: copies in line). See
+    Note [Expert layer ring]."""
+
+    def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
+                 device: torch.device | str, stream: torch.cuda.Stream | None = None,
+                 poison_reads: bool = False) -> None:
+        if not hosts:
+            raise ConfigError("an expert layer ring needs at least one layer")
+        layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
+        for i, host in enumerate(hosts):
+            if [(n, t.shape, t.dtype) for n, t in host.items()] != layout:
+                raise ConfigError(f"the expert layers of a ring share one layout; layer "
+                                  f"position {i} has {self._describe(host)}, the first "
+                                  f"{self._describe(hosts[0])}")
+        if buffers < 1:
+            raise ConfigError(f"an expert layer ring needs at least 1 buffer, got {buffers}")
+        for host in hosts:
+            for name, t in host.items():
+                if not t.is_contiguous():
+                    raise ConfigError(f"expert parameter {name} must be contiguous (one "
+                                      f"expert after another) to be copied whole")
+        self.hosts = [dict(h) for h in hosts]
+        self.device = torch.empty(0, device=device).device
+        if (stream is None) != (self.device.type != "cuda"):
+            raise ConfigError("an expert layer ring on a GPU needs a copy stream, and on the "
+                              "CPU none")
+        self.stream = stream
+        offsets, end = {}, 0
+        for name, shape, dtype in layout:
+            offsets[name] = end
+            end += -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
+        self.layer_bytes = end
+        buffers = min(buffers, len(hosts))  # more than the layers would carry one into itself
+        self.pool = SlotPool(LANE, (end,), torch.uint8, depth=buffers - 1,
+                             workspace_bytes=buffers * end, device=self.device)
+        self.views = [{name: slot[offsets[name]:offsets[name] + torch.Size(shape).numel()
+                                  * dtype.itemsize].view(dtype).view(shape)
+                       for name, shape, dtype in layout} for slot in self.pool.storage]
+        for views in self.views:
+            for v in views.values():
+                poison(v)
+        self.poison_reads = poison_reads
+        #: per slot, its last read's retire event (the CPU: a mark), None where no read
+        #: since its last fill needs waiting for (never read, or ordered by abandon)
+        self._retired: list[object] = [None] * self.pool.slots
+        self._next = 0  # the next position to fill: >= len(hosts) is the next step's
+        self._reading = None  # (position, lease) of the layer computing now
+        self.steps = 0  # large steps served
+        self.carried_steps = 0  # of which started with their first layer filled ahead
+        self.fills = 0
+        #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
+        self.trace: list[ExpertOp] | None = None
+
+    @staticmethod
+    def _describe(host: Mapping[str, torch.Tensor]) -> str:
+        return ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in host.items())
+
+    @property
+    def layers(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def buffers(self) -> int:
+        return self.pool.slots
+
+    @property
+    def bytes(self) -> int:
+        return self.pool.reserved_bytes
+
+    def begin(self, position: int) -> dict[str, torch.Tensor]:
+        """Layer ``position`` of a large step is about to compute on the current stream: order
+        it after its fill (issued now if it was not) and return its weights."""
+        if not 0 <= position < self.layers:
+            raise KernelError(f"the expert layer ring holds positions 0..{self.layers - 1}, "
+                              f"not {position}")
+        if self._reading is not None:  # the layer before raised: its read never ended
+            self.abandon()
+        if position == 0:
+            self.steps += 1
+            if (LANE, 0) in self.pool.carried:
+                self.carried_steps += 1
+        if next(iter(self.pool.carried), (None, position))[1] != position:
+            self.abandon()  # not the position the fills ran ahead for: start over from here
+            self._next = position
+        self._fill_ahead()
+        lease = self.pool.carried.pop((LANE, position))
+        compute = self._current()
+        if compute is not None:
+            compute.wait_event(lease.ready_event)
+        self._op("wait", "compute", on=("ready", lease.slot))
+        lease.begin_read()
+        self._reading = (position, lease)
+        self._op("read", "compute", pairs=((position, lease.slot),))
+        return self.views[lease.slot]
+
+    def end(self, position: int) -> None:
+        """Layer ``position``'s compute is issued: retire its slot, fill the next position."""
+        if self._reading is None or self._reading[0] != position:
+            raise KernelError(f"end({position}) without begin({position})")
+        _, lease = self._reading
+        self._reading = None
+        if self.poison_reads:  # after the read, before the retire event: same stream
+            for v in self.views[lease.slot].values():
+                poison(v)
+        compute = self._current()
+        event = None
+        if compute is not None:
+            event = torch.cuda.Event()
+            event.record(compute)
+        self._op("record", "compute", on=("retired", lease.slot))
+        lease.retire(event)
+        self._retired[lease.slot] = event if event is not None else "in line"
+        lease.release()
+        if position == self.layers - 1:
+            self._next -= self.layers  # what was filled past the end is the next step's
+        self._fill_ahead()
+
+    def forget(self) -> None:
+        """The host copies changed: nothing filled or carried is current. The next fills run
+        on the copy stream after the ones forgotten, so their slots need no wait."""
+        self.abandon()
+        self._next = 0
+
+    def abandon(self) -> None:
+        """Drop every fill issued ahead (a step that stopped half-way, or a new step that does
+        not start where the fills ran ahead for)."""
+        if self._reading is not None:
+            _, lease = self._reading
+            self._reading = None
+            lease.retire(None)  # never read past this point: the next fill waits for its
+            self._retired[lease.slot] = None  # reads by stream order on the compute stream
+            lease.release()
+            if self.stream is not None:  # the reads were issued on the compute stream
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._op("wait", "copy", on="compute")
+        self.pool.forget_carried()
+
+    def _fill_ahead(self) -> None:
+        """Fill positions from ``_next`` into free slots, up to the next step's last."""
+        while self.pool.free_count and self._next < 2 * self.layers:
+            position = self._next % self.layers
+            if position == 0 and self._next and (LANE, 0) in self.pool.carried:
+                break  # never two fills of one position at once
+            lease = self.pool.acquire(tag=position)
+            self._fill(position, lease)
+            self.pool.carried[(LANE, position)] = lease
+            self._next += 1
+
+    def _fill(self, position: int, lease) -> None:
+        views, host = self.views[lease.slot], self.hosts[position]
+        retired = self._retired[lease.slot]
+        if retired is not None:
+            self._op("wait", "copy", on=("retired", lease.slot))
+        self._op("fill", "copy", pairs=((position, lease.slot),))
+        self._op("record", "copy", on=("ready", lease.slot))
+        self.fills += 1
+        if self.stream is None:  # the CPU: in line, in issue order
+            for name, v in views.items():
+                v.copy_(host[name])
+            lease.mark_ready(None)
+            return
+        ready = torch.cuda.Event()
+        if retired is not None:
+            self.stream.wait_event(retired)  # its last reader is done
+        for name, v in views.items():  # a copy engine (DMA), not the SMs
+            copy_async(v.data_ptr(), host[name].data_ptr(), v.numel() * v.element_size(),
+                       self.stream.cuda_stream)
+        ready.record(self.stream)
+        lease.mark_ready(ready)
+
+    def _current(self) -> torch.cuda.Stream | None:
+        return None if self.stream is None else torch.cuda.current_stream(self.device)
+
+    def _op(self, kind: str, stream: str, pairs: tuple = (), on: object = None) -> None:
+        """Trace one operation on the ring's logical streams, ``copy`` and ``compute`` (the
+        same on the CPU, where both run in line: the proof checks what a GPU would order)."""
+        if self.trace is not None:
+            self.trace.append(ExpertOp(kind, stream, pairs, on))
+
+    def describe(self) -> dict:
+        return {"layers": self.layers, "buffers": self.buffers, "layer_bytes": self.layer_bytes,
+                "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills}

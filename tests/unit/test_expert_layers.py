@@ -1,0 +1,239 @@
+"""The expert lane's two modes (Note [Expert lane modes]): the layer ring for large steps (Note
+[Expert layer ring]) and the slot cache for small ones, against the float64 MoE, proven over
+their traces together (Note [Expert lane hazards]); on a GPU (marked cuda) the ring's copies on
+ringflow's copy stream, with a slow reader, and the mutant that refills before the retire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringflow.errors import ConfigError, HazardError, KernelError
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
+from ringflow.integrations.torch.expert_layers import ExpertLayerRing
+from ringflow.kernels.reference import moe_ref
+from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step, check_ring
+
+E, H, I, K = 12, 16, 8, 3
+LAYERS = (1, 3, 4, 6)  # decoder indices of the chosen MoE layers
+
+
+def layer_experts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {"w13": torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
+            "w2": torch.randn(E, H, I, generator=g) / I ** 0.5}
+
+
+def routing(seed: int, tokens: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    return ids, torch.softmax(torch.randn(tokens, K, generator=g), -1)
+
+
+def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="cpu",
+              stream=None, poison_reads=False):
+    hosts = {i: layer_experts(i) for i in LAYERS}
+    if device != "cpu":
+        hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
+    caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items()}
+    ring = (ExpertLayerRing([hosts[i] for i in LAYERS], buffers, device, stream,
+                            poison_reads=poison_reads) if buffers else None)
+    return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, ring, layer_tokens), hosts
+
+
+def run_step(lane, hosts, tokens: int, seed: int, device="cpu"):
+    """One step through every chosen layer; returns each layer's output and its float64 want."""
+    g = torch.Generator().manual_seed(seed)
+    got, want = {}, {}
+    for i in LAYERS:
+        ids, weights = routing(seed * 31 + i, tokens)
+        x = torch.randn(tokens, H, generator=g)
+        got[i] = lane.forward(i, x.to(device), weights.to(device), ids.to(device))
+        want[i] = moe_ref(x, hosts[i]["w13"], hosts[i]["w2"], weights, ids)
+    return got, want
+
+
+SIZES = [8, 1, 2, 9, 12, 1, 6, 5, 7, 7, 1]  # >= 6 tokens: the ring; fewer: the slot cache
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3, 4, 6])
+def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(buffers):
+    lane, hosts = make_lane(buffers)
+    for s, tokens in enumerate(SIZES):
+        got, want = run_step(lane, hosts, tokens, s)
+        for i in LAYERS:
+            torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    ring = lane.ring
+    assert ring.buffers == min(buffers, len(LAYERS))
+    assert ring.steps == sum(t >= 6 for t in SIZES)
+    # every large step after the first starts with its first layer filled in the tail of the
+    # step before it (decode steps in between leave the carried fills alone)
+    assert ring.carried_steps == ring.steps - 1
+    hits = sum(c.hits.item() + c.misses.item() for c in lane.caches.values())
+    assert hits > 0  # the small steps went through the caches
+
+
+def test_the_ring_copies_whole_layers_in_order_and_the_traces_prove():
+    """One trace of the ring over prefills and decodes, proven; each slot-cache step proven on
+    its own; the fills are the layers' positions in turn."""
+    lane, hosts = make_lane(buffers=2)
+    lane.ring.trace = []
+    held = {i: {} for i in LAYERS}
+    for s, tokens in enumerate(SIZES):
+        traces = {}
+        for i, cache in lane.caches.items():
+            cache.trace = traces.setdefault(i, [])
+        run_step(lane, hosts, tokens, s)
+        for i, cache in lane.caches.items():
+            if tokens < lane.layer_tokens:  # a slot-cache step: proven per layer
+                needed = set(routing(s * 31 + i, tokens)[0].reshape(-1).tolist())
+                held[i] = check_expert_step(held[i], needed, traces[i], cache.slots)
+            else:
+                assert traces[i] == []  # the ring served it: the cache is untouched
+    check_ring(lane.ring.trace, lane.ring.buffers)
+    fills = [p for op in lane.ring.trace if op.kind == "fill" for p, _ in op.pairs]
+    reads = [p for op in lane.ring.trace if op.kind == "read" for p, _ in op.pairs]
+    assert reads == [0, 1, 2, 3] * lane.ring.steps
+    assert fills[:len(reads)] == reads  # filled in the order they are read, carried or not
+
+
+def test_a_refill_before_the_readers_retire_is_caught(monkeypatch):
+    """The mutant of tests/helpers/mutants.py: the copy stream no longer waits for the slot's
+    retire event; the proof names a cross-stream hazard."""
+    from tests.helpers import mutants
+    monkeypatch.setattr(ExpertLayerRing, "_fill", ExpertLayerRing._fill)
+    mutants.MUTANTS["layer-refill-before-retire"]()
+    lane, hosts = make_lane(buffers=2)
+    lane.ring.trace = []
+    run_step(lane, hosts, 8, 0)
+    with pytest.raises(HazardError) as err:
+        check_ring(lane.ring.trace, lane.ring.buffers)
+    assert err.value.kind == "cross-stream"
+
+
+@pytest.mark.parametrize("mutate, kind", [
+    (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "compute")],
+     "cross-stream"),  # a layer reads its slot without waiting for the fill
+    (lambda ops: [ExpertOp("read", op.stream, (((p + 1) % 4, s),)) if op.kind == "read" else op
+                  for op in ops for p, s in (op.pairs or ((0, 0),))], "wrong-layer"),
+    (lambda ops: [ExpertOp("fill", op.stream, ((p, 7),)) if op.kind == "fill" else op
+                  for op in ops for p, s in (op.pairs or ((0, 0),))], "slot-range"),
+])
+def test_each_ring_hazard_is_named(mutate, kind):
+    lane, hosts = make_lane(buffers=2)
+    lane.ring.trace = []
+    for s, tokens in enumerate([8, 9, 1, 7]):
+        run_step(lane, hosts, tokens, s)
+    check_ring(lane.ring.trace, 2)
+    with pytest.raises(HazardError) as err:
+        check_ring(mutate(lane.ring.trace), 2)
+    assert err.value.kind == kind
+
+
+def test_a_step_cut_short_and_a_reload_refill_what_they_must():
+    """A large step that raises half-way, then a full one: its fills start over and it equals
+    the reference. A reload (``forget``): the carried fills are dropped, the new weights read."""
+    lane, hosts = make_lane(buffers=2)
+    run_step(lane, hosts, 8, 0)
+    ids, weights = routing(5, 8)
+    x = torch.randn(8, H)
+    lane.forward(LAYERS[0], x, weights, ids)
+    lane.ring.begin(1)  # the second layer's compute raised before end()
+    got, want = run_step(lane, hosts, 8, 1)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    for i in LAYERS:  # new weights in the host copies, as a reload leaves them
+        for t in hosts[i].values():
+            t.mul_(-0.5)
+    lane.forget()
+    got, want = run_step(lane, hosts, 8, 2)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+
+
+def test_poisoned_reads_leave_nan_behind_and_the_next_fill_replaces_it():
+    lane, hosts = make_lane(buffers=4, poison_reads=True)
+    got, want = run_step(lane, hosts, 8, 0)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    # every slot was read and then filled with the next step's layer (4 buffers, 4 layers)
+    assert all(torch.equal(v["w13"], hosts[i]["w13"]) for i, v in
+               zip(LAYERS, lane.ring.views))
+
+
+def test_bad_rings_and_lanes_are_refused():
+    hosts = [layer_experts(0), layer_experts(1)]
+    with pytest.raises(ConfigError, match="at least 1 buffer"):
+        ExpertLayerRing(hosts, 0, "cpu")
+    odd = {"w13": torch.zeros(E, 2 * I, H + 1), "w2": torch.zeros(E, H, I)}
+    with pytest.raises(ConfigError, match="share one layout"):
+        ExpertLayerRing([hosts[0], odd], 2, "cpu")
+    with pytest.raises(ConfigError, match="copy stream"):
+        ExpertLayerRing(hosts, 2, "cpu", stream=object())
+    ring = ExpertLayerRing(hosts, 2, "cpu")
+    with pytest.raises(KernelError, match="positions 0..1"):
+        ring.begin(2)
+    with pytest.raises(KernelError, match="without begin"):
+        ring.end(0)
+    caches = {0: ExpertCache(hosts[0], 2, "cpu")}
+    with pytest.raises(ConfigError, match="holds 2 layers"):
+        ExpertLane(caches, {0: TorchCompute()}, ring)
+    with pytest.raises(ConfigError, match="one compute per cached layer"):
+        ExpertLane(caches, {})
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA GPU; run `pytest -m cuda` on one")
+
+
+class SlowCompute(TorchCompute):
+    """The torch MoE after ~``cycles`` GPU clock cycles of sleep on the compute stream: a copy
+    that does not wait for the read's retire lands while the read is still to come."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def __call__(self, x, weights, *args, **kwargs):
+        torch.cuda._sleep(self.cycles)
+        return super().__call__(x, weights, *args, **kwargs)
+
+
+def gpu_lane(slow: int, poison_reads: bool = True):
+    from ringflow.graphs.streams import dedicated_streams
+    owner = type("Owner", (), {})()
+    stream = dedicated_streams(owner, torch.device("cuda", 0), ["copy"], 0)["copy"]
+    lane, hosts = make_lane(buffers=2, device="cuda", stream=stream, poison_reads=poison_reads)
+    lane.computes = {i: SlowCompute(slow) for i in LAYERS}
+    lane._owner = owner
+    return lane, hosts
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_ring_on_a_gpu_copies_on_its_own_stream_and_is_exact_with_a_slow_reader():
+    lane, hosts = gpu_lane(slow=2_000_000)
+    for s, tokens in enumerate(SIZES):
+        got, want = run_step(lane, hosts, tokens, s, device="cuda")
+        for i in LAYERS:
+            torch.testing.assert_close(got[i].double().cpu(), want[i], rtol=1e-5, atol=1e-5)
+    assert lane.ring.fills >= 4 * lane.ring.steps and lane.ring.carried_steps == \
+        lane.ring.steps - 1
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_gpu_race_catches_a_refill_before_the_retire(monkeypatch):
+    """The mutant's copy into the slot a slow layer is about to read lands first: the layer
+    computes with the next layer's experts (or the poison), and the output is wrong."""
+    from tests.helpers import mutants
+    monkeypatch.setattr(ExpertLayerRing, "_fill", ExpertLayerRing._fill)
+    mutants.MUTANTS["layer-refill-before-retire"]()
+    lane, hosts = gpu_lane(slow=20_000_000)
+    wrong = 0
+    for s in range(3):
+        got, want = run_step(lane, hosts, 8, s, device="cuda")
+        wrong += sum(not torch.allclose(got[i].double().cpu(), want[i], rtol=1e-4, atol=1e-4)
+                     for i in LAYERS)
+    assert wrong > 0
