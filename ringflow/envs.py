@@ -46,7 +46,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("RINGFLOW_DUMP", "text", None,
            "the vLLM plugin writes the plan that ran to PATH.json and PATH.dot after the first "
            "forward (a directory: DIR/ringflow-plan.json and .dot), and an experts section's "
-           "layout to PATH.experts.json at start-up", "vllm"),
+           "layout to PATH.experts.json at start-up; under tensor parallelism each rank "
+           "writes its own, .rank<R> after the stem", "vllm"),
     Switch("RINGFLOW_CPU_PLAIN_GEMM", "flag", False,
            "on a CPU, linear layers keep plain F.linear without streaming (an A/B baseline "
            "with the kernels streaming uses)", "vllm", compiled=True),

@@ -2,7 +2,8 @@
 """Routed experts from host memory in vLLM's real engine: ringflow's expert lane vs its peers.
 
     python3 tools/experts_bench.py [--layers 4] [--rounds 5] [--only a,b] [--routings hard,easy]
-                                   [--prefills 8192,32768] [--batches 1,8,64] [--json FILE]
+                                   [--prefills 8192,32768] [--batches 1,8,64] [--window 1]
+                                   [--deadline S] [--json FILE]
 
 A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8, bf16, dummy
 weights: speed does not depend on values; ``--layers`` of its 48 layers) in vLLM 0.26's engine,
@@ -29,8 +30,8 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
 * prefill: one prompt of each ``--prefills`` size, one step each (``max_num_batched_tokens``
   is the largest), generating one token: tokens/s of the prompt;
 * decode: steady-state step time at each batch size, the batch's prefill outside the window:
-  the same batch generating ``short`` and ``long`` new tokens, ``long`` sized so the
-  difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
+  the same batch generating ``short`` and ``long`` new tokens, ``long`` grown (once per
+  engine, routing and batch) until the difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
   t_short). Two routings, stated per row: ``hard``, sampled at temperature 1 with a seed per
   request over dummy weights (new experts at every token), and ``easy``, greedy (the same
   token, so the same experts, every step).
@@ -117,8 +118,11 @@ def main() -> int:
     parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, one step each")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
     parser.add_argument("--window", type=float, default=1.0, help="decode window, seconds")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no new round starts (a lent GPU's limit)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    begun = time.perf_counter()
     prefills = [int(p) for p in args.prefills.split(",") if p]
     batches = [int(b) for b in args.batches.split(",") if b]
     routings = [r for r in args.routings.split(",") if r]
@@ -169,10 +173,18 @@ def main() -> int:
         for routing in routings:
             for b in batches:
                 key = (name, routing, b)
-                if key not in windows:  # size the window once, from a first estimate
-                    step = (timed(llm, short[:b], params(routing, 18))
-                            - timed(llm, short[:b], params(routing, 2))) / 16
-                    windows[key] = 2 + max(16, math.ceil(args.window / max(step, 1e-4)))
+                if key not in windows:  # size the window once: grow it until it lasts
+                    n = 16
+                    while n < 4096:
+                        took = (timed(llm, short[:b], params(routing, n + 2))
+                                - timed(llm, short[:b], params(routing, 2)))
+                        if took >= args.window:
+                            break
+                        # at most 8x a try: a noisy (even negative) first difference must
+                        # not send the window to thousands of steps
+                        n = min(4096, 8 * n, max(2 * n, math.ceil(1.3 * n * args.window
+                                                                  / max(took, 1e-3))))
+                    windows[key] = n + 2
                 t_short = timed(llm, short[:b], params(routing, 2))
                 t_long = timed(llm, short[:b], params(routing, windows[key]))
                 r.setdefault(f"decode_{routing}_b{b}_tok_s", []).append(
@@ -193,6 +205,10 @@ def main() -> int:
                 continue
             table[name] = {k: spread(v) for k, v in r.items()
                            if isinstance(v, list) and v and k.endswith("tok_s")}
+            for key, cell in table[name].items():  # a round shorter than --window: noise
+                spans = r.get(key.replace("tok_s", "window_s"), [])
+                if spans and min(spans) < args.window:
+                    cell["short_window"] = True
         base = table.get("resident", {})
         for name, row in table.items():
             if "error" in row:
@@ -211,7 +227,7 @@ def main() -> int:
                 if key in base:
                     copy_s = args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
                     bounds[key] = round(p / max(p / base[key]["median"], copy_s), 1)
-        doc = records.record("python3 tools/experts_bench.py " + " ".join(sys.argv[1:]),
+        doc = records.record("python3 tools/experts_bench.py",
                              vllm=vllm.__version__, runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
                              layers=args.layers, rounds=rounds, slots_per_layer=SLOTS,
                              ring_layers=RING, device_layers_of_experts=device_layers(args.layers),
@@ -251,12 +267,17 @@ def main() -> int:
         measure(name, llm)  # round 0 now: a run cut short keeps every engine measured so far
         summary(1)
 
+    done = 1
     for round_ in range(1, args.rounds):
+        if args.deadline and time.perf_counter() - begun > args.deadline:
+            print(f"[experts-bench] --deadline: stopping after {done} rounds", flush=True)
+            break
         for name, llm in engines.items():  # interleaved: every configuration once per round
             measure(name, llm)
-        summary(round_ + 1)
-        print(f"[experts-bench] round {round_ + 1} done", flush=True)
-    doc = summary(args.rounds)
+        done = round_ + 1
+        summary(done)
+        print(f"[experts-bench] round {done} done", flush=True)
+    doc = summary(done)
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
         f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]
     print("| config | " + " | ".join(c.replace("_tok_s", "") for c in cells) + " |")
@@ -266,7 +287,8 @@ def main() -> int:
             print(f"| {name} | did not start: {row['error'][:120]} |")
             continue
         print(f"| {name} | " + " | ".join(
-            (f"{row[c]['median']:,} [{row[c]['min']:,}-{row[c]['max']:,}]" if c in row else "-")
+            (f"{row[c]['median']:,} [{row[c]['min']:,}-{row[c]['max']:,}]"
+             + (" (short window)" if row[c].get("short_window") else "") if c in row else "-")
             for c in cells) + " |")
     if doc["copy_bound_tok_s"]:
         print("| copy bound | " + " | ".join(str(doc["copy_bound_tok_s"].get(c, ""))

@@ -151,3 +151,17 @@ def test_ringflow_dump_to_a_directory_writes_named_files_inside_it(tmp_path):
     assert json.loads(js.read_text())["executor"] == "sync: one stream"
     assert 'label="ran by: sync: one stream"' in dot.read_text()
     assert "executor" not in json.loads(write_files(dag, str(tmp_path / "plain"))[0].read_text())
+
+
+def test_each_rank_dumps_to_its_own_files(tmp_path):
+    """Under tensor parallelism every worker writes: ``.rank<R>`` keeps the ranks apart, and
+    the JSON writer turns an unwritable path into one typed error."""
+    from ringflow.errors import OutputError
+    from ringflow.orchestrator.dumps import dump_stem, write_json
+    assert dump_stem(str(tmp_path / "plan.json"), 1) == str(tmp_path / "plan.rank1")
+    assert dump_stem(f"{tmp_path}/", 0) == str(tmp_path / "ringflow-plan.rank0")
+    assert dump_stem(str(tmp_path / "plan")) == str(tmp_path / "plan")  # one process
+    written = write_json(f"{dump_stem(str(tmp_path / 'lane'), 3)}.experts.json", {"a": 1})
+    assert written.name == "lane.rank3.experts.json" and json.loads(written.read_text()) == {"a": 1}
+    with pytest.raises(OutputError, match="RINGFLOW_DUMP"):
+        write_json(tmp_path / "missing" / "x.json", {})
