@@ -84,8 +84,10 @@ def dump_stem(base: str, rank: int | None = None) -> str:
     return stem if rank is None else f"{stem}.rank{rank}"
 
 
-def write_json(path: str | Path, doc: Any) -> Path:
-    """``doc`` as indented JSON at ``path``: what ``RINGFLOW_DUMP`` writes besides plans.
+def write_json(path: str | Path, doc: Any,
+               fix: str = "point RINGFLOW_DUMP at a writable path") -> Path:
+    """``doc`` as indented JSON at ``path``: what ``RINGFLOW_DUMP`` writes besides plans, and
+    every benchmark record (``ringflow/bench/records.py``); ``fix`` ends the error.
 
     Raises:
         OutputError: the file cannot be written (the OS error is the cause).
@@ -94,8 +96,7 @@ def write_json(path: str | Path, doc: Any) -> Path:
     try:
         path.write_text(json.dumps(doc, indent=1))
     except OSError as exc:
-        raise OutputError(f"cannot write {path} ({exc.strerror or exc}); point RINGFLOW_DUMP "
-                          f"at a writable path") from exc
+        raise OutputError(f"cannot write {path} ({exc.strerror or exc}); {fix}") from exc
     return path
 
 

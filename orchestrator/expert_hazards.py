@@ -70,6 +70,35 @@ class ExpertOp:
 _PREVIOUS = -1  # the steps before this one, in the happens-before sets below
 
 
+class _Order:
+    """Happens-before over a trace's streams: per stream, the operations ordered before its
+    next one (stream order, ``record``/``wait`` of events, ``wait`` on a stream)."""
+
+    def __init__(self, knows: dict[object, set[int]] | None = None) -> None:
+        self.knows = knows or {}
+        self.issued: dict[object, list[int]] = {}
+        self.events: dict[object, set[int]] = {}
+
+    def before(self, i: int, op: ExpertOp) -> set[int] | None:
+        """What happens-before operation ``i``; None for a ``record`` or ``wait``, which only
+        order (consumed here)."""
+        known = self.knows.setdefault(op.stream, set())
+        if op.kind == "wait":
+            if op.on in self.events:
+                known |= self.events[op.on]
+            else:
+                known |= self.knows.get(op.on, set()) | set(self.issued.get(op.on, ()))
+            return None
+        after = known | set(self.issued.get(op.stream, ()))
+        if op.kind == "record":
+            self.events[op.on] = after
+            return None
+        return after
+
+    def issue(self, i: int, op: ExpertOp) -> None:
+        self.issued.setdefault(op.stream, []).append(i)
+
+
 def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp],
                       slots: int) -> dict[int, int]:
     """Prove one step (Note [Expert lane hazards]); ``held`` is slot → expert before it.
@@ -83,12 +112,10 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
     held = dict(held)
     lane = next((op.stream for op in ops if op.kind in ("read", "host")),
                 ops[0].stream if ops else None)
-    knows: dict[object, set[int]] = {lane: {_PREVIOUS}}  # per stream: ops ordered before its next
-    issued: dict[object, list[int]] = {}
+    order = _Order({lane: {_PREVIOUS}})  # the lane's stream follows the previous steps
     writer: dict[int, int] = {}  # slot -> the install that wrote it this step
     readers: dict[int, list[int]] = {}  # slot -> reads of it since
     read: dict[int, int] = {}
-    events: dict[object, set[int]] = {}
 
     def unordered(i: int, after: set[int], s: int, first: list[int]) -> None:
         late = [j for j in first if j not in after]
@@ -99,13 +126,8 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                               f"{sorted({str(ops[j].stream) for j in late})}", [*late, i])
 
     for i, op in enumerate(ops):
-        known = knows.setdefault(op.stream, set())
-        if op.kind == "wait":
-            known |= _waited(op.on, events, knows, issued)
-            continue
-        after = known | set(issued.get(op.stream, ()))
-        if op.kind == "record":
-            events[op.on] = after
+        after = order.before(i, op)
+        if after is None:
             continue
         if op.kind == "install":
             written = [s for _, s in op.pairs]
@@ -139,21 +161,12 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
         else:
             raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, "
                               f"host, record or wait", [i])
-        issued.setdefault(op.stream, []).append(i)
+        order.issue(i, op)
     if set(read) != needed:
         missing, extra = sorted(needed - set(read)), sorted(set(read) - needed)
         raise HazardError("incomplete", f"experts chosen but never read: {missing}; read but not "
                           f"chosen: {extra}", [read[e] for e in extra])
     return held
-
-
-def _waited(on: object, events: dict[object, set[int]], knows: dict[object, set[int]],
-            issued: dict[object, list[int]]) -> set[int]:
-    """What a ``wait`` on ``on`` orders after: the event's record, or everything stream ``on``
-    issued and knew."""
-    if on in events:
-        return events[on]
-    return knows.get(on, set()) | set(issued.get(on, ()))
 
 
 def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
@@ -166,21 +179,15 @@ def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
     Raises:
         HazardError: the first hazard, with the indices of the offending operations.
     """
-    knows: dict[object, set[int]] = {}
-    issued: dict[object, list[int]] = {}
-    events: dict[object, set[int]] = {}
+    order = _Order()
     holds: dict[int, int] = {}
     writer: dict[int, int] = {}  # slot -> its latest fill
     readers: dict[int, list[int]] = {}  # slot -> reads since that fill
     for i, op in enumerate(ops):
-        known = knows.setdefault(op.stream, set())
-        if op.kind == "wait":
-            known |= _waited(op.on, events, knows, issued)
+        after = order.before(i, op)
+        if after is None:
             continue
-        after = known | set(issued.get(op.stream, ()))
-        if op.kind == "record":
-            events[op.on] = after
-        elif op.kind in ("fill", "read"):
+        if op.kind in ("fill", "read"):
             for position, s in op.pairs:
                 if not 0 <= s < slots:
                     raise HazardError("slot-range", f"operation {i} ({op.kind}) names ring slot "
@@ -206,5 +213,5 @@ def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
         else:
             raise HazardError("unknown", f"operation {i} is {op.kind!r}, not fill, read, record "
                               f"or wait", [i])
-        issued.setdefault(op.stream, []).append(i)
+        order.issue(i, op)
     return holds

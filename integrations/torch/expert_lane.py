@@ -63,11 +63,13 @@ class TorchCompute:
 class ExpertLane:
     """The chosen layers' ``caches`` (decoder index → cache), one ``ring`` over the same layers
     in index order (None: no ring), ``computes`` per layer, and the lookaheads (layer → its
-    guess of the next chosen layer, Note [Expert lookahead]); see Note [Expert lane modes]."""
+    guess of the next chosen layer, Note [Expert lookahead]) and the engine's ``modules`` per
+    layer; see Note [Expert lane modes]."""
 
     def __init__(self, caches: Mapping[int, ExpertCache], computes: Mapping[int, Compute],
                  ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
-                 lookaheads: Mapping[int, Lookahead] | None = None) -> None:
+                 lookaheads: Mapping[int, Lookahead] | None = None,
+                 modules: Mapping[int, object] | None = None) -> None:
         if set(computes) != set(caches):
             raise ConfigError(f"one compute per cached layer: caches {sorted(caches)}, "
                               f"computes {sorted(computes)}")
@@ -86,6 +88,9 @@ class ExpertLane:
                                 for kind in ("fetch", "moe", "lookahead", "layer")}
                         for layer in self.caches}
         self.said_capture = False
+        #: the engine's object per layer that this lane serves (vLLM's ``RoutedExperts``), for
+        #: whoever must find a layer's lane (a reload); empty outside an engine
+        self.modules = dict(modules or {})
 
     def _layer_of(self, cache: ExpertCache) -> int:
         return next(i for i, c in self.caches.items() if c is cache)

@@ -168,8 +168,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
         ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
                                device, stream, poison_reads=envs.flag("RINGFLOW_POISON"))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
-    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead)
-    lane.modules = modules
+    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules)
     for i, experts in modules.items():
         if not compat.shadow(state, _FORWARD, experts, _forward(i, lane)):
             raise UnsupportedModelError(f"experts: layer {i}'s {type(experts).__qualname__}."

@@ -7,7 +7,6 @@ command a number came from.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ringflow.errors import OutputError
+from ringflow.orchestrator.dumps import write_json
 
 
 def command_line(program: str) -> str:
@@ -63,9 +62,4 @@ def write(path: Path | str, doc: dict[str, Any]) -> Path:
     Raises:
         OutputError: the file cannot be written (the OS error is the cause).
     """
-    path = Path(path)
-    try:
-        path.write_text(json.dumps(doc, indent=1))
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror}; give a writable path") from exc
-    return path
+    return write_json(path, doc, "give a writable path")
