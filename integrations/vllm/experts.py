@@ -317,6 +317,19 @@ def _dump(lane: ExpertLane, base: str) -> None:
     log.info("wrote the expert lane's layout to %s", path)
 
 
+#: vLLM's MoE quant methods by a part of their class name -> the format a user knows
+_FORMATS = (("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"), ("fp4", "fp4"), ("fp8", "fp8"),
+            ("marlin", "int4 (Marlin)"), ("gptq", "int4 (GPTQ)"), ("awq", "int4 (AWQ)"),
+            ("wna16", "int4/int8 weight-only"), ("int8", "int8"), ("int4", "int4"),
+            ("compressedtensors", "compressed-tensors"))
+
+
+def quant_format(method: str) -> str:
+    """The quantization format a MoE quant method class (by name) serves, as users name it."""
+    low = method.lower()
+    return next((name for part, name in _FORMATS if part in low), "quantized")
+
+
 def check_layer(index: int, runner, experts, offload: str | None = None) -> None:
     """Raise ``UnsupportedModelError`` naming every reason this lane cannot compute layer
     ``index``'s routed experts exactly (Note [Experts in vLLM]); ``offload`` says how to put
@@ -348,8 +361,11 @@ def check_layer(index: int, runner, experts, offload: str | None = None) -> None
         why.append("it applies router weights on the input")
     if experts.global_num_experts != experts.local_num_experts:
         why.append("its experts are split over ranks (expert parallelism)")
-    if type(experts.quant_method).__name__ != "UnquantizedFusedMoEMethod":
-        why.append(f"its experts are quantized ({type(experts.quant_method).__name__})")
+    method = type(experts.quant_method).__name__
+    if method != "UnquantizedFusedMoEMethod":
+        why.append(f"its experts are quantized: {quant_format(method)} ({method}); the lane "
+                   f"serves unquantized experts only: serve the unquantized checkpoint "
+                   f"(without --quantization), or drop the experts section")
     if why:
         raise UnsupportedModelError(f"experts: layer {index} ({experts.layer_name}) cannot take "
                                     f"its routed experts from host memory: {'; '.join(why)}. "

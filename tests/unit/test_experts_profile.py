@@ -60,6 +60,14 @@ def test_the_front_end_checks_expert_layers_against_the_models_config():
      "monolithic"),
     ({"w13_bias": object()}, "biases"),
     ({"local_num_experts": 8}, "expert parallelism"),
+    ({"quant_method": type("Fp8MoEMethod", (), {"is_monolithic": False})()},
+     r"quantized: fp8 \(Fp8MoEMethod\).*without --quantization"),
+    ({"quant_method": type("Mxfp4MoEMethod", (), {"is_monolithic": False})()},
+     r"quantized: mxfp4"),
+    ({"quant_method": type("GPTQMarlinMoEMethod", (), {"is_monolithic": False})()},
+     r"quantized: int4 \(Marlin\)"),
+    ({"quant_method": type("AWQMoEMethod", (), {"is_monolithic": False})()},
+     r"quantized: int4 \(AWQ\)"),
 ])
 def test_layers_the_lane_cannot_compute_are_refused_by_name(change, words):
     from ringflow.errors import UnsupportedModelError
