@@ -20,14 +20,17 @@ Note [Experts in vLLM]
     2. builds an :class:`~ringflow.integrations.torch.expert_cache.ExpertCache` over them: its
        slots are allocated while vLLM loads the model, so vLLM counts them as model memory
        before it sizes the KV cache;
-    3. replaces the layer's ``forward_modular`` (on that object only): the cache installs the
-       experts the router chose that are not cached, and each pass computes its experts from
-       the slots (or, in place, from the host store: Note [Expert cache], step 5), summed
-       into the layer's routed output. On a GPU the pass is vLLM's own
-       fused-MoE kernel, called with the slots as the layer's weights and the pass's
-       expert→slot map as its ``expert_map`` (as for expert parallelism: experts mapped to -1
-       contribute nothing); only vLLM's Triton experts honour that map, so other MoE backends
-       are refused with ``--moe-backend triton``. On the CPU it is ringflow's torch MoE
+    3. gives the layer's object its own ``forward_modular`` (``compat.shadow``; the model's one
+       ``ExpertLane``, owned by ``PluginState.expert_lanes``, serves it): a step of fewer than
+       ``layer_tokens`` tokens through the cache, which installs the experts the router chose
+       that are not cached, each pass computing its experts from the slots (or, in place,
+       from the host store: Note [Expert cache], step 5); a larger step through the layer
+       ring (Note [Expert layer ring]). On a GPU each pass is vLLM's own fused-MoE kernel,
+       called with the slots as the layer's weights and the pass's expert→slot map as its
+       ``expert_map`` (as for expert parallelism: experts mapped to -1 contribute nothing),
+       with the resident layer's tiles and one sum (Note [Same bits as resident]); only
+       vLLM's Triton experts honour that map, so other MoE backends are refused with
+       ``--moe-backend triton``. On the CPU it is ringflow's torch MoE
        (``kernels/moe.py``). The runner's routed scaling and reductions are untouched, and so
        are its shared experts (DeepSeek's): vLLM computes them in the runner, or, where the
        runner leaves them to its kernel (``SharedExpertsOrder.MK_INTERNAL_OVERLAPPED``, with
@@ -180,9 +183,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     if envs.text("RINGFLOW_DUMP"):
         _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
-    asked = spec.slots if spec.slots is not None else None
-    cut = (f" (experts.slots: {asked} asked, cut to the layer's {first.experts} experts)"
-           if asked is not None and asked > first.experts else "")
+    cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
+           if spec.slots is not None and spec.slots > first.experts else "")
     log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
              "(%s)%s, host copies %s; a step of fewer than %d tokens brings in only the experts "
              "its router chose that are not kept%s", sorted(caches), first.experts, first.slots,
