@@ -150,9 +150,3 @@ class ExpertLane:
         ring = self.ring.describe() if self.ring is not None else None
         return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
                  "ring": ring} for i, cache in self.caches.items()]
-
-    @property
-    def bytes(self) -> int:
-        """Device bytes of the slots and the ring."""
-        return (sum(c.bytes for c in self.caches.values())
-                + (self.ring.bytes if self.ring is not None else 0))

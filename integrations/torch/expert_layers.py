@@ -101,9 +101,15 @@ class ExpertLayerRing:
             for v in views.values():
                 poison(v)
         self.poison_reads = poison_reads
-        #: per slot, its last read's retire event (the CPU: a mark), None where no read
-        #: since its last fill needs waiting for (never read, or ordered by abandon)
-        self._retired: list[object] = [None] * self.pool.slots
+        # one ready and one retire event per slot, made once: a slot's event is recorded
+        # again only after every wait on its previous record was issued (host order), so no
+        # event is made per layer on the step's path
+        cuda = self.device.type == "cuda"
+        self._ready = [torch.cuda.Event() if cuda else None for _ in range(self.pool.slots)]
+        self._retire = [torch.cuda.Event() if cuda else None for _ in range(self.pool.slots)]
+        #: per slot, whether a read since its last fill must be waited for before the next
+        #: fill (False: never read, or ordered by stream order after an abandon)
+        self._retired: list[bool] = [False] * self.pool.slots
         self._next = 0  # the next position to fill: >= len(hosts) is the next step's
         self._reading = None  # (position, lease) of the layer computing now
         self.steps = 0  # large steps served
@@ -140,7 +146,7 @@ class ExpertLayerRing:
             self.steps += 1
             if (LANE, 0) in self.pool.carried:
                 self.carried_steps += 1
-        if next(iter(self.pool.carried), (None, position))[1] != position:
+        if self._head() != position:
             self.abandon()  # not the position the fills ran ahead for: start over from here
             self._next = position
         self._fill_ahead()
@@ -163,14 +169,12 @@ class ExpertLayerRing:
         if self.poison_reads:  # after the read, before the retire event: same stream
             for v in self.views[lease.slot].values():
                 poison(v)
-        compute = self._current()
-        event = None
-        if compute is not None:
-            event = torch.cuda.Event()
-            event.record(compute)
+        event = self._retire[lease.slot]
+        if event is not None:
+            event.record(self._current())
         self._op("record", "compute", on=("retired", lease.slot))
         lease.retire(event)
-        self._retired[lease.slot] = event if event is not None else "in line"
+        self._retired[lease.slot] = True
         lease.release()
         if position == self.layers - 1:
             self._next -= self.layers  # what was filled past the end is the next step's
@@ -189,12 +193,16 @@ class ExpertLayerRing:
             _, lease = self._reading
             self._reading = None
             lease.retire(None)  # never read past this point: the next fill waits for its
-            self._retired[lease.slot] = None  # reads by stream order on the compute stream
+            self._retired[lease.slot] = False  # reads by stream order on the compute stream
             lease.release()
             if self.stream is not None:  # the reads were issued on the compute stream
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             self._op("wait", "copy", on="compute")
         self.pool.forget_carried()
+
+    def _head(self) -> int | None:
+        """The position of the oldest fill issued ahead (None: none)."""
+        return next(iter(self.pool.carried), (None, None))[1]
 
     def _fill_ahead(self) -> None:
         """Fill positions from ``_next`` into free slots, up to the next step's last."""
@@ -210,7 +218,7 @@ class ExpertLayerRing:
     def _fill(self, position: int, lease) -> None:
         views, host = self.views[lease.slot], self.hosts[position]
         retired = self._retired[lease.slot]
-        if retired is not None:
+        if retired:
             self._op("wait", "copy", on=("retired", lease.slot))
         self._op("fill", "copy", pairs=((position, lease.slot),))
         self._op("record", "copy", on=("ready", lease.slot))
@@ -220,9 +228,9 @@ class ExpertLayerRing:
                 v.copy_(host[name])
             lease.mark_ready(None)
             return
-        ready = torch.cuda.Event()
-        if retired is not None:
-            self.stream.wait_event(retired)  # its last reader is done
+        ready = self._ready[lease.slot]
+        if retired:
+            self.stream.wait_event(self._retire[lease.slot])  # its last reader is done
         for name, v in views.items():  # a copy engine (DMA), not the SMs
             copy_async(v.data_ptr(), host[name].data_ptr(), v.numel() * v.element_size(),
                        self.stream.cuda_stream)

@@ -157,7 +157,7 @@ def _layer_refill_before_retire() -> None:
     original = ExpertLayerRing._fill
 
     def fill(self, position, lease):
-        self._retired[lease.slot] = None  # as if the slot had never been read
+        self._retired[lease.slot] = False  # as if the slot had never been read
         original(self, position, lease)
 
     ExpertLayerRing._fill = fill
