@@ -115,6 +115,9 @@ def fetch_experts(host: torch.Tensor, cache: torch.Tensor, expert_ids: torch.Ten
     n = int(count.reshape(()).item())  # CPU (or a GPU without Triton): a plain indexed copy
     if n > expert_ids.shape[0]:
         raise KernelError(f"count {n} exceeds the {expert_ids.shape[0]} entries given")
-    picked = host.index_select(0, expert_ids[:n].to(host.device, torch.long))
-    cache.index_copy_(0, slot_ids[:n].to(cache.device, torch.long), picked.to(cache.device))
+    # as bytes: torch indexes no fp8 dtype on the CPU, and a byte copy is exact for any
+    raw_host = host.reshape(host.shape[0], -1).view(torch.uint8)
+    raw_cache = cache.view(cache.shape[0], -1).view(torch.uint8)
+    picked = raw_host.index_select(0, expert_ids[:n].to(host.device, torch.long))
+    raw_cache.index_copy_(0, slot_ids[:n].to(cache.device, torch.long), picked.to(cache.device))
     return cache

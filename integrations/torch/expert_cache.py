@@ -33,6 +33,12 @@ Note [Expert cache]
        crossing point was measured (``tools/experts_in_place_bench.py``). The choice depends
        on the step's shape only, so a captured graph replays it for any routing.
 
+    6. Whole in place (``whole_in_place``): a step that needs several passes is computed in
+       one, straight from the host store, nothing installed. For kernels whose arithmetic
+       spans a step's rows (fp8 with one activation scale per step, Note [fp8 experts]),
+       passes would round otherwise than the resident layer; one pass over the host store is
+       the resident call on host memory (what vLLM's UVA offloader runs).
+
     No slot is rewritten while a reader may run: the fetch and the MoE kernel share one stream,
     so a pass's install waits for the previous pass's (and step's) compute by stream order, and
     pass 0 writes only slots no token of this step reads. The state (which expert is in which
@@ -65,7 +71,7 @@ class ExpertCache:
 
     def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
                  device: torch.device | str, programs: int = PROGRAMS,
-                 in_place_tokens: int = 0) -> None:
+                 in_place_tokens: int = 0, whole_in_place: bool = False) -> None:
         counts = {name: t.shape[0] for name, t in host.items()}
         if not counts or len(set(counts.values())) != 1:
             raise ConfigError(f"expert parameters must share their first dimension (the "
@@ -84,12 +90,13 @@ class ExpertCache:
         if in_place_tokens < 0:
             raise ConfigError(f"in_place_tokens must be >= 0 (0: never in place), got "
                               f"{in_place_tokens}")
-        if in_place_tokens and any(t.device != self.device for t in self.host.values()):
+        if ((in_place_tokens or whole_in_place)
+                and any(t.device != self.device for t in self.host.values())):
             raise ConfigError(f"reading experts in place needs a host store the kernel reads "
                               f"on {self.device} (a CUDA view of pinned memory); this one is on "
                               f"{sorted({str(t.device) for t in self.host.values()})}: set "
                               f"in_place_tokens to 0")
-        self.in_place_tokens = in_place_tokens
+        self.in_place_tokens, self.whole_in_place = in_place_tokens, whole_in_place
         self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
                                           device=self.device) for name, t in host.items()}
         for name, w in self.weights.items():
@@ -104,6 +111,7 @@ class ExpertCache:
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
         self.in_place_steps = torch.zeros((), dtype=torch.int64, device=dev)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=dev)  # choices of -1 seen
         # lookahead (Note [Expert lookahead]): the experts predicted for the coming step, and
         # over all steps how many were predicted, how many of those the step chose, and how
         # many the prediction installed
@@ -124,6 +132,8 @@ class ExpertCache:
     def passes(self, tokens: int, top_k: int) -> int:
         """Passes a step of ``tokens`` tokens routed to ``top_k`` experts each gets."""
         through_slots = max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
+        if through_slots > 1 and self.whole_in_place:
+            return 1
         return 2 if through_slots > 1 and self.reads_in_place(tokens) else through_slots
 
     def reads_in_place(self, tokens: int) -> bool:
@@ -145,6 +155,11 @@ class ExpertCache:
         e, s = self.experts, self.slots
         passes = self.passes(*topk_ids.shape)
         needed = self._chosen(topk_ids)
+        self.skipped += (topk_ids < 0).sum()
+        if self.whole_in_place and math.ceil(min(e, topk_ids.numel()) / s) > 1:  # step 6
+            self.in_place_steps += 1  # one pass, all from the host: no slot serves it
+            yield self.host, self._traced_read(torch.where(needed, self._experts, -1), "host")
+            return
         cached = self.slot_of[:e] >= 0
         miss = needed & ~cached
         miss_count = miss.sum()
@@ -264,6 +279,7 @@ class ExpertCache:
                                 "pinned host copy" if t.is_pinned() else "host copy")
                          for name, t in self.host.items()},
                 "hits": hits, "misses": misses, "in_place_tokens": self.in_place_tokens,
+                "whole_in_place": self.whole_in_place, "skipped_choices": int(self.skipped),
                 "in_place_steps": int(self.in_place_steps),
                 **({"lookahead": dict(zip(("predicted", "chosen", "installed"),
                                           self.predictions.tolist()))}

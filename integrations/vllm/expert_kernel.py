@@ -21,8 +21,9 @@ Note [Same bits as resident]
        select by the pass's mask: exact) and sums them once, after the last pass, with vLLM's
        own ``moe_sum``. vLLM's objects are not changed.
 
-    3. **Rows.** Without an ``expert_map`` and with few tokens (``tokens * top_k * 4 <=
-       experts``, a decode step) the kernel gives each (token, choice) a block of its own (a
+    3. **Rows.** A choice of -1 stays -1 and is skipped, as the resident kernel skips it.
+       Without an ``expert_map`` and with few tokens (``tokens * top_k * 4 <= experts``, a
+       decode step) the kernel gives each (token, choice) a block of its own (a
        "naive" assignment); with a map it sorts them into blocks per expert. A step served in
        one pass (every choice in a slot) therefore names the slots as its choices and passes
        no map, with the layer's expert count as ``global_num_experts``: the kernel takes the
@@ -32,6 +33,30 @@ Note [Same bits as resident]
     A ring buffer holds the whole layer in its layout, so that call is the resident call on
     other memory. tests/vllm_engine/test_cuda_vllm_experts.py compares tokens and logprobs
     with all-resident vLLM for equality on the H200, decode steps and passes included.
+
+Note [fp8 experts]
+    vLLM's fp8 MoE (``Fp8MoEMethod`` for fp8 checkpoints, per tensor or in 128x128 blocks as
+    DeepSeek-V3's and Qwen3's FP8 releases; ``Fp8PerTensorOnlineMoEMethod`` and its block
+    sibling for a bf16 checkpoint quantized at load) keeps, beside each expert's fp8 weights,
+    its weight scales: one per expert (``[experts]``, per tensor) or one per 128x128 block
+    (``[experts, n/128, k/128]``). vLLM's Triton kernel reads an expert's scales at the index it
+    reads its weights, from the ``w1_scale``/``w2_scale`` of its quantization config. So the
+    lane moves the scales with the weights (``w13_scale``/``w2_scale`` beside ``w13``/``w2``
+    in the host store, the slots and the ring's buffers: a few KiB per expert) and each pass
+    runs the kernel through a copy of its quantization config whose scales are that pass's.
+    The activations are quantized by the kernel as for the resident layer (dynamically, or by
+    the layer's static scales). Two cases are bit for bit the resident layer's and one is not:
+
+    * blocks (weights 128x128, activations per token and 128 columns): every quantity a row
+      depends on is the row's own, so passes change nothing;
+    * per tensor, a step of one pass (decode steps whose experts fit the slots, ring steps):
+      the same call on other memory;
+    * per tensor with dynamic activation scales: vLLM scales the intermediate activations of
+      all of a step's rows by one scale (their largest value), so a pass that saw only its
+      rows would round them otherwise (a top-5 logprob gap of 0.5 on the H200 test model).
+      A step whose experts do not fit the slots is therefore computed in one pass straight
+      from the host store (Note [Expert cache], step 6: the resident call on host memory).
+      Under vLLM's FULL graphs the step's padded rows enter that one scale too.
 """
 
 from __future__ import annotations
@@ -54,6 +79,7 @@ class ResidentKernel:
         self.w13_shape, self.w2_shape = shapes
         self._kernel = None  # the vLLM kernel the copies below were made from
         self._summing = None  # a copy of its modular impl whose experts keep rows (moe_sum)
+        self._configs: dict[tuple, object] = {}  # per set of scale tensors: a config over them
         self._acc: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self._last = False
@@ -68,7 +94,26 @@ class ResidentKernel:
                 original, experts, rows, output)
             impl.fused_experts = experts
             self._kernel, self._summing = kernel, impl
+            self._configs.clear()
         return self._summing
+
+    def _scaled(self, weights: Mapping[str, torch.Tensor]):
+        """vLLM's quantization config of this layer with the scales ``weights`` holds (Note
+        [fp8 experts]); the layer's own for unquantized experts."""
+        base = self._kernel.impl.fused_experts.quant_config
+        if "w13_scale" not in weights:
+            return base
+        w1, w2 = weights["w13_scale"], weights["w2_scale"]
+        key = (w1.data_ptr(), w2.data_ptr(), w1.shape[0])
+        config = self._configs.get(key)
+        if config is None:  # one per scale store: the host's, the slots', each ring buffer's
+            config = copy.copy(base)
+            for field, scale, layer in (("_w1", w1, base.w1_scale), ("_w2", w2, base.w2_scale)):
+                desc = copy.copy(getattr(base, field))
+                desc.scale = scale.view(scale.shape[0], *layer.shape[1:])
+                setattr(config, field, desc)
+            self._configs[key] = config
+        return config
 
     def config(self, tokens: int, dtype: torch.dtype) -> dict:
         """The tiles vLLM gives the resident layer for a step of ``tokens`` tokens."""
@@ -91,14 +136,19 @@ class ResidentKernel:
             raise KernelError(f"expert weights {tuple(w13.shape)}/{tuple(w2.shape)} do not "
                               f"match the layer's {tuple(self.w13_shape)}/{tuple(self.w2_shape)}")
         impl = self._impl()
+        impl.fused_experts.quant_config = self._scaled(weights)
         if last and self._acc is None and expert_map is not None:
             # the step's only pass: every choice is in a slot. Name the slots as the choices
             # and pass no map, so the kernel assigns rows as it does for the resident layer
-            topk_ids = expert_map[topk_ids.long()].to(topk_ids.dtype)
+            # a choice of -1 (a row vLLM pads a graph's batch with) stays -1, as the resident
+            # kernel skips it: indexing the map with -1 would read the last expert's slot
+            chosen = topk_ids.long()
+            topk_ids = torch.where(chosen >= 0, expert_map[chosen.clamp(min=0)], -1).to(
+                topk_ids.dtype)
             expert_map = None
         self._last = last
         self._mask = (None if expert_map is None else
-                      expert_map[topk_ids.long().clamp(min=0)] >= 0)
+                      (topk_ids >= 0) & (expert_map[topk_ids.long().clamp(min=0)] >= 0))
         try:
             with override_config(self.config(x.shape[0], x.dtype)):
                 out = impl.apply(hidden_states=x, w1=w13, w2=w2, topk_weights=topk_weights,

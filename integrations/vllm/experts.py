@@ -38,9 +38,10 @@ Note [Experts in vLLM]
 
     Everything ``forward_modular`` does is device work in stream order on vLLM's stream, with
     no host sync, so it runs inside the opaque ``moe_forward`` op vLLM captures in its CUDA
-    graphs, and a replay fetches what its step's router chose. Layers whose experts need more
-    than the SiLU-gated MoE this computes (biases, router weights applied on the input,
-    quantized experts, expert parallelism) are refused by name.
+    graphs, and a replay fetches what its step's router chose. fp8 experts (on a GPU) move
+    with their scales (Note [fp8 experts]). Layers whose experts need more than the SiLU-gated
+    MoE this computes (biases, router weights applied on the input, other quantized formats,
+    expert parallelism) are refused by name.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from collections.abc import Iterator
 import torch
 
 from ringflow import envs
-from ringflow.errors import OutputError, ProfileError, UnsupportedModelError
+from ringflow.errors import EngineError, OutputError, ProfileError, UnsupportedModelError
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
@@ -109,6 +110,38 @@ def before_processing(state: PluginState, original, method, layer, *args, **kwar
     return original(method, layer, *args, **kwargs)
 
 
+def explain_load_failure(vllm_config, exc: BaseException) -> None:
+    """vLLM failed to load a model the profile serves experts of: one line where ringflow can
+    tell why. vLLM 0.26's UVA offloader copies each parameter to host memory when the layer is
+    built, and weights quantized at load (``--quantization fp8`` over a bf16 checkpoint) are
+    then on the meta device, with no data yet."""
+    quantization = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
+    if "meta tensor" in str(exc) and quantization:
+        log.error("experts: vLLM's UVA offloader (--cpu-offload-gb) cannot take routed experts "
+                  "quantized at load (--quantization %s: they are made on the meta device and "
+                  "filled later); serve an fp8 checkpoint (per tensor, or in 128x128 blocks "
+                  "like Qwen3-*-FP8 and DeepSeek-V3), whose experts the lane serves, or the "
+                  "bf16 checkpoint without --quantization", quantization)
+
+
+def refuse_quantized_reload(state: PluginState, runner) -> None:
+    """Before vLLM's ``reload_weights``: refused with one line while the runner's model has an
+    expert lane over fp8 layers. vLLM quantizes the new weights into new memory there (its fp8
+    methods replace the parameters), which the lane's slots, ring and captured fetches, reading
+    the old host store, would not follow."""
+    get_model = getattr(runner, "get_model", None)
+    lane = state.expert_lanes.get(get_model()) if get_model is not None else None
+    names = sorted(i for i, m in (lane.modules.items() if lane is not None else ())
+                   if quantized(m))
+    if names:
+        exc = EngineError(f"reload_weights is not supported while ringflow serves fp8 routed "
+                          f"experts from host memory (layers {names}): vLLM writes the new "
+                          f"weights to new memory the lane does not read; restart the engine "
+                          f"with the new checkpoint, or drop the profile's experts section")
+        log.error("%s", exc)
+        raise exc
+
+
 def moe_runners_of(decoder_layer) -> list:
     """The MoE runners of one decoder layer (vLLM's ``FusedMoE`` builds one per MoE layer,
     holding its ``RoutedExperts`` as ``routed_experts``)."""
@@ -150,15 +183,15 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
         check_layer(i, runner, experts, offload if on_gpu else None)
-        host = (copies.get(id(experts)) if not on_gpu else
-                {name: getattr(experts, f"{name}_weight").detach() for name in ("w13", "w2")})
+        host = copies.get(id(experts)) if not on_gpu else expert_tensors(experts)
         if host is None:
             raise UnsupportedModelError(f"experts: layer {i}'s routed experts were not seen "
                                         f"while vLLM loaded the model (their quant method is "
                                         f"{type(experts.quant_method).__name__}, not "
                                         f"vLLM's unquantized one)")
         cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
-                            experts.w13_weight.device, in_place_tokens=spec.in_place_tokens)
+                            experts.w13_weight.device, in_place_tokens=spec.in_place_tokens,
+                            whole_in_place=scales_across_rows(experts))
         caches[i], modules[i] = cache, experts
         computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
                        if on_gpu else TorchCompute())
@@ -185,12 +218,16 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     first = next(iter(caches.values()))
     cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
            if spec.slots is not None and spec.slots > first.experts else "")
-    log.info("experts: layers %s: %d routed experts each, %d kept on the device per layer "
-             "(%s)%s, host copies %s; a step of fewer than %d tokens brings in only the experts "
-             "its router chose that are not kept%s", sorted(caches), first.experts, first.slots,
+    log.info("experts: layers %s: %d routed experts each (%s), %d kept on the device per "
+             "layer (%s)%s, host copies %s; a step of fewer than %d tokens brings in only the "
+             "experts its router chose that are not kept%s", sorted(caches), first.experts,
+             weight_format(modules[min(modules)]), first.slots,
              mib(sum(c.bytes for c in caches.values())), cut,
              mib(sum(t.numel() * t.element_size() for c in caches.values()
                      for t in c.host.values())), spec.layer_tokens,
+             ("; a step needing more experts than the slots reads them all from host memory "
+              "in one pass (per-tensor fp8: one activation scale per step)"
+              if first.whole_in_place else "") +
              (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), copied ahead on a copy engine"
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
@@ -263,6 +300,26 @@ def _store_bytes(experts) -> int:
     return sum(t.numel() * t.element_size() for t in (experts.w13_weight, experts.w2_weight))
 
 
+def expert_tensors(experts) -> dict[str, torch.Tensor]:
+    """A GPU layer's per-expert tensors, as the lane moves them (Note [fp8 experts]): its
+    weights ``w13``/``w2`` and, for fp8, their scales ``w13_scale``/``w2_scale`` (a scale per
+    expert [experts] is kept as [experts, 1]: a cache slot is a row of at least two
+    dimensions; ``ResidentKernel`` hands the kernel the layer's own shape)."""
+    out = {name: getattr(experts, f"{name}_weight").detach() for name in ("w13", "w2")}
+    config = _quant_config(experts)
+    if config is not None and config.w1_scale is not None:
+        for name, scale in (("w13_scale", config.w1_scale), ("w2_scale", config.w2_scale)):
+            scale = scale.detach()
+            out[name] = scale.unsqueeze(-1) if scale.dim() == 1 else scale
+    return out
+
+
+def _quant_config(experts):
+    """The quantization config vLLM's kernel of this layer computes with (None: none)."""
+    kernel = getattr(experts.quant_method, "moe_kernel", None)
+    return getattr(getattr(kernel, "fused_experts", None), "quant_config", None)
+
+
 def _in_host_memory(t: torch.Tensor) -> bool:
     from ringflow.cudart import in_host_memory
     return in_host_memory(t.data_ptr())
@@ -296,6 +353,7 @@ def _dump(lane: ExpertLane, base: str) -> None:
     for row in lane.report():
         experts = lane.modules[row["layer"]]
         layers.append({**row, "name": experts.layer_name,
+                       "weights": weight_format(experts),
                        "compute": (f"vLLM {_kernel_name(experts)} with the resident layer's "
                                    f"tiles, summed once (Note [Same bits as resident])"
                                    if experts.w13_weight.is_cuda
@@ -364,14 +422,65 @@ def check_layer(index: int, runner, experts, offload: str | None = None) -> None
     if experts.global_num_experts != experts.local_num_experts:
         why.append("its experts are split over ranks (expert parallelism)")
     method = type(experts.quant_method).__name__
-    if method != "UnquantizedFusedMoEMethod":
+    if method in FP8_METHODS and not experts.w13_weight.is_cuda:
+        why.append(f"its experts are fp8 ({method}) and the lane computes fp8 experts with "
+                   f"vLLM's Triton kernel on a GPU only: on the CPU serve the unquantized "
+                   f"checkpoint (without --quantization)")
+    elif method in FP8_METHODS:
+        why.extend(_fp8_gaps(experts))
+    elif method != "UnquantizedFusedMoEMethod":
         why.append(f"its experts are quantized: {quant_format(method)} ({method}); the lane "
-                   f"serves unquantized experts only: serve the unquantized checkpoint "
-                   f"(without --quantization), or drop the experts section")
+                   f"serves unquantized and fp8 experts only: serve the unquantized or an fp8 "
+                   f"checkpoint, or drop the experts section")
     if why:
         raise UnsupportedModelError(f"experts: layer {index} ({experts.layer_name}) cannot take "
                                     f"its routed experts from host memory: {'; '.join(why)}. "
                                     f"Drop it from experts.layers")
+
+
+#: vLLM's fp8 MoE methods whose experts the lane serves (Note [fp8 experts]): checkpoints
+#: in fp8 (per tensor, or in blocks such as DeepSeek's 128x128) and bf16 ones quantized at load
+FP8_METHODS = ("Fp8MoEMethod", "Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod")
+
+
+def _fp8_gaps(experts) -> list[str]:
+    """Why the lane cannot serve this fp8 layer through its slots (none: it can): the kernel
+    must read one scale row per expert and nothing else per expert (zero points, biases)."""
+    config = _quant_config(experts)
+    if config is None or config.w1_scale is None or config.w2_scale is None:
+        return ["its fp8 kernel has no weight scales ringflow can read"]
+    e = experts.w13_weight.shape[0]
+    shapes = (tuple(config.w1_scale.shape), tuple(config.w2_scale.shape))
+    if any(not s or s[0] != e for s in shapes):
+        return [f"its fp8 weight scales {shapes} are not one row per expert ({e})"]
+    if any(getattr(config, k, None) is not None for k in ("w1_zp", "w2_zp", "w1_bias",
+                                                            "w2_bias")):
+        return ["its fp8 experts have zero points or biases"]
+    return []
+
+
+def weight_format(experts) -> str:
+    """How a layer's experts are stored, as the start-up line and the dump say it."""
+    config = _quant_config(experts) if quantized(experts) else None
+    if config is None:
+        return str(experts.w13_weight.dtype).removeprefix("torch.")
+    blocks = config.block_shape
+    return (f"fp8, scales per {blocks[0]}x{blocks[1]} block" if blocks else
+            "fp8, one scale per expert and weight")
+
+
+def scales_across_rows(experts) -> bool:
+    """Whether vLLM's kernel quantizes this layer's activations with one scale per step
+    (per-tensor fp8, dynamic): a row's result then depends on every row of the step, so a
+    step is never split into passes (Note [fp8 experts])."""
+    config = _quant_config(experts) if quantized(experts) else None
+    return (config is not None and config.block_shape is None and config.a1_scale is None
+            and not config.per_act_token_quant)
+
+
+def quantized(experts) -> bool:
+    """Whether vLLM computes this layer's experts from quantized weights."""
+    return type(experts.quant_method).__name__ != "UnquantizedFusedMoEMethod"
 
 
 def _say_other_offloaded(decoder: list, caches: dict[int, ExpertCache]) -> None:

@@ -63,7 +63,12 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
     wants_experts = profile is not None and profile.experts is not None
     with state.loading_with_plain_weights(streaming or plain), layers.recording() as stacks, \
             experts.taking_host_copies(wants_experts) as expert_copies:
-        result = original(worker, *args, **kwargs)
+        try:
+            result = original(worker, *args, **kwargs)
+        except NotImplementedError as exc:
+            if wants_experts:
+                experts.explain_load_failure(worker.vllm_config, exc)
+            raise
     try:
         if wants_experts:
             model = worker.model_runner.get_model()
@@ -275,6 +280,7 @@ def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):
     ...)``): the streamed layers' host copies take the new weights; the carried slots are
     re-filled from them before it returns (the next step may be a replay), the others are
     gathered by the step that reads them."""
+    experts.refuse_quantized_reload(state, runner)
     streamer = state.streamers.get(runner)
     if streamer is None:
         return original(runner, *args, **kwargs)

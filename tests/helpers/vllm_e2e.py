@@ -76,6 +76,18 @@ MODELS["qwen3_moe16"] = {**MODELS["qwen3_moe"], "num_experts": 16}
 #: differently from the resident layer (Note [Same bits as resident])
 MODELS["qwen3_moe128"] = {**MODELS["qwen3_moe"], "num_experts": 128, "num_experts_per_tok": 8,
                           "moe_intermediate_size": 96}
+#: the same layer shape as an fp8 checkpoint in 128x128 blocks (Qwen3-30B-A3B-FP8's and
+#: DeepSeek-V3's format: fp8 weights, float32 ``weight_scale_inv`` per block, experts one by one;
+#: intermediate 128, a whole block)
+MODELS["qwen3_moe128_fp8"] = {**MODELS["qwen3_moe128"], "moe_intermediate_size": 128,
+                              "quantization_config": {"quant_method": "fp8",
+                                                      "activation_scheme": "dynamic",
+                                                      "weight_block_size": [128, 128]}}
+#: an fp8 checkpoint with one scale per matrix (per tensor; AutoFP8's layout, what vLLM's
+#: ``quantization="fp8"`` makes at load, which its UVA offloader cannot take in 0.26)
+MODELS["qwen3_moe128_fp8t"] = {**MODELS["qwen3_moe128"],
+                               "quantization_config": {"quant_method": "fp8",
+                                                       "activation_scheme": "dynamic"}}
 #: DeepSeek-V2-Lite's MoE shape, small: MLA, layers 1-3 MoE with 16 routed experts (top-2) and
 #: 2 shared experts beside them
 MODELS["dsv2_moe16"] = {**MODELS["dsv2"], "first_k_dense_replace": 1, "n_routed_experts": 16,
@@ -221,7 +233,7 @@ def write_model(root: Path, name: str, weights: bool = True, seed: int = 0) -> s
     if not weights or (path / "model.safetensors").exists():
         return str(path)
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type",
-                                                         "torch_dtype")}
+                                                         "torch_dtype", "quantization_config")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **kwargs))
         shapes = {k: v.shape for k, v in model.named_parameters()}  # tied weights once
@@ -248,8 +260,47 @@ def write_model(root: Path, name: str, weights: bool = True, seed: int = 0) -> s
                 weights[f"{stem}{e}.gate_proj.weight"] = gate.contiguous()
                 weights[f"{stem}{e}.up_proj.weight"] = up.contiguous()
                 weights[f"{stem}{e}.down_proj.weight"] = down[e].contiguous()
+    if "quantization_config" in cfg:
+        weights = _fp8(weights, cfg["quantization_config"].get("weight_block_size"))
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
+
+
+def _fp8(weights: dict, block: list[int] | None) -> dict:
+    """An fp8 checkpoint as Qwen3's and DeepSeek's FP8 releases are laid out: each matrix of
+    the decoder layers in fp8 with a float32 ``weight_scale_inv`` per ``block`` (the value is
+    ``fp8 * scale``; ``block`` None: one ``weight_scale`` per matrix, AutoFP8's layout), the
+    routed experts one by one; embeddings, norms and the head as they were."""
+    import torch
+    out = {}
+    for key, t in weights.items():
+        if key.endswith("mlp.experts.gate_up_proj"):  # [experts, 2I, H]: gate rows, then up
+            stem = key[:-len("gate_up_proj")]
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{stem}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{stem}{e}.up_proj.weight"] = up.contiguous()
+        elif key.endswith("mlp.experts.down_proj"):
+            stem = key[:-len("down_proj")]
+            for e, down in enumerate(t):
+                out[f"{stem}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[key] = t
+    for key in [k for k, t in out.items() if k.startswith("model.layers.") and t.dim() == 2]:
+        w = out.pop(key)
+        n, k = w.shape
+        if block is None:
+            scale = w.abs().max().clamp(min=1e-12) / 448.0
+            out[key] = (w / scale).to(torch.float8_e4m3fn).contiguous()
+            out[f"{key}_scale"] = scale.float().reshape(())
+            continue
+        bn, bk = block
+        tiles = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn)).reshape(
+            -(-n // bn), bn, -(-k // bk), bk)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest
+        q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        out[key] = q.reshape(tiles.shape[0] * bn, -1)[:n, :k].contiguous()
+        out[f"{key}_scale_inv"] = scale.float().contiguous()
+    return out
 
 
 def probe_ring_reads(llm, streamer) -> dict[str, float]:

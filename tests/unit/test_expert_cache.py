@@ -246,3 +246,78 @@ def test_a_choice_of_minus_one_contributes_nothing():
     with_minus_one = moe_from_slots(hidden, w13, w2, torch.tensor([[0.5, 0.5]]),
                                     torch.tensor([[E - 1, -1]]), expert_map)
     torch.testing.assert_close(with_minus_one, alone)
+
+
+def fp8_experts(device: str, blocks: bool):
+    """fp8 experts with their scales as vLLM's fp8 MoE keeps them (Note [fp8 experts]): per
+    expert and weight ([E, 1] in the store), or per 4x4 block ([E, n/4, k/4])."""
+    w13, w2 = experts(seed=5)
+    g = torch.Generator().manual_seed(6)
+    shapes = ((E, 2 * I // 4, H // 4), (E, H // 4, I // 4)) if blocks else ((E, 1), (E, 1))
+    host = {"w13": w13.to(torch.float8_e4m3fn), "w2": w2.to(torch.float8_e4m3fn),
+            "w13_scale": 0.5 + torch.rand(shapes[0], generator=g),
+            "w2_scale": 0.5 + torch.rand(shapes[1], generator=g)}
+    if device != "cpu":
+        host = {k: v.pin_memory() for k, v in host.items()}
+    return host
+
+
+def dequantized(weights: dict, name: str) -> torch.Tensor:
+    w, scale = weights[name].float(), weights[f"{name}_scale"].float()
+    if scale.dim() == 2:  # one per expert
+        return w * scale[:, :, None]
+    return w * scale.repeat_interleave(4, 1).repeat_interleave(4, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fp8_experts_move_with_their_scales(device, blocks):
+    """Each pass's slots hold the fp8 weights and the scales of the experts its map names, bit
+    for bit; computed from them (dequantized per slot) every step equals the float64 MoE of
+    the dequantized layer: a scale left in another expert's slot would not."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    host = fp8_experts(device, blocks)
+    cache = ExpertCache(host, 5, device)
+    layer = {k: v.cpu() for k, v in host.items()}
+    w13, w2 = dequantized(layer, "w13"), dequantized(layer, "w2")
+    g = torch.Generator().manual_seed(7)
+    for s in range(4):
+        ids, weights = routing(20 + s, 3)
+        hidden = torch.randn(3, H, generator=g)
+        out = torch.zeros(3, H)
+        for source, expert_map in cache.serve(ids.to(cache.device)):
+            got = {k: v.cpu() for k, v in source.items()}
+            expert_map = expert_map.cpu()
+            for e in torch.nonzero(expert_map >= 0).flatten().tolist():
+                slot = int(expert_map[e])
+                for name, t in got.items():
+                    assert torch.equal(t[slot].view(torch.uint8), layer[name][e].view(torch.uint8))
+            out += moe_from_slots(hidden, dequantized(got, "w13"), dequantized(got, "w2"),
+                                  weights, ids, expert_map)
+        torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_whole_in_place_computes_a_step_beyond_the_slots_in_one_pass_from_the_host():
+    """Note [Expert cache], step 6: a step needing more experts than the slots is one pass over
+    the host store (nothing installed, no hit or miss counted); a step that fits the slots
+    goes through them as always. Both equal the float64 MoE."""
+    w13, w2 = experts()
+    cache = ExpertCache({"w13": w13, "w2": w2}, 4, "cpu", whole_in_place=True)
+    assert cache.passes(3, K) == 1 and cache.passes(1, K) == 1
+    g = torch.Generator().manual_seed(3)
+    for tokens, want_sources in ((3, ["host"]), (1, ["slots"]), (5, ["host"])):
+        ids, weights = routing(40 + tokens, tokens)
+        hidden = torch.randn(tokens, H, generator=g)
+        before = cache.expert_in.clone()
+        served = list(cache.serve(ids))
+        assert [("host" if source is cache.host else "slots") for source, _ in served] == \
+            want_sources
+        out = sum(moe_from_slots(hidden, source["w13"], source["w2"], weights, ids, m)
+                  for source, m in served)
+        torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                                   rtol=1e-5, atol=1e-5)
+        if want_sources == ["host"]:
+            assert torch.equal(cache.expert_in, before)
+    assert cache.describe()["in_place_steps"] == 2 and int(cache.misses) == K

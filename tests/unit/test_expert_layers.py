@@ -237,3 +237,28 @@ def test_the_gpu_race_catches_a_refill_before_the_retire(monkeypatch):
         wrong += sum(not torch.allclose(got[i].double().cpu(), want[i], rtol=1e-4, atol=1e-4)
                      for i in LAYERS)
     assert wrong > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fp8_layers_fill_with_their_scales_bit_for_bit(device):
+    """A ring over fp8 experts with their scales (Note [fp8 experts]): every buffer a large
+    step reads holds its layer's fp8 weights and scales, byte for byte, for two steps (the
+    second's first layers carried)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    hosts = []
+    for i in LAYERS:
+        g = torch.Generator().manual_seed(i)
+        host = {name: t.to(torch.float8_e4m3fn) for name, t in layer_experts(i).items()}
+        host["w13_scale"] = torch.rand(E, 2 * I // 4, H // 4, generator=g)
+        host["w2_scale"] = torch.rand(E, 1, generator=g)
+        hosts.append({k: v.pin_memory() for k, v in host.items()} if device != "cpu" else host)
+    stream = torch.cuda.Stream() if device != "cpu" else None
+    ring = ExpertLayerRing(hosts, 2, device, stream)
+    for _ in range(2):
+        for position, host in enumerate(hosts):
+            views = ring.begin(position)
+            for name, t in host.items():
+                assert torch.equal(views[name].cpu().view(torch.uint8), t.cpu().view(torch.uint8))
+            ring.end(position)
+    assert ring.carried_steps == 1

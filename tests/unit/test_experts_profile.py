@@ -61,7 +61,7 @@ def test_the_front_end_checks_expert_layers_against_the_models_config():
     ({"w13_bias": object()}, "biases"),
     ({"local_num_experts": 8}, "expert parallelism"),
     ({"quant_method": type("Fp8MoEMethod", (), {"is_monolithic": False})()},
-     r"quantized: fp8 \(Fp8MoEMethod\).*without --quantization"),
+     r"fp8 \(Fp8MoEMethod\).*on a GPU only"),
     ({"quant_method": type("Mxfp4MoEMethod", (), {"is_monolithic": False})()},
      r"quantized: mxfp4"),
     ({"quant_method": type("GPTQMarlinMoEMethod", (), {"is_monolithic": False})()},
@@ -170,3 +170,109 @@ def test_weight_verbs_and_sleep_are_refused_while_a_lane_serves_experts():
     with pytest.raises(EngineError, match=r"sleep\(level=1\).*routed experts"):
         weights.on_engine_sleep(state, lambda c, level: None, core, 1)
     assert weights.on_engine_sleep(state, lambda c, level: "paused", core, 0) == "paused"
+
+
+def fp8_layer(scales=((16, 2, 2), (16, 2, 1)), method="Fp8MoEMethod", **config):
+    """A GPU layer as vLLM's fp8 MoE leaves it (Note [fp8 experts]): fp8 weights in host
+    memory, Triton experts whose quantization config holds one scale row per expert."""
+    import torch
+    config = {"a1_scale": None, "per_act_token_quant": False, **config}
+    quant = SimpleNamespace(w1_scale=torch.rand(scales[0]), w2_scale=torch.rand(scales[1]),
+                            block_shape=[128, 128] if len(scales[0]) == 3 else None, **config)
+    fused = type("TritonExperts", (), {"quant_config": quant, "moe_sum": lambda *a: None})()
+    kernel = SimpleNamespace(fused_experts=fused, impl=SimpleNamespace(fused_experts=fused))
+    w = SimpleNamespace(is_cuda=True, host=True, shape=(16, 4, 2))
+    return SimpleNamespace(activation=SimpleNamespace(name="SILU"), moe_config=SimpleNamespace(),
+                           quant_method=type(method, (), {"is_monolithic": False,
+                                                          "moe_kernel": kernel})(),
+                           global_num_experts=16, local_num_experts=16,
+                           layer_name="model.layers.2.mlp", w13_weight=w, w2_weight=w)
+
+
+@pytest.mark.parametrize("method", ["Fp8MoEMethod", "Fp8PerTensorOnlineMoEMethod",
+                                    "Fp8PerBlockOnlineMoEMethod"])
+@pytest.mark.parametrize("scales", [((16, 2, 2), (16, 2, 1)), ((16,), (16,))])
+def test_fp8_layers_on_a_gpu_are_served_with_their_scales(monkeypatch, method, scales):
+    from ringflow.integrations.vllm import experts as lane
+    monkeypatch.setattr(lane, "_in_host_memory", lambda t: t.host)
+    layer = fp8_layer(scales, method)
+    lane.check_layer(2, SimpleNamespace(), layer, "flags")  # taken
+    assert lane.weight_format(layer) == ("fp8, scales per 128x128 block" if len(scales[0]) == 3
+                                         else "fp8, one scale per expert and weight")
+    # per tensor with dynamic activation scales: a step is never split (Note [fp8 experts])
+    assert lane.scales_across_rows(layer) == (len(scales[0]) == 1)
+    assert not lane.scales_across_rows(fp8_layer(scales, method, a1_scale=object()))
+
+
+@pytest.mark.parametrize("scales, config, words", [
+    (((1,), (1,)), {}, r"scales \(\(1,\), \(1,\)\) are not one row per expert \(16\)"),
+    (((16, 2, 2), (16, 2, 1)), {"w1_zp": object()}, "zero points or biases"),
+])
+def test_fp8_layers_the_slots_cannot_hold_are_refused_by_name(monkeypatch, scales, config,
+                                                              words):
+    from ringflow.errors import UnsupportedModelError
+    from ringflow.integrations.vllm import experts as lane
+    monkeypatch.setattr(lane, "_in_host_memory", lambda t: t.host)
+    with pytest.raises(UnsupportedModelError, match=words):
+        lane.check_layer(2, SimpleNamespace(), fp8_layer(scales, **config), "flags")
+
+
+def test_a_layer_s_tensors_carry_its_fp8_scales_as_rows_and_each_pass_gets_its_own():
+    """The store holds a per-expert scale as [experts, 1] (a slot is a row); the kernel's
+    quantization config for a pass holds that pass's scales in the layer's own shape, one
+    config per scale store, vLLM's own config untouched."""
+    import torch
+
+    from ringflow.integrations.vllm import experts as lane
+    from ringflow.integrations.vllm.expert_kernel import ResidentKernel
+    layer = fp8_layer(((16,), (16,)))
+    layer.w13_weight, layer.w2_weight = torch.zeros(16, 4, 2), torch.zeros(16, 2, 2)
+    tensors = lane.expert_tensors(layer)
+    assert {k: tuple(v.shape) for k, v in tensors.items() if "scale" in k} == {
+        "w13_scale": (16, 1), "w2_scale": (16, 1)}
+    base = layer.quant_method.moe_kernel.fused_experts.quant_config
+    base._w1, base._w2 = SimpleNamespace(scale=base.w1_scale), SimpleNamespace(scale=base.w2_scale)
+    kernel = ResidentKernel(layer, (torch.Size((16, 4, 2)), torch.Size((16, 2, 2))))
+    kernel._impl()
+    slots = {"w13_scale": torch.rand(5, 1), "w2_scale": torch.rand(5, 1)}
+    config = kernel._scaled(slots)
+    assert tuple(config._w1.scale.shape) == (5,) and config._w1.scale.data_ptr() == \
+        slots["w13_scale"].data_ptr()
+    assert config._w2.scale.data_ptr() == slots["w2_scale"].data_ptr()
+    assert kernel._scaled(slots) is config and kernel._scaled(tensors) is not config
+    assert base._w1.scale is base.w1_scale  # vLLM's own config untouched
+    assert kernel._scaled({"w13": None}) is base  # unquantized: the layer's own
+
+
+def test_reload_weights_is_refused_while_the_lane_serves_fp8_experts():
+    import weakref
+
+    from ringflow.errors import EngineError
+    from ringflow.integrations.vllm import experts as lane
+
+    class Model:
+        pass
+    model = Model()
+    state = SimpleNamespace(expert_lanes=weakref.WeakKeyDictionary())
+    runner = SimpleNamespace(get_model=lambda: model)
+    lane.refuse_quantized_reload(state, runner)  # no lane: passed through
+    plain = SimpleNamespace(quant_method=type("UnquantizedFusedMoEMethod", (), {})())
+    state.expert_lanes[model] = SimpleNamespace(modules={1: plain})
+    lane.refuse_quantized_reload(state, runner)  # unquantized: the host copies follow it
+    state.expert_lanes[model] = SimpleNamespace(modules={1: plain, 3: fp8_layer()})
+    with pytest.raises(EngineError, match=r"fp8 routed experts from host memory \(layers \[3\]\)"
+                                          r".*restart the engine with the new checkpoint"):
+        lane.refuse_quantized_reload(state, runner)
+
+
+def test_vllm_s_offloader_meeting_weights_quantized_at_load_gets_one_line(caplog):
+    from ringflow.integrations.vllm import experts as lane
+    config = SimpleNamespace(model_config=SimpleNamespace(quantization="fp8"))
+    with caplog.at_level("ERROR", logger="ringflow"):
+        lane.explain_load_failure(config, NotImplementedError("some other gap"))
+        assert not caplog.records
+        lane.explain_load_failure(config, NotImplementedError(
+            "Cannot copy out of meta tensor; no data!"))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "cannot take routed experts quantized at load (--quantization fp8" in line
+    assert "serve an fp8 checkpoint" in line
