@@ -56,7 +56,11 @@ Note [fp8 experts]
       rows would round them otherwise (a top-5 logprob gap of 0.5 on the H200 test model).
       A step whose experts do not fit the slots is therefore computed in one pass straight
       from the host store (Note [Expert cache], step 6: the resident call on host memory).
-      Under vLLM's FULL graphs the step's padded rows enter that one scale too.
+      That is bit for bit in eager steps. Under vLLM's CUDA graphs (FULL_AND_PIECEWISE) the
+      per-tensor lane is not: a top-5 logprob gap of 0.47-0.59 on the H200 test model, even
+      where every step is that one resident call, while all-resident vLLM with its KV cache
+      elsewhere gives its own bits. The cause is not found (no choice of -1 reaches the
+      lane; the block format, the same kernel otherwise, is exact there).
 """
 
 from __future__ import annotations
