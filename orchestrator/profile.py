@@ -10,6 +10,8 @@ among the gathered ones) and answers what a profile plans: its rings and what th
 
 from __future__ import annotations
 
+import difflib
+
 import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -20,7 +22,7 @@ from ringflow.errors import BudgetError, ConfigError, ProfileError
 from ringflow.orchestrator import profile_yaml
 from ringflow.orchestrator.budget import PoolLayout
 from ringflow.orchestrator.schema import (RUN_FIELDS, RUN_OPTIONAL, RUN_REQUIRED, field_value,
-                                          layer_set, rejected, section)
+                                          layer_set, rejected, section, section_keys)
 from ringflow.orchestrator.sections import (ExpertsSpec, KVPrefetchSpec, OffloadSpec, SlotShape,
                                             Workload, experts_section, kv_prefetch_section,
                                             lane_names, offload_section, slot_section,
@@ -215,12 +217,17 @@ class Profile:
     def require_run_fields(self) -> Profile:
         """Raise unless this profile can be planned on its own (it is not offload-only)."""
         if self.layers is None:
-            raise ProfileError("layers", "is missing: this profile has only vLLM sections "
-                               "('offload', 'kv_prefetch'), which the plugin plans from the "
-                               "model it loads (set "
-                               f"RINGFLOW_DUMP=path to see that plan); add {RUN_FIELDS} to "
-                               f"plan it here", self.source)
+            raise ProfileError("layers", f"is missing: this profile has only vLLM sections "
+                               f"({self.vllm_sections_text}), which the plugin plans from the "
+                               f"model it loads (set RINGFLOW_DUMP=path to see that plan); add "
+                               f"{RUN_FIELDS} to plan it here", self.source)
         return self
+
+    @property
+    def vllm_sections_text(self) -> str:
+        """The vLLM sections this profile has, as messages name them: ``'offload'``, ..."""
+        return " and ".join(f"'{name}'" for name in VLLM_SECTIONS
+                            if getattr(self, name, None) is not None)
 
     @property
     def workspace_bytes(self) -> int:
@@ -266,8 +273,17 @@ def check_vllm_sections(doc: Any, source: str) -> None:
     if doc is None or doc == {}:
         what = "is empty"
     elif isinstance(doc, dict):
-        what = (f"is not a vLLM profile: it has {', '.join(sorted(map(str, doc)))} (fields of "
-                f"ringflow plan and run) but no offload, kv_prefetch or experts section")
+        known = section_keys(None)
+        unknown = sorted(str(k) for k in doc if k not in known)
+        if unknown:  # a misspelt section, most likely: name it as ringflow plan does
+            near = difflib.get_close_matches(unknown[0], VLLM_SECTIONS + tuple(known), n=1)
+            what = (f"has unknown field '{unknown[0]}'"
+                    + (f" (did you mean '{near[0]}'?)" if near else "")
+                    + " and no offload, kv_prefetch or experts section")
+        else:
+            what = (f"is not a vLLM profile: it has {', '.join(sorted(map(str, doc)))} (fields "
+                    f"of `ringflow plan` and `ringflow run`) but no offload, kv_prefetch or "
+                    f"experts section")
     else:
         return  # not a mapping: section() says what it is
     raise ProfileError(None, f"{what}; vLLM needs an offload, a kv_prefetch or an experts section, for "

@@ -175,14 +175,13 @@ def _vllm_only(ref: str, profile) -> str:
     from ringflow.orchestrator.profile import Profile, builtin_profiles
     from ringflow.orchestrator.schema import RUN_FIELDS
 
-    sections = " and ".join(f"'{name}'" for name in ("offload", "kv_prefetch")
-                            if getattr(profile, name) is not None)
     runnable = ", ".join(name for name in builtin_profiles()
                          if Profile.load(name).layers is not None)
-    return (f"profile '{profile.name}' has only vLLM sections ({sections}), which the vLLM plugin "
-            f"plans from the model it loads: use it with `RINGFLOW_PROFILE={ref} vllm serve "
-            f"MODEL` (`ringflow plan {ref}` explains); `ringflow run` needs a profile with "
-            f"{RUN_FIELDS}, such as {runnable}")
+    return (f"profile '{profile.name}' has only vLLM sections ({profile.vllm_sections_text}), "
+            f"which the vLLM plugin plans from the model it loads: use it with "
+            f"`RINGFLOW_PROFILE={ref} python -m vllm.entrypoints.openai.api_server --model "
+            f"MODEL` (`vllm serve MODEL` on vLLM's CUDA build; `ringflow plan {ref}` "
+            f"explains); `ringflow run` needs a profile with {RUN_FIELDS}, such as {runnable}")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

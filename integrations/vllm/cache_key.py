@@ -40,8 +40,11 @@ def factors(vllm_config, state: PluginState | None = None) -> dict[str, object]:
     """What ringflow changes in the model vLLM traces under ``vllm_config``; empty when
     ringflow changes nothing. A profile that does not load is keyed by its error (the plugin
     reports it where the model loads). ``state``: parse the profile once (its cache)."""
+    # RINGFLOW_PROFILE counts by the profile it resolves to (below): an additional_config that
+    # wins over it leaves it out of the key, as the start-up line says it is ignored
     found: dict[str, object] = {name: os.environ[name] for name, switch in envs.SWITCHES.items()
-                                if switch.compiled and os.environ.get(name)}
+                                if switch.compiled and os.environ.get(name)
+                                and name != "RINGFLOW_PROFILE"}
     try:
         profile = state.profile(vllm_config) if state is not None else profile_from(vllm_config)
     except RingflowError as exc:
@@ -96,17 +99,26 @@ def on_compile_factors(state: PluginState, original, vllm_config, *args, **kwarg
     return found
 
 
-#: what each factor is, in the log's words
-FACTOR_WORDS = {"profile": "the profile", "profile_error": "the profile's error",
-                "wrapped_layers_code": "the code that picks the wrapped layers"}
+def factor_words(extra: dict[str, object]) -> str:
+    """What ringflow adds to the key, in the log's words: ``profile 'vllm_weights' and the
+    code that picks the wrapped layers``."""
+    words = []
+    for key in sorted(extra):
+        if key == "profile":
+            words.append(f"profile '{extra[key].get('name', '?')}'")
+        elif key == "profile_error":
+            words.append("the error its profile gave")
+        elif key == "wrapped_layers_code":
+            words.append("the code that picks the wrapped layers")
+        elif key != "ringflow":
+            words.append(f"{key}={extra[key]}")
+    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
 
 
 def log_factors(state: PluginState, extra: dict[str, object]) -> dict[str, object]:
     """Say once, in plain words, what ringflow adds to vLLM's compile-cache key; ``extra``."""
     if extra:
-        named = [FACTOR_WORDS.get(k, f"{k}={extra[k]}") for k in sorted(extra)
-                 if k != "ringflow"]
         state.log_once("cache-key", "vLLM's compile-cache key includes ringflow's %s: an "
                        "engine with another profile or switch traces and caches graphs of its "
-                       "own", ", ".join(named), level=logging.INFO)
+                       "own", factor_words(extra), level=logging.INFO)
     return extra

@@ -166,9 +166,15 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     if spec.layers == "all":
         found = {i: m for i, m in found.items() if m}
     empty = sorted(i for i, m in found.items() if not m)
-    if empty or not found:
-        raise ProfileError("experts.layers", f"decoder layers {empty or chosen} have no routed "
-                           f"experts (no MoE); list MoE layers, or 'all'", profile.source)
+    if not found:
+        raise ProfileError("experts.layers", "is 'all', but this model has no MoE layer (no "
+                           "routed experts): the experts section serves MoE models; drop it",
+                           profile.source)
+    if empty:
+        moe = [i for i, layer in enumerate(decoder) if moe_runners_of(layer)]
+        raise ProfileError("experts.layers", f"decoder layers {empty} have no routed experts "
+                           f"(no MoE); list MoE layers ({_ranges(moe) if moe else 'none'}), "
+                           f"or 'all'", profile.source)
     on_gpu = any(r.routed_experts.w13_weight.is_cuda for (r,) in found.values())
     if on_gpu:
         need = sum(_store_bytes(r.routed_experts) for (r,) in found.values())
@@ -232,6 +238,18 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
               f"buffers ({mib(ring.bytes)}), copied ahead on a copy engine"
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
+
+
+def _ranges(layers: list[int]) -> str:
+    """Layer indices as runs: ``1-3, 7``."""
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:

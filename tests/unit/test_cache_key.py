@@ -83,3 +83,20 @@ def test_a_weight_profile_is_keyed_by_the_code_that_decides_its_wrapped_layers(c
     assert "wrapped_layers_code" not in factors(kv)
     monkeypatch.setattr(cache_key, "wrapped_layers_code", lambda: "another placement")
     assert key(cfg) != first and key(kv) == kv_first
+
+
+def test_an_ignored_ringflow_profile_is_not_in_the_key(clean_env, caplog):
+    """With both sources set, additional_config wins: the key is the one of that profile alone,
+    and the line about the key names that profile, never the variable."""
+    import logging
+
+    from ringflow.integrations.vllm import cache_key
+    cfg = config({"ringflow": "vllm_weights_small"})
+    alone = key(cfg)
+    clean_env.setenv("RINGFLOW_PROFILE", "vllm_weights")
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert key(cfg) == alone
+        cache_key.log_factors(PluginState(), factors(cfg))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all("profile 'vllm-weights-small'" in line and "RINGFLOW_PROFILE" not in
+                         line for line in lines), lines

@@ -150,7 +150,9 @@ def test_run_of_a_vllm_only_profile_says_which_command_uses_it(name, section, ex
     [line] = err.strip().splitlines()
     assert out == "" and line.startswith("ringflow: error: ")
     assert f"has only vLLM sections ({section})" in line
-    assert f"RINGFLOW_PROFILE={name} vllm serve MODEL" in line and f"ringflow plan {name}" in line
+    assert (f"RINGFLOW_PROFILE={name} python -m vllm.entrypoints.openai.api_server --model "
+            f"MODEL` (`vllm serve MODEL` on vLLM's CUDA build" in line)
+    assert f"ringflow plan {name}" in line
     assert "such as demo, mla_ckv_dcp" in line
 
 

@@ -358,3 +358,25 @@ def test_load_takes_a_mapping_and_refuses_what_is_no_profile_in_one_typed_line()
             load_profile(bad)
     with pytest.raises(ConfigError, match=r"takes a Profile, not str \('demo'\); load it first"):
         SlotPool.for_profile("demo", "kv")
+
+
+def test_a_misspelt_vllm_section_is_named_with_the_field_it_meant():
+    """A typo'd section is an unknown field, said as ``ringflow plan`` says it, with the field
+    it was probably meant to be; planner fields alone are called that."""
+    from ringflow.orchestrator.profile import Profile
+    with pytest.raises(ProfileError, match=r"has unknown field 'ofload' \(did you mean "
+                                           r"'offload'\?\) and no offload, kv_prefetch or "
+                                           r"experts section"):
+        Profile.from_mapping({"ofload": {"layers": "all"}}, vllm=True)
+    with pytest.raises(ProfileError, match=r"it has depth, layers \(fields of `ringflow plan` "
+                                           r"and `ringflow run`\)"):
+        Profile.from_mapping({"layers": 4, "depth": 1}, vllm=True)
+
+
+def test_a_vllm_only_profile_names_the_sections_it_has():
+    from ringflow.orchestrator.profile import Profile
+    with pytest.raises(ProfileError, match=r"only vLLM sections \('offload'\), which"):
+        Profile.load("vllm_weights").require_run_fields()
+    experts = Profile.from_mapping({"experts": {"layers": "all"}}, vllm=True)
+    with pytest.raises(ProfileError, match=r"only vLLM sections \('experts'\), which"):
+        experts.require_run_fields()

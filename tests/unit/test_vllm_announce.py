@@ -77,9 +77,12 @@ def test_the_small_built_in_streams_models_the_large_one_refuses():
 def test_the_compile_cache_key_line_is_in_plain_words(caplog):
     from ringflow.integrations.vllm import cache_key
     with caplog.at_level(logging.INFO, logger="ringflow"):
-        cache_key.log_factors(PluginState(), {"profile": {}, "wrapped_layers_code": "ab",
-                                          "RINGFLOW_PROFILE": "x", "ringflow": "0.1.0"})
+        cache_key.log_factors(PluginState(), {"profile": {"name": "vllm_weights"},
+                                              "wrapped_layers_code": "ab",
+                                              "RINGFLOW_NVTX": "0", "ringflow": "0.1.0"})
     [line] = [r.getMessage() for r in caplog.records]
-    assert line == ("vLLM's compile-cache key includes ringflow's RINGFLOW_PROFILE=x, the "
-                    "profile, the code that picks the wrapped layers: an engine with another "
-                    "profile or switch traces and caches graphs of its own")
+    assert line == ("vLLM's compile-cache key includes ringflow's RINGFLOW_NVTX=0, profile "
+                    "'vllm_weights' and the code that picks the wrapped layers: an engine with "
+                    "another profile or switch traces and caches graphs of its own")
+    assert cache_key.factor_words({"profile_error": "x", "ringflow": "0.1.0"}) == \
+        "the error its profile gave"

@@ -112,7 +112,8 @@ def test_the_lane_computes_from_the_host_copies(runs):
 
 @pytest.mark.parametrize("name, words", [
     ("moe/missing-layer", "layers [7] do not exist"),
-    ("moe/dense", "have no routed experts"),
+    ("moe/dense", "is 'all', but this model has no MoE layer (no routed experts): the experts "
+                  "section serves MoE models; drop it"),
 ])
 def test_layers_without_routed_experts_stop_the_start_with_one_line(runs, name, words):
     assert words in runs[name].get("error", ""), runs[name]
