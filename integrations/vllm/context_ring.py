@@ -41,11 +41,12 @@ from ringflow.units import MIB
 
 log = logging.getLogger("ringflow")
 
-ONE_RANK = ("kv_prefetch (consumer: context) on one GPU: vLLM gathers every step's MLA "
-            "context itself and ringflow reserves nothing (there the consumer's host cost, about "
-            "0.5 ms per layer and chunk, exceeds the local gather it would hide); under decode "
-            "context parallelism it prefetches every step; set kv_prefetch.min_context_tokens "
-            "to prefetch on one GPU from that many context tokens")
+ONE_RANK = ("kv_prefetch (consumer: context) without decode context parallelism (one rank): "
+            "vLLM gathers every step's MLA context itself and ringflow reserves nothing (there "
+            "the consumer's host cost, about 0.5 ms per layer and chunk, exceeds the local "
+            "gather it would hide); under decode context parallelism it prefetches every step; "
+            "set kv_prefetch.min_context_tokens to prefetch on one rank from that many context "
+            "tokens")
 
 
 def one_rank_left_to_vllm(spec, dcp_size: int) -> bool:

@@ -235,7 +235,9 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
               "in one pass (per-tensor fp8: one activation scale per step)"
               if first.whole_in_place else "") +
              (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
-              f"buffers ({mib(ring.bytes)}), copied ahead on a copy engine"
+              f"buffers ({mib(ring.bytes)}), "
+              + ("copied ahead on a copy engine" if device.type == "cuda" else
+                 "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
 

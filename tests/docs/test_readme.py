@@ -47,12 +47,17 @@ SKIPPED_OUTPUT = {
 }
 
 
+#: the line before a block that tests/vllm_engine/test_vllm_recipes.py runs whole, as printed
+RECIPE = "<!-- recipe: vllm-cpu -->"
+
+
 @dataclass(frozen=True)
 class Block:
     doc: str
     line: int  # of the opening fence, 1-based
     lang: str
     text: str
+    recipe: bool = False  # a recipe (after RECIPE), or the output block that follows one
 
     @property
     def id(self) -> str:
@@ -60,16 +65,21 @@ class Block:
 
 
 def _blocks(doc: str) -> list[Block]:
-    out, lang, start, body = [], None, 0, []
+    out, lang, start, body, marked = [], None, 0, [], False
     for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
         if line.startswith("```"):
             if lang is None:
                 lang, start, body = line[3:].strip(), number, []
             else:
-                out.append(Block(doc, start, lang, "\n".join(body) + "\n"))
-                lang = None
+                after_recipe = lang == "" and bool(out) and out[-1].recipe and \
+                    out[-1].lang == "sh"
+                out.append(Block(doc, start, lang, "\n".join(body) + "\n",
+                                 marked or after_recipe))
+                lang, marked = None, False
         elif lang is not None:
             body.append(line)
+        elif line.strip() == RECIPE:
+            marked = True
     assert lang is None, f"{doc}: the block opened at line {start} is never closed"
     return out
 
@@ -113,11 +123,23 @@ VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 
 
 def vllm_server_commands() -> list[str]:
-    """Every command of the documents' ``sh`` blocks that starts vLLM's OpenAI server."""
+    """Every command of the documents' ``sh`` blocks that starts vLLM's OpenAI server (the
+    recipes' are run whole, as printed, by tests/vllm_engine/test_vllm_recipes.py)."""
     return [cmd for b in SH for cmd in _commands(b) if VLLM_SERVER in cmd]
 
 
-SH = [b for b in BLOCKS if b.lang == "sh"]
+def recipes() -> list[tuple[Block, Block | None]]:
+    """Each recipe block (marked with RECIPE) and the output block that follows it, if any."""
+    out = []
+    for i, block in enumerate(BLOCKS):
+        if block.recipe and block.lang == "sh":
+            following = BLOCKS[i + 1] if i + 1 < len(BLOCKS) else None
+            out.append((block, following if following is not None and following.recipe
+                        and following.lang == "" else None))
+    return out
+
+
+SH = [b for b in BLOCKS if b.lang == "sh" and not b.recipe]
 RINGFLOW = [(b, cmd) for b in SH for cmd in _commands(b) if _ringflow(cmd)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
@@ -167,7 +189,7 @@ def _output_key(block: Block, table: dict):
 def test_every_block_runs_is_checked_or_is_listed_with_a_reason():
     unhandled = []
     for block in BLOCKS:
-        if block.lang == "python":
+        if block.lang == "python" or block.recipe:  # recipes: tests/vllm_engine/test_vllm_recipes.py
             continue
         if block.lang == "sh":
             unhandled += [f"{block.id}: {cmd}" for cmd in _commands(block)
