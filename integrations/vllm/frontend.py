@@ -146,4 +146,50 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
         raise
     if profile is not None:  # what the engine processes find after load comes back here
         startup_errors.open_relay()
+        say_cpu_memory(config)
     return config
+
+
+def say_cpu_memory(config, nodes: list[tuple[int, int]] | None = None) -> bool:
+    """On vLLM's CPU build without ``--kv-cache-memory-bytes``, one line before the engine
+    starts: vLLM-CPU then reserves ``--gpu-memory-utilization`` (0.92 by default) of its NUMA
+    node's memory for itself and its KV cache and stops at start, with a traceback, when less
+    is free. ``nodes``: (total, free) bytes per NUMA node (read from /sys when None). Returns
+    whether the reservation looks larger than what is free (the line is a warning then)."""
+    if str(getattr(getattr(config, "device_config", None), "device_type", "")) != "cpu":
+        return False
+    cache = getattr(config, "cache_config", None)
+    fraction = getattr(cache, "gpu_memory_utilization", None)
+    if fraction is None or getattr(cache, "kv_cache_memory_bytes", None) is not None:
+        return False
+    nodes = _numa_memory() if nodes is None else nodes
+    if not nodes:
+        return False
+    total, free = min(nodes, key=lambda n: n[1] - fraction * n[0])
+    short = free < fraction * total
+    log.log(logging.WARNING if short else logging.INFO,
+            "vLLM-CPU reserves --gpu-memory-utilization %.2f of its NUMA node's memory (%.2f of "
+            "%.2f GiB; about %.2f GiB is free)%s; --kv-cache-memory-bytes sizes its KV cache "
+            "instead and skips that reservation", fraction, fraction * total / 2**30,
+            total / 2**30, free / 2**30,
+            ": it will likely stop while starting" if short else "")
+    return short
+
+
+def _numa_memory() -> list[tuple[int, int]]:
+    """(total, free) bytes of each NUMA node, free counting the page cache it may drop."""
+    import glob
+    nodes = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node*/meminfo")):
+        fields = {}
+        try:
+            with open(path, encoding="ascii") as src:
+                for line in src:
+                    parts = line.split()
+                    if len(parts) >= 4 and parts[-1] == "kB":
+                        fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        except (OSError, ValueError):
+            continue
+        if "MemTotal" in fields and "MemFree" in fields:
+            nodes.append((fields["MemTotal"], fields["MemFree"] + fields.get("Inactive(file)", 0)))
+    return nodes

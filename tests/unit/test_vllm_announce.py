@@ -86,3 +86,33 @@ def test_the_compile_cache_key_line_is_in_plain_words(caplog):
                     "another profile or switch traces and caches graphs of its own")
     assert cache_key.factor_words({"profile_error": "x", "ringflow": "0.1.0"}) == \
         "the error its profile gave"
+
+
+def test_vllm_cpu_s_memory_reservation_is_said_in_one_line(caplog):
+    """vLLM-CPU without --kv-cache-memory-bytes reserves --gpu-memory-utilization of its NUMA
+    node and stops when less is free (a traceback whose last line says so among others);
+    ringflow says the rule once before the engine starts, as a warning when it will not fit;
+    nothing on a GPU, nothing once the KV cache is sized in bytes."""
+    from types import SimpleNamespace
+
+    from ringflow.integrations.vllm.frontend import _numa_memory, say_cpu_memory
+
+    def config(device, fraction, kv=None):
+        return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                               cache_config=SimpleNamespace(gpu_memory_utilization=fraction,
+                                                            kv_cache_memory_bytes=kv))
+    gib = 2**30
+    node = [(int(10.71 * gib), int(8.55 * gib))]
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        assert not say_cpu_memory(config("cuda", 0.92), node)
+        assert not say_cpu_memory(config("cpu", 0.92, kv=32 << 20), node)
+        assert not caplog.records
+        assert say_cpu_memory(config("cpu", 0.92), node)
+        assert not say_cpu_memory(config("cpu", 0.5), node)
+    short, fits = [r for r in caplog.records]
+    assert short.levelno == logging.WARNING and short.getMessage() == (
+        "vLLM-CPU reserves --gpu-memory-utilization 0.92 of its NUMA node's memory (9.85 of "
+        "10.71 GiB; about 8.55 GiB is free): it will likely stop while starting; "
+        "--kv-cache-memory-bytes sizes its KV cache instead and skips that reservation")
+    assert fits.levelno == logging.INFO and "will likely stop" not in fits.getMessage()
+    assert all(total >= free > 0 for total, free in _numa_memory())
