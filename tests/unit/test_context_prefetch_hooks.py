@@ -152,7 +152,7 @@ def test_min_context_tokens_omitted_leaves_one_gpu_to_vllm_in_one_line_and_dcp_p
     with caplog.at_level(logging.INFO, logger="ringflow"):
         for _ in range(3):  # three MLA layers built
             assert context_attach.attach(state, layer, omitted, config) is False
-    said = [r.getMessage() for r in caplog.records if "on one GPU" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "without decode context parallelism (one rank)" in r.getMessage()]
     assert len(said) == 1 and "reserves nothing" in said[0] and "min_context_tokens" in said[0]
     assert state.context_models == {} and state.ring_bytes() == 0
     assert one_rank_left_to_vllm(omitted.kv_prefetch, 1)

@@ -518,7 +518,7 @@ def test_one_gpu_is_left_to_vllm_by_default_with_nothing_reserved_said_once(cont
     run = runs["ctx/default"]
     same(run, runs["ctx/off"])
     assert run["context"] == [] and "context-ring-allocated" not in run["lifecycle"]
-    said = [l for l in run["log"] if "on one GPU" in l]
+    said = [l for l in run["log"] if "without decode context parallelism (one rank)" in l]
     assert len(said) == 1 and "reserves nothing" in said[0], run["log"]
     # its steps run no more of ringflow's code than an engine without the profile: the same
     # calls, function by function, over the prefix-hit round (nothing to be slower by)
