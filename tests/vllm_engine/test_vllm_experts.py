@@ -37,6 +37,7 @@ CASES = [
     {"name": "dsv2moe/off", "model": "dsv2_moe16"},
     {"name": "dsv2moe/lane-3", "model": "dsv2_moe16",
      "additional_config": experts(layers="all", slots=3)},
+    {"name": "moe/cut", "model": MOE, "additional_config": experts(layers=[0], slots=32)},
     {"name": "moe/missing-layer", "model": MOE, "additional_config": experts(layers=[7])},
     {"name": "moe/dense", "model": "llama", "additional_config": experts(layers="all")},
 ]
@@ -108,6 +109,15 @@ def test_the_lane_computes_from_the_host_copies(runs):
     shifted, off = runs["moe/shifted"], runs["moe/off"]
     assert "error" not in shifted, shifted["error"]
     assert shifted["tokens"] != off["tokens"] or max_logprob_diff(shifted, off) > 1e-2
+
+
+def test_slots_asked_beyond_the_layer_s_experts_are_cut_with_a_word(runs):
+    run = runs["moe/cut"]
+    assert "error" not in run, run["error"]
+    assert [layer["slots"] for layer in run["experts"]] == [16]
+    said = [l for l in run["log"] if l.startswith("experts: layers [0]")]
+    assert len(said) == 1 and "(experts.slots: 32 asked, cut to the layer's 16 experts)" in \
+        said[0], run["log"]
 
 
 @pytest.mark.parametrize("name, words", [
