@@ -111,7 +111,6 @@ class ExpertCache:
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
         self.in_place_steps = torch.zeros((), dtype=torch.int64, device=dev)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=dev)  # choices of -1 seen
         # lookahead (Note [Expert lookahead]): the experts predicted for the coming step, and
         # over all steps how many were predicted, how many of those the step chose, and how
         # many the prediction installed
@@ -155,7 +154,6 @@ class ExpertCache:
         e, s = self.experts, self.slots
         passes = self.passes(*topk_ids.shape)
         needed = self._chosen(topk_ids)
-        self.skipped += (topk_ids < 0).sum()
         if self.whole_in_place and math.ceil(min(e, topk_ids.numel()) / s) > 1:  # step 6
             self.in_place_steps += 1  # one pass, all from the host: no slot serves it
             yield self.host, self._traced_read(torch.where(needed, self._experts, -1), "host")
@@ -279,7 +277,7 @@ class ExpertCache:
                                 "pinned host copy" if t.is_pinned() else "host copy")
                          for name, t in self.host.items()},
                 "hits": hits, "misses": misses, "in_place_tokens": self.in_place_tokens,
-                "whole_in_place": self.whole_in_place, "skipped_choices": int(self.skipped),
+                "whole_in_place": self.whole_in_place,
                 "in_place_steps": int(self.in_place_steps),
                 **({"lookahead": dict(zip(("predicted", "chosen", "installed"),
                                           self.predictions.tolist()))}

@@ -59,8 +59,9 @@ Note [fp8 experts]
       That is bit for bit in eager steps. Under vLLM's CUDA graphs (FULL_AND_PIECEWISE) the
       per-tensor lane is not: a top-5 logprob gap of 0.47-0.59 on the H200 test model, even
       where every step is that one resident call, while all-resident vLLM with its KV cache
-      elsewhere gives its own bits. The cause is not found (no choice of -1 reaches the
-      lane; the block format, the same kernel otherwise, is exact there).
+      elsewhere gives its own bits. The cause is not found (a counter, since removed, saw no
+      choice of -1 reach the lane; the block format, the same kernel otherwise, is exact
+      there).
 """
 
 from __future__ import annotations

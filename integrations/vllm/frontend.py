@@ -162,7 +162,7 @@ def say_cpu_memory(config, nodes: list[tuple[int, int]] | None = None) -> bool:
     fraction = getattr(cache, "gpu_memory_utilization", None)
     if fraction is None or getattr(cache, "kv_cache_memory_bytes", None) is not None:
         return False
-    nodes = _numa_memory() if nodes is None else nodes
+    nodes = numa_memory() if nodes is None else nodes
     if not nodes:
         return False
     total, free = min(nodes, key=lambda n: n[1] - fraction * n[0])
@@ -176,7 +176,7 @@ def say_cpu_memory(config, nodes: list[tuple[int, int]] | None = None) -> bool:
     return short
 
 
-def _numa_memory() -> list[tuple[int, int]]:
+def numa_memory() -> list[tuple[int, int]]:
     """(total, free) bytes of each NUMA node, free counting the page cache it may drop."""
     import glob
     nodes = []

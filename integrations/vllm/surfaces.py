@@ -163,7 +163,8 @@ SURFACES: tuple[Surface, ...] = (
             "rings took and what vLLM sized", hook=f"{_W}:on_initialize_from_config",
             params=("self", "kv_cache_config")),
     Surface(_V1_RUNNER, "GPUModelRunner.reload_weights", "method", "weight_writes",
-            "streamed layers' host copies take the new weights; every slot is gathered anew",
+            "streamed layers' host copies take the new weights; every slot is gathered anew; "
+            "refused while the expert lane serves fp8 experts",
             versions=((0, 26), (0, 33)), hook=f"{_W}:on_reload_weights", params=("self",),
             group="runner reload"),
     Surface(_V2_RUNNER, "GPUModelRunner.reload_weights", "method", "weight_writes",

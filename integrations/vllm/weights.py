@@ -279,7 +279,8 @@ def on_reload_weights(state: PluginState, original, runner, *args, **kwargs):
     """The hook on a model runner's ``reload_weights`` (``LLM.collective_rpc("reload_weights",
     ...)``): the streamed layers' host copies take the new weights; the carried slots are
     re-filled from them before it returns (the next step may be a replay), the others are
-    gathered by the step that reads them."""
+    gathered by the step that reads them. Refused while an expert lane serves fp8 experts
+    (``experts.refuse_quantized_reload``)."""
     experts.refuse_quantized_reload(state, runner)
     streamer = state.streamers.get(runner)
     if streamer is None:

@@ -95,7 +95,7 @@ def test_vllm_cpu_s_memory_reservation_is_said_in_one_line(caplog):
     nothing on a GPU, nothing once the KV cache is sized in bytes."""
     from types import SimpleNamespace
 
-    from ringflow.integrations.vllm.frontend import _numa_memory, say_cpu_memory
+    from ringflow.integrations.vllm.frontend import numa_memory, say_cpu_memory
 
     def config(device, fraction, kv=None):
         return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
@@ -115,4 +115,4 @@ def test_vllm_cpu_s_memory_reservation_is_said_in_one_line(caplog):
         "10.71 GiB; about 8.55 GiB is free): it will likely stop while starting; "
         "--kv-cache-memory-bytes sizes its KV cache instead and skips that reservation")
     assert fits.levelno == logging.INFO and "will likely stop" not in fits.getMessage()
-    assert all(total >= free > 0 for total, free in _numa_memory())
+    assert all(total >= free > 0 for total, free in numa_memory())
