@@ -130,10 +130,14 @@ class ExpertCache:
 
     def passes(self, tokens: int, top_k: int) -> int:
         """Passes a step of ``tokens`` tokens routed to ``top_k`` experts each gets."""
-        through_slots = max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
+        through_slots = self._through_slots(tokens, top_k)
         if through_slots > 1 and self.whole_in_place:
             return 1
         return 2 if through_slots > 1 and self.reads_in_place(tokens) else through_slots
+
+    def _through_slots(self, tokens: int, top_k: int) -> int:
+        """Passes a step of ``tokens`` x ``top_k`` choices needs through the slots alone."""
+        return max(1, math.ceil(min(self.experts, tokens * top_k) / self.slots))
 
     def reads_in_place(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` tokens that needs several passes ends with one over the
@@ -154,7 +158,7 @@ class ExpertCache:
         e, s = self.experts, self.slots
         passes = self.passes(*topk_ids.shape)
         needed = self._chosen(topk_ids)
-        if self.whole_in_place and math.ceil(min(e, topk_ids.numel()) / s) > 1:  # step 6
+        if self.whole_in_place and self._through_slots(*topk_ids.shape) > 1:  # step 6
             self.in_place_steps += 1  # one pass, all from the host: no slot serves it
             yield self.host, self._traced_read(torch.where(needed, self._experts, -1), "host")
             return

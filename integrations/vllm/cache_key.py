@@ -112,7 +112,8 @@ def factor_words(extra: dict[str, object]) -> str:
             words.append("the code that picks the wrapped layers")
         elif key != "ringflow":
             words.append(f"{key}={extra[key]}")
-    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
+    return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]])) if words else \
+        "version alone"
 
 
 def log_factors(state: PluginState, extra: dict[str, object]) -> dict[str, object]:

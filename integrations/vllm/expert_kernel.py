@@ -145,8 +145,8 @@ class ResidentKernel:
         if last and self._acc is None and expert_map is not None:
             # the step's only pass: every choice is in a slot. Name the slots as the choices
             # and pass no map, so the kernel assigns rows as it does for the resident layer
-            # a choice of -1 (a row vLLM pads a graph's batch with) stays -1, as the resident
-            # kernel skips it: indexing the map with -1 would read the last expert's slot
+            # a choice of -1 stays -1, as the resident kernel skips it: indexing the map with
+            # -1 would read the last expert's slot
             chosen = topk_ids.long()
             topk_ids = torch.where(chosen >= 0, expert_map[chosen.clamp(min=0)], -1).to(
                 topk_ids.dtype)

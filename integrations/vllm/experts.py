@@ -173,8 +173,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     if empty:
         moe = [i for i, layer in enumerate(decoder) if moe_runners_of(layer)]
         raise ProfileError("experts.layers", f"decoder layers {empty} have no routed experts "
-                           f"(no MoE); list MoE layers ({_ranges(moe) if moe else 'none'}), "
-                           f"or 'all'", profile.source)
+                           f"(no MoE); list MoE layers (this model's: {moe}), or 'all'",
+                           profile.source)
     on_gpu = any(r.routed_experts.w13_weight.is_cuda for (r,) in found.values())
     if on_gpu:
         need = sum(_store_bytes(r.routed_experts) for (r,) in found.values())
@@ -240,18 +240,6 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
-
-
-def _ranges(layers: list[int]) -> str:
-    """Layer indices as runs: ``1-3, 7``."""
-    out, i = [], 0
-    while i < len(layers):
-        j = i
-        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
-            j += 1
-        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:
