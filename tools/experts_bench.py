@@ -2,8 +2,8 @@
 """Routed experts from host memory in vLLM's real engine: ringflow's expert lane vs its peers.
 
     python3 tools/experts_bench.py [--layers 4] [--rounds 5] [--only a,b] [--routings hard,easy]
-                                   [--prefills 8192,32768] [--batches 1,8,64] [--window 1]
-                                   [--deadline S] [--json FILE]
+                                   [--prefills 8192,32768] [--chunk 8192] [--batches 1,8,64]
+                                   [--window 1] [--deadline S] [--json FILE]
 
 A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8, bf16, dummy
 weights: speed does not depend on values; ``--layers`` of its 48 layers) in vLLM 0.26's engine,
@@ -16,6 +16,8 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
   there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
   cache, larger ones through the layer ring (Note [Expert lane modes]);
+* ``ringflow-own``: the lane with its ring's own buffers only (``borrow_slots: false``): large
+  steps do not borrow the slot caches' memory (Note [Borrowed layer buffers]);
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -27,8 +29,10 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 
 Measured per engine and round, rounds interleaved across engines (ratios from one run):
 
-* prefill: one prompt of each ``--prefills`` size, one step each (``max_num_batched_tokens``
-  is the largest), generating one token: tokens/s of the prompt;
+* prefill: one prompt of each ``--prefills`` size, generating one token, in steps of at most
+  ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200:
+  a 32k prompt is four steps, back to back): tokens/s of the prompt. Each round measures the
+  prefills right after the previous round's decode steps;
 * decode: steady-state step time at each batch size, the batch's prefill outside the window:
   the same batch generating ``short`` and ``long`` new tokens, ``long`` grown (once per
   engine, routing and batch) until the difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
@@ -67,7 +71,7 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots")  # the expert lane's variants (worker_report rows)
+LANES = ("ringflow", "ringflow-own", "ringflow-slots")  # the lane's variants (worker_report)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -91,6 +95,8 @@ def configs(layers: int) -> dict[str, dict]:
     return {
         "resident": {"moe_backend": "triton"},
         "ringflow": {**lane, "additional_config": experts("experts-bench")},
+        "ringflow-own": {**lane, "additional_config": experts("experts-bench-own",
+                                                               borrow_slots=False)},
         "ringflow-slots": {**lane, "additional_config": experts("experts-bench-slots",
                                                                  layer_buffers=0)},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
@@ -116,6 +122,8 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated configurations")
     parser.add_argument("--routings", default="hard,easy", help="decode routings measured")
     parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, one step each")
+    parser.add_argument("--chunk", type=int, default=8192,
+                        help="max_num_batched_tokens: longer prompts prefill in chunks")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
     parser.add_argument("--window", type=float, default=1.0, help="decode window, seconds")
     parser.add_argument("--deadline", type=float, default=None,
@@ -216,7 +224,7 @@ def main() -> int:
             for key, cell in row.items():
                 if key in base and "error" not in base:
                     cell["vs_resident"] = round(cell["median"] / base[key]["median"], 3)
-                for peer in ("vllm-prefetch", "vllm-uva", "ringflow-slots"):
+                for peer in ("vllm-prefetch", "vllm-uva", "ringflow-own", "ringflow-slots"):
                     other = table.get(peer, {})
                     if name.startswith("ringflow") and peer != name and key in other:
                         cell[f"vs_{peer}"] = round(cell["median"] / other[key]["median"], 2)
@@ -225,11 +233,13 @@ def main() -> int:
             for p in prefills:
                 key = f"prefill_{p}_tok_s"
                 if key in base:
-                    copy_s = args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
+                    steps = math.ceil(p / min(longest, args.chunk))  # each copies them all
+                    copy_s = steps * args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
                     bounds[key] = round(p / max(p / base[key]["median"], copy_s), 1)
         doc = records.record("python3 tools/experts_bench.py",
                              vllm=vllm.__version__, runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
                              layers=args.layers, rounds=rounds, slots_per_layer=SLOTS,
+                             max_num_batched_tokens=min(longest, args.chunk),
                              ring_layers=RING, device_layers_of_experts=device_layers(args.layers),
                              model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
@@ -248,7 +258,7 @@ def main() -> int:
         try:
             engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                                 dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
-                                max_num_batched_tokens=longest, seed=0,
+                                max_num_batched_tokens=min(longest, args.chunk), seed=0,
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
                                 gpu_memory_utilization=0.5,
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
