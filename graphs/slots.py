@@ -24,7 +24,7 @@ import enum
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -257,10 +257,6 @@ class SlotPool:
     def free_count(self) -> int:
         return len(self._free)
 
-    def free_slots(self) -> list[int]:
-        """The free slots, longest free first (the order :meth:`acquire` takes them in)."""
-        return list(self._free)
-
     def leases(self) -> list[Lease]:
         """Leases currently out (not FREE)."""
         return [x for x in self._leases if x is not None]
@@ -325,16 +321,16 @@ class SlotPool:
         self.carried.clear()  # the next forward fills its slots again (it primes)
         return len(out)
 
-    def forget_carried(self, keys: Iterable[tuple[str, int]] | None = None) -> None:
-        """Hand back the slots of carried leases (``keys``; None: all) without waiting (host
-        bookkeeping only).
+    def forget_carried(self) -> None:
+        """Hand back the slots of carried leases without waiting (host bookkeeping only).
 
         For a forward that re-fills them itself: its gathers are ordered after everything the
         previous forward issued (it joined its gather stream), so the slots are free on the
         device by the time they are rewritten.
         """
-        for key in list(self.carried) if keys is None else list(keys):
-            self._free_slot(self.carried.pop(key))
+        for lease in self.carried.values():
+            self._free_slot(lease)
+        self.carried.clear()
 
     def close(self) -> None:
         """Wait for every writer and reader, then drop the storage. Idempotent."""

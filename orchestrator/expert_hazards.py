@@ -40,16 +40,6 @@ Note [Expert lane hazards]
     and the ring's share these rules, so one lane's trace mixes both (a prefill on the ring, a
     decode step on the slots) and each part is proven where it ran.
 
-    The ring's borrowed buffers (Note [Borrowed layer buffers]) are the slot caches' memory.
-    :func:`check_borrowing` proves a joint trace of the ring and every cache (each operation
-    names its ``owner``):
-
-    * ``cross-stream``: a fill of a borrowed buffer happens-after every install and read of
-      the caches before it (the lend's event), and every install and read of the caches
-      happens-after every borrowed fill before it (the give-back's wait);
-    * ``stale-cache``: when a borrowed buffer is filled, no cache still maps an expert to its
-      slots (each cache installed nothing since its last ``evict``).
-
     Pure Python over ints, no torch: the trace is read back from the device by whoever records
     it.
 """
@@ -69,14 +59,12 @@ class ExpertOp:
     (``on``) an event after what ``stream`` issued so far; ``wait`` orders what ``stream``
     issues next after that event, or, where ``on`` names no event, after everything issued
     so far on stream ``on``. The layer ring's ``fill`` writes layer position ``p`` into ring
-    slot ``s`` for each ``(p, s)``, and its ``read`` reads them; ``evict`` empties a cache
-    (``owner``) or, from the ring, marks the lend (Note [Borrowed layer buffers])."""
+    slot ``s`` for each ``(p, s)``, and its ``read`` reads them."""
 
     kind: str
     stream: object
     pairs: tuple[tuple[int, int], ...] = ()
     on: object = None
-    owner: object = None  # who issued it, in a lane's joint trace: "ring", or a cache's name
 
 
 _PREVIOUS = -1  # the steps before this one, in the happens-before sets below
@@ -141,9 +129,7 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
         after = order.before(i, op)
         if after is None:
             continue
-        if op.kind == "evict":  # the cache emptied (its memory lent): it holds nothing
-            held.clear()
-        elif op.kind == "install":
+        if op.kind == "install":
             written = [s for _, s in op.pairs]
             if any(not 0 <= s < slots for s in written):
                 raise HazardError("slot-range", f"install {i} writes slots {written}, the cache "
@@ -174,7 +160,7 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                 read[e] = i
         else:
             raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, "
-                              f"host, evict, record or wait", [i])
+                              f"host, record or wait", [i])
         order.issue(i, op)
     if set(read) != needed:
         missing, extra = sorted(needed - set(read)), sorted(set(read) - needed)
@@ -229,45 +215,3 @@ def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
                               f"or wait", [i])
         order.issue(i, op)
     return holds
-
-
-def check_borrowing(ops: list[ExpertOp], own: int) -> None:
-    """Prove that a joint trace of a layer ring of ``own`` buffers (the rest borrowed) and its
-    lane's caches shares the caches' memory safely (Note [Expert lane hazards]).
-
-    Raises:
-        HazardError: the first hazard, with the indices of the offending operations.
-    """
-    order = _Order()
-    uses: list[int] = []  # the caches' installs and reads so far
-    fills: list[int] = []  # the ring's fills of borrowed buffers so far
-    holding: dict[object, int] = {}  # cache -> its first install since its last evict
-    for i, op in enumerate(ops):
-        after = order.before(i, op)
-        if after is None:
-            continue
-        cache = op.owner not in (None, "ring")
-        if op.kind == "evict" and cache:
-            holding.pop(op.owner, None)
-        elif cache and op.kind in ("install", "read"):
-            late = [j for j in fills if j not in after]
-            if late:
-                raise HazardError("cross-stream", f"the {op.kind} {i} of cache {op.owner} "
-                                  f"touches the slots' memory with no event after the borrowed "
-                                  f"fill(s) {late} (the give-back's wait)", [*late, i])
-            uses.append(i)
-            if op.kind == "install" and op.pairs:
-                holding.setdefault(op.owner, i)
-        elif op.owner == "ring" and op.kind == "fill" and any(s >= own for _, s in op.pairs):
-            late = [j for j in uses if j not in after]
-            if late:
-                raise HazardError("cross-stream", f"borrowed fill {i} (stream {op.stream}) "
-                                  f"overwrites the slots' memory with no event after the "
-                                  f"caches' operation(s) {late} (the lend's event)", [*late, i])
-            if holding:
-                owner, j = next(iter(holding.items()))
-                raise HazardError("stale-cache", f"borrowed fill {i} overwrites the slots' "
-                                  f"memory while cache {owner} still maps the experts it "
-                                  f"installed at {j} (no evict since)", [j, i])
-            fills.append(i)
-        order.issue(i, op)

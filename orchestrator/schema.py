@@ -282,11 +282,6 @@ FIELDS: dict[str, ProfileField] = {
                                       "(each the size of one chosen layer's routed experts; "
                                       "capped at the chosen layers); 0: no ring, every step "
                                       "through the slot cache", 0, 1 << 10, 2),
-    "experts.borrow_slots": _flag("a step that takes the layer ring also uses the slot caches' "
-                                  "memory as more layer buffers (as many whole layers as it "
-                                  "holds), so its tail carries more of the next large step; "
-                                  "the next step through the caches starts with them empty "
-                                  "(Note [Borrowed layer buffers])", True),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -197,7 +197,6 @@ class ExpertsSpec:
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
-    borrow_slots: bool = True  # large steps borrow the caches' memory (Note [Borrowed ...])
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
@@ -213,7 +212,6 @@ class ExpertsSpec:
         out["lookahead"] = self.lookahead
         out["layer_tokens"] = self.layer_tokens
         out["layer_buffers"] = self.layer_buffers
-        out["borrow_slots"] = self.borrow_slots
         return out
 
 
@@ -223,8 +221,7 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
                        slots=values["slots"], in_place_tokens=values["in_place_tokens"],
                        lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],
-                       layer_buffers=values["layer_buffers"],
-                       borrow_slots=values["borrow_slots"])
+                       layer_buffers=values["layer_buffers"])
 
 
 @dataclass(frozen=True)

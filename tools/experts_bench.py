@@ -16,8 +16,6 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
   there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
   cache, larger ones through the layer ring (Note [Expert lane modes]);
-* ``ringflow-own``: the lane with its ring's own buffers only (``borrow_slots: false``): large
-  steps do not borrow the slot caches' memory (Note [Borrowed layer buffers]);
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -30,9 +28,10 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 Measured per engine and round, rounds interleaved across engines (ratios from one run):
 
 * prefill: one prompt of each ``--prefills`` size, generating one token, in steps of at most
-  ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200:
-  a 32k prompt is four steps, back to back): tokens/s of the prompt. Each round measures the
-  prefills right after the previous round's decode steps;
+  ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200,
+  vLLM 0.26's engine arguments: a 32k prompt is four steps, back to back; ``--chunk 32768``:
+  one step each): tokens/s of the prompt. Each round measures its prefills right after the
+  previous round's decode steps, the larger right after the smaller;
 * decode: steady-state step time at each batch size, the batch's prefill outside the window:
   the same batch generating ``short`` and ``long`` new tokens, ``long`` grown (once per
   engine, routing and batch) until the difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
@@ -71,7 +70,7 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-own", "ringflow-slots")  # the lane's variants (worker_report)
+LANES = ("ringflow", "ringflow-slots")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -95,8 +94,6 @@ def configs(layers: int) -> dict[str, dict]:
     return {
         "resident": {"moe_backend": "triton"},
         "ringflow": {**lane, "additional_config": experts("experts-bench")},
-        "ringflow-own": {**lane, "additional_config": experts("experts-bench-own",
-                                                               borrow_slots=False)},
         "ringflow-slots": {**lane, "additional_config": experts("experts-bench-slots",
                                                                  layer_buffers=0)},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
@@ -224,7 +221,7 @@ def main() -> int:
             for key, cell in row.items():
                 if key in base and "error" not in base:
                     cell["vs_resident"] = round(cell["median"] / base[key]["median"], 3)
-                for peer in ("vllm-prefetch", "vllm-uva", "ringflow-own", "ringflow-slots"):
+                for peer in ("vllm-prefetch", "vllm-uva", "ringflow-slots"):
                     other = table.get(peer, {})
                     if name.startswith("ringflow") and peer != name and key in other:
                         cell[f"vs_{peer}"] = round(cell["median"] / other[key]["median"], 2)

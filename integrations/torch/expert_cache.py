@@ -71,8 +71,7 @@ class ExpertCache:
 
     def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
                  device: torch.device | str, programs: int = PROGRAMS,
-                 in_place_tokens: int = 0, whole_in_place: bool = False,
-                 storage: Mapping[str, torch.Tensor] | None = None) -> None:
+                 in_place_tokens: int = 0, whole_in_place: bool = False) -> None:
         counts = {name: t.shape[0] for name, t in host.items()}
         if not counts or len(set(counts.values())) != 1:
             raise ConfigError(f"expert parameters must share their first dimension (the "
@@ -98,15 +97,8 @@ class ExpertCache:
                               f"{sorted({str(t.device) for t in self.host.values()})}: set "
                               f"in_place_tokens to 0")
         self.in_place_tokens, self.whole_in_place = in_place_tokens, whole_in_place
-        if storage is None:
-            storage = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
-                                         device=self.device) for name, t in host.items()}
-        elif set(storage) != set(host) or any(
-                (w.shape[0], w.device) != (slots, self.device) for w in storage.values()):
-            given = {n: (tuple(w.shape), str(w.device)) for n, w in storage.items()}
-            raise ConfigError(f"an expert cache's storage holds {slots} slots of each of "
-                              f"{sorted(host)} on {self.device}; given {given}")
-        self.weights = dict(storage)
+        self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
+                                          device=self.device) for name, t in host.items()}
         for name, w in self.weights.items():
             check(self.host[name], w)
             poison(w)
@@ -130,11 +122,6 @@ class ExpertCache:
         #: a list to append each step's operations to (ExpertOp, Note [Expert lane hazards]),
         #: or None; tracing reads the device state back (a host sync per operation)
         self.trace: list[ExpertOp] | None = None
-        #: the name the trace gives the current stream (None: its handle) and this cache, so
-        #: that one trace can hold the ring's and every cache's operations (Note [Borrowed
-        #: layer buffers])
-        self.trace_stream: str | None = None
-        self.trace_owner: object = None
 
     @property
     def bytes(self) -> int:
@@ -251,7 +238,7 @@ class ExpertCache:
         if self.trace is not None:
             n = int(count)
             self.trace.append(ExpertOp("install", self._stream(), tuple(
-                zip(ids[:n].tolist(), slots[:n].tolist())), owner=self.trace_owner))
+                zip(ids[:n].tolist(), slots[:n].tolist()))))
         for name, w in self.weights.items():
             fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
 
@@ -259,17 +246,15 @@ class ExpertCache:
         if self.trace is not None:
             named = (expert_map >= 0).nonzero().flatten()
             self.trace.append(ExpertOp(kind, self._stream(), tuple(
-                zip(named.tolist(), expert_map[named].tolist())), owner=self.trace_owner))
+                zip(named.tolist(), expert_map[named].tolist()))))
         return expert_map
 
     def traced_wait(self, on: object) -> None:
         """Record in the trace that the current stream now waits for stream ``on``."""
         if self.trace is not None:
-            self.trace.append(ExpertOp("wait", self._stream(), on=on, owner=self.trace_owner))
+            self.trace.append(ExpertOp("wait", self._stream(), on=on))
 
     def _stream(self) -> object:
-        if self.trace_stream is not None:
-            return self.trace_stream
         return (torch.cuda.current_stream(self.device).cuda_stream
                 if self.device.type == "cuda" else "cpu")
 
@@ -280,21 +265,12 @@ class ExpertCache:
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
         Stream-ordered like a step; the next step fetches what it needs."""
-        self.evict(poison_slots=True)
-
-    def evict(self, poison_slots: bool = False) -> None:
-        """Empty every slot, on the current stream: its memory is about to hold something else
-        (a borrowed layer buffer, Note [Borrowed layer buffers]) or stale weights. The next
-        step misses every expert it needs; ``poison_slots`` also writes NaN over the slots."""
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)
         self.last_used.fill_(-1)
         self.predicted.zero_()
-        if self.trace is not None:
-            self.trace.append(ExpertOp("evict", self._stream(), owner=self.trace_owner))
-        if poison_slots:
-            for w in self.weights.values():
-                poison(w)
+        for w in self.weights.values():
+            poison(w)
 
     def describe(self) -> dict:
         """The layout and the counters so far (one host sync): what a dump or a report shows."""

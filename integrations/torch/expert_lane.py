@@ -112,14 +112,11 @@ class ExpertLane:
                 topk_ids: torch.Tensor, may_fork: Callable[[], bool] = lambda: True
                 ) -> torch.Tensor:
         """Layer ``layer``'s routed experts for this step's tokens ``x``, in ``x.dtype``."""
-        layered = self.uses_ring(x.shape[0], x.device)
-        if self.ring is not None and not layered:
-            self.ring.give_back()  # the caches' memory, if lent (Note [Borrowed layer buffers])
         behind = self.behind.get(layer)
         if behind is not None:
             behind.join()
         ranges, compute = self._ranges[layer], self.computes[layer]
-        if layered:
+        if self.uses_ring(x.shape[0], x.device):
             position = self.position[layer]
             weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
             try:
@@ -140,16 +137,8 @@ class ExpertLane:
                                    expert_map, p == passes - 1)
         return out
 
-    def before_graph_step(self) -> None:
-        """A step is about to run or be captured under a CUDA graph, where it takes the slot
-        caches: give their memory back first, eagerly (Note [Borrowed layer buffers])."""
-        if self.ring is not None:
-            self.ring.give_back()
-
     def forget(self) -> None:
         """The host copies changed (a reload): no cached expert nor ring fill is current."""
-        if self.ring is not None:
-            self.ring.give_back()  # the caches' poison must not race a borrowed fill
         for cache in self.caches.values():
             cache.forget()
         if self.ring is not None:

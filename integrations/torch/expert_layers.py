@@ -43,7 +43,7 @@ Note [Expert layer ring]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -53,20 +53,7 @@ from ringflow.graphs.slots import SlotPool, poison
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
 LANE = "experts-layers"
-ALIGN = 256  # each parameter's offset in a slot: aligned for any dtype and for DMA
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def layer_layout(host: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], int]:
-    """Where each of a layer's parameters starts in a layer buffer, and the buffer's bytes."""
-    offsets, end = {}, 0
-    for name, t in host.items():
-        offsets[name] = end
-        end += aligned(t.numel() * t.element_size())
-    return offsets, end
+_ALIGN = 256  # each parameter's offset in a slot: aligned for any dtype and for DMA
 
 
 class ExpertLayerRing:
@@ -77,8 +64,7 @@ class ExpertLayerRing:
 
     def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
                  device: torch.device | str, stream: torch.cuda.Stream | None = None,
-                 poison_reads: bool = False, storage: torch.Tensor | None = None,
-                 lend: Callable[[], None] | None = None) -> None:
+                 poison_reads: bool = False) -> None:
         if not hosts:
             raise ConfigError("an expert layer ring needs at least one layer")
         layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
@@ -100,19 +86,14 @@ class ExpertLayerRing:
             raise ConfigError("an expert layer ring on a GPU needs a copy stream, and on the "
                               "CPU none")
         self.stream = stream
-        offsets, end = layer_layout(hosts[0])
+        offsets, end = {}, 0
+        for name, shape, dtype in layout:
+            offsets[name] = end
+            end += -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
         self.layer_bytes = end
-        #: the ring's own buffers; the storage's rows past them are borrowed from the slot
-        #: caches' memory (Note [Borrowed layer buffers])
-        self.own = min(buffers, len(hosts))  # more than the layers would carry one into itself
-        slots = self.own if storage is None else storage.shape[0]
-        if not self.own <= slots <= len(hosts) or (slots > self.own) != (lend is not None):
-            raise ConfigError(f"an expert layer ring of {self.own} buffers over {len(hosts)} "
-                              f"layers takes storage of {self.own} to {len(hosts)} layer rows, "
-                              f"and a lend function exactly when it has more than its own; "
-                              f"given {slots} rows, lend {'set' if lend else 'unset'}")
-        self.pool = SlotPool(LANE, (end,), torch.uint8, depth=slots - 1,
-                             workspace_bytes=slots * end, device=self.device, storage=storage)
+        buffers = min(buffers, len(hosts))  # more than the layers would carry one into itself
+        self.pool = SlotPool(LANE, (end,), torch.uint8, depth=buffers - 1,
+                             workspace_bytes=buffers * end, device=self.device)
         self.views = [{name: slot[offsets[name]:offsets[name] + torch.Size(shape).numel()
                                   * dtype.itemsize].view(dtype).view(shape)
                        for name, shape, dtype in layout} for slot in self.pool.storage]
@@ -131,17 +112,9 @@ class ExpertLayerRing:
         self._retired: list[bool] = [False] * self.pool.slots
         self._next = 0  # the next position to fill: >= len(hosts) is the next step's
         self._reading = None  # (position, lease) of the layer computing now
-        # borrowing (Note [Borrowed layer buffers]): the slot caches' memory is the ring's
-        # while ``lent``; ``_lent_at`` (compute) orders the borrowed fills after the caches'
-        # last use, ``_returned`` (copy) orders the caches' next use after the borrowed fills
-        self._lend, self.lent = lend, False
-        self._lent_at = torch.cuda.Event() if cuda else None
-        self._returned = torch.cuda.Event() if cuda else None
         self.steps = 0  # large steps served
         self.carried_steps = 0  # of which started with their first layer filled ahead
-        self.carried_layers = 0  # layers filled ahead at those steps' starts, in all
         self.fills = 0
-        self.lends = 0  # times the slot caches' memory was borrowed
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
 
@@ -155,17 +128,11 @@ class ExpertLayerRing:
 
     @property
     def buffers(self) -> int:
-        """Layer buffers in large steps: the ring's own and the borrowed ones."""
         return self.pool.slots
 
     @property
-    def borrowed(self) -> int:
-        return self.pool.slots - self.own
-
-    @property
     def bytes(self) -> int:
-        """Device bytes of the ring's own buffers (the borrowed ones are the caches')."""
-        return self.own * self.layer_bytes
+        return self.pool.reserved_bytes
 
     def begin(self, position: int) -> dict[str, torch.Tensor]:
         """Layer ``position`` of a large step is about to compute on the current stream: order
@@ -179,7 +146,6 @@ class ExpertLayerRing:
             self.steps += 1
             if (LANE, 0) in self.pool.carried:
                 self.carried_steps += 1
-                self.carried_layers += len(self.pool.carried)
         if self._head() != position:
             self.abandon()  # not the position the fills ran ahead for: start over from here
             self._next = position
@@ -238,35 +204,24 @@ class ExpertLayerRing:
         """The position of the oldest fill issued ahead (None: none)."""
         return next(iter(self.pool.carried), (None, None))[1]
 
-    def _fill_ahead(self, own_only: bool = False) -> None:
-        """Fill positions from ``_next`` into free slots (``own_only``: the ring's own), up to
-        the next step's last."""
-        while self._next < 2 * self.layers:
+    def _fill_ahead(self) -> None:
+        """Fill positions from ``_next`` into free slots, up to the next step's last."""
+        while self.pool.free_count and self._next < 2 * self.layers:
             position = self._next % self.layers
             if position == 0 and self._next and (LANE, 0) in self.pool.carried:
                 break  # never two fills of one position at once
-            free = [s for s in self.pool.free_slots() if s < self.own or not own_only]
-            if not free:
-                break
-            lease = self.pool.acquire(free[0], tag=position)
+            lease = self.pool.acquire(tag=position)
             self._fill(position, lease)
             self.pool.carried[(LANE, position)] = lease
             self._next += 1
 
     def _fill(self, position: int, lease) -> None:
         views, host = self.views[lease.slot], self.hosts[position]
-        borrowed = lease.slot >= self.own
-        if borrowed and not self.lent:
-            self._borrow()
         retired = self._retired[lease.slot]
         if retired:
             self._op("wait", "copy", on=("retired", lease.slot))
-        if borrowed:
-            self._after_lend()
         self._op("fill", "copy", pairs=((position, lease.slot),))
         self._op("record", "copy", on=("ready", lease.slot))
-        if borrowed:
-            self._op("record", "copy", on="returned")
         self.fills += 1
         if self.stream is None:  # the CPU: in line, in issue order
             for name, v in views.items():
@@ -280,53 +235,7 @@ class ExpertLayerRing:
             copy_async(v.data_ptr(), host[name].data_ptr(), v.numel() * v.element_size(),
                        self.stream.cuda_stream)
         ready.record(self.stream)
-        if borrowed:
-            self._returned.record(self.stream)
         lease.mark_ready(ready)
-
-    def _borrow(self) -> None:
-        """Take the slot caches' memory (Note [Borrowed layer buffers], step 1): empty the
-        caches on the compute stream, then mark that point for the borrowed fills."""
-        self._lend()
-        if self._lent_at is not None:
-            self._lent_at.record(self._current())
-        self._op("record", "compute", on="lent")
-        self.lent, self.lends = True, self.lends + 1
-
-    def _after_lend(self) -> None:
-        """Order a borrowed fill after the caches' last use (the lend's event)."""
-        self._op("wait", "copy", on="lent")
-        if self.stream is not None:
-            self.stream.wait_event(self._lent_at)
-
-    def give_back(self) -> None:
-        """The slot caches' memory goes back to them (Note [Borrowed layer buffers], step 3):
-        the current (compute) stream waits for the borrowed fills, and the fills carried in
-        borrowed buffers are dropped, with every one after them; the ring's own free buffers
-        then take the next large step's first layers again. Call it eagerly before a step
-        that uses the caches; nothing when nothing is lent."""
-        if not self.lent:
-            return
-        if self._reading is not None:
-            self.abandon()
-        compute = self._current()
-        if compute is not None:
-            if torch.cuda.is_current_stream_capturing():
-                raise KernelError("the expert layer ring still holds the slot caches' memory "
-                                  "as a CUDA graph capture begins; it is given back before "
-                                  "each step vLLM runs under a graph (the forward-context "
-                                  "hook), which did not run here")
-            compute.wait_event(self._returned)
-        self._op("wait", "compute", on="returned")
-        kept = []
-        for key, lease in self.pool.carried.items():
-            if lease.slot >= self.own or key[1] != len(kept):
-                break
-            kept.append(key)
-        self.pool.forget_carried([k for k in self.pool.carried if k not in kept])
-        self._next = len(kept)
-        self.lent = False
-        self._fill_ahead(own_only=True)  # the next large step's first layers, as without borrowing
 
     def _current(self) -> torch.cuda.Stream | None:
         return None if self.stream is None else torch.cuda.current_stream(self.device)
@@ -335,10 +244,8 @@ class ExpertLayerRing:
         """Trace one operation on the ring's logical streams, ``copy`` and ``compute`` (the
         same on the CPU, where both run in line: the proof checks what a GPU would order)."""
         if self.trace is not None:
-            self.trace.append(ExpertOp(kind, stream, pairs, on, owner="ring"))
+            self.trace.append(ExpertOp(kind, stream, pairs, on))
 
     def describe(self) -> dict:
-        return {"layers": self.layers, "buffers": self.own, "borrowed_buffers": self.borrowed,
-                "layer_bytes": self.layer_bytes, "steps": self.steps,
-                "carried_steps": self.carried_steps, "carried_layers": self.carried_layers,
-                "fills": self.fills, "lends": self.lends}
+        return {"layers": self.layers, "buffers": self.buffers, "layer_bytes": self.layer_bytes,
+                "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills}

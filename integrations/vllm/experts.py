@@ -58,7 +58,6 @@ import torch
 from ringflow import envs
 from ringflow.errors import EngineError, OutputError, ProfileError, UnsupportedModelError
 from ringflow.graphs.streams import dedicated_streams
-from ringflow.integrations.torch.expert_arena import ExpertArena
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
@@ -184,7 +183,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                    f"layers' experts, {need / 2**30:.1f} GiB, into pinned host memory; on "
                    f"vLLM 0.26 also VLLM_USE_V2_MODEL_RUNNER=0: its V2 runner makes no "
                    f"offloader)")
-    hosts: dict[int, dict] = {}
+    caches: dict[int, ExpertCache] = {}
     modules: dict[int, object] = {}
     computes: dict[int, object] = {}
     for i, (runner,) in sorted(found.items()):
@@ -196,32 +195,20 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                                         f"while vLLM loaded the model (their quant method is "
                                         f"{type(experts.quant_method).__name__}, not "
                                         f"vLLM's unquantized one)")
-        hosts[i], modules[i] = host, experts
+        cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
+                            experts.w13_weight.device, in_place_tokens=spec.in_place_tokens,
+                            whole_in_place=scales_across_rows(experts))
+        caches[i], modules[i] = cache, experts
         computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
                        if on_gpu else TorchCompute())
-    device = modules[min(modules)].w13_weight.device
-    order = sorted(hosts)
-    slots = {i: spec.slots_for(modules[i].global_num_experts, modules[i].top_k) for i in order}
-    arena = ExpertArena([hosts[i] for i in order], [slots[i] for i in order],
-                        spec.layer_buffers, device, lend=_may_borrow(state, spec))
-    caches = {i: ExpertCache(hosts[i], slots[i], device, in_place_tokens=spec.in_place_tokens,
-                             whole_in_place=scales_across_rows(modules[i]),
-                             storage=arena.cache_storage[n])
-              for n, i in enumerate(order)}
-    poisoned = envs.flag("RINGFLOW_POISON")
+    device = next(iter(caches.values())).device
     ring = None
-    if arena.ring_storage is not None:
-        stream = (dedicated_streams(caches[order[0]], device, ["experts-copy"],
+    if spec.layer_buffers:
+        stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
                                     priority=0)["experts-copy"]
                   if device.type == "cuda" else None)  # lives while the lane's caches do
-
-        def lend() -> None:  # Note [Borrowed layer buffers], step 1
-            for cache in caches.values():
-                cache.evict(poison_slots=poisoned)
-
-        ring = ExpertLayerRing([hosts[i] for i in order], spec.layer_buffers, device, stream,
-                               poison_reads=poisoned, storage=arena.ring_storage,
-                               lend=lend if arena.borrowed else None)
+        ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
+                               device, stream, poison_reads=envs.flag("RINGFLOW_POISON"))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules)
     for i, experts in modules.items():
@@ -247,47 +234,12 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
              ("; a step needing more experts than the slots reads them all from host memory "
               "in one pass (per-tensor fp8: one activation scale per step)"
               if first.whole_in_place else "") +
-             (f"; a larger one takes each layer whole from a ring of {ring.own} layer "
-              f"buffers ({mib(ring.bytes)})"
-              + (f" and {ring.borrowed} more in the slots' memory (experts.borrow_slots)"
-                 if ring.borrowed else "") + ", "
+             (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
+              f"buffers ({mib(ring.bytes)}), "
               + ("copied ahead on a copy engine" if device.type == "cuda" else
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
-
-
-#: the hook that gives the slot caches' memory back before graph steps (surfaces.py)
-FORWARD_CONTEXT = "vllm.forward_context.override_forward_context"
-
-
-def _may_borrow(state: PluginState, spec) -> bool:
-    """Whether the layer ring may borrow the slot caches' memory (Note [Borrowed layer
-    buffers]): asked for, and vLLM's forward context hooked, which gives it back before every
-    step vLLM runs under a CUDA graph. Says why not where it was asked for."""
-    if not (spec.borrow_slots and spec.layer_buffers):
-        return False
-    found = getattr(state, "surfaces", None)
-    if found is not None and FORWARD_CONTEXT in found.hooked:
-        return True
-    why = (found.missing.get(FORWARD_CONTEXT, "not hooked") if found is not None
-           else "ringflow's hooks are not installed")
-    log.warning("experts.borrow_slots: large steps do not borrow the slot caches' memory: the "
-                "hook that gives it back before CUDA graph steps is missing (%s %s); the ring "
-                "serves them with its own %d buffers", FORWARD_CONTEXT, why, spec.layer_buffers)
-    return False
-
-
-def on_forward_context(state: PluginState, original, forward_context, *args, **kwargs):
-    """vLLM sets a step's forward context (every step, graphs included): before a step it runs
-    or captures under a CUDA graph, each expert lane's ring gives the slot caches' memory
-    back, eagerly (Note [Borrowed layer buffers], step 3)."""
-    if forward_context is not None and state.expert_lanes:
-        mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-        if getattr(mode, "name", "NONE") != "NONE":
-            for lane in list(state.expert_lanes.values()):
-                lane.before_graph_step()
-    return original(forward_context, *args, **kwargs)
 
 
 def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:

@@ -135,12 +135,6 @@ SURFACES: tuple[Surface, ...] = (
             "missed experts and computes them from its slots (Note [Experts in vLLM])",
             params=("self", "x", "topk_weights", "topk_ids", "shared_experts",
                     "shared_experts_input")),
-    Surface("vllm.forward_context", "override_forward_context", "function", "experts",
-            "each step's forward context: before a step vLLM runs or captures under a CUDA "
-            "graph, the expert lane's ring gives back the slot caches' memory it borrowed "
-            "(Note [Borrowed layer buffers]); without it the ring does not borrow",
-            hook="ringflow.integrations.vllm.experts:on_forward_context",
-            params=("forward_context",), required=False),
     Surface("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel.impl",
             "attribute", "experts", "read: the modular kernel's implementation, copied (never "
             "changed) so that a step of several passes sums its rows once (Note [Same bits as "

@@ -163,42 +163,6 @@ def _layer_refill_before_retire() -> None:
     ExpertLayerRing._fill = fill
 
 
-def _borrow_before_lend() -> None:
-    """The layer ring fills a borrowed buffer without waiting for the lend's event (Note
-    [Borrowed layer buffers], step 1): the copy may overwrite slots the caches still read."""
-    from ringflow.integrations.torch.expert_layers import ExpertLayerRing
-    ExpertLayerRing._after_lend = lambda self: None
-
-
-def _no_give_back() -> None:
-    """The caches take their memory back without waiting for the borrowed fills nor dropping
-    the fills carried there (Note [Borrowed layer buffers], step 3): an install may be
-    overwritten by a copy in flight, and the next large step reads the caches' experts as a
-    layer."""
-    from ringflow.integrations.torch.expert_layers import ExpertLayerRing
-
-    def give_back(self):
-        self.lent = False
-
-    ExpertLayerRing.give_back = give_back
-
-
-def _lend_without_evict() -> None:
-    """The ring borrows the caches' memory without emptying the caches (Note [Borrowed layer
-    buffers], step 1): the next decode step reads a layer's bytes as its cached experts."""
-    from ringflow.integrations.torch.expert_layers import ExpertLayerRing
-    original = ExpertLayerRing._borrow
-
-    def borrow(self):
-        lend, self._lend = self._lend, lambda: None
-        try:
-            original(self)
-        finally:
-            self._lend = lend
-
-    ExpertLayerRing._borrow = borrow
-
-
 MUTANTS = {
     "skip-ready-wait": lambda: _skip_wait(EventRole.READY),
     "skip-retire-wait": lambda: _skip_wait(EventRole.RETIRE),
@@ -212,9 +176,6 @@ MUTANTS = {
     "expert-fetch-without-wait": _expert_fetch_without_wait,
     "lookahead-without-join": _lookahead_without_join,
     "layer-refill-before-retire": _layer_refill_before_retire,
-    "borrow-before-lend": _borrow_before_lend,
-    "no-give-back": _no_give_back,
-    "lend-without-evict": _lend_without_evict,
 }
 
 ENV = "RINGFLOW_MUTANT"

@@ -47,8 +47,7 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
         ".torch.verification", ".torch.chunk_prefetch", ".torch.expert_cache",
-        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_arena",
-        ".torch.expert_lane")], "adapters"),
+        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_lane")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
         "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",

@@ -163,9 +163,6 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
         ring = layer["ring"]
         if section.get("layer_buffers", 2):  # 3 long prompts, plus vLLM's warm-up steps
             assert ring["steps"] >= 3 and ring["fills"] >= 4 * ring["steps"], ring
-            # 4 x 32 slots are one layer's experts: the ring borrows them, and every prompt
-            # after a decode step lends them again (Note [Borrowed layer buffers])
-            assert ring["borrowed_buffers"] == 1 and ring["lends"] >= 3, ring
         else:
             assert ring is None
         if section["slots"] == 8:
