@@ -136,7 +136,8 @@ def _rank(rank: int, world: int, args) -> None:
                     from ringflow.bench.timeline import plot_timeline
                     Path(args.plot).mkdir(parents=True, exist_ok=True)
                     plot_timeline(spans, Path(args.plot) /
-                                  f"dcp-allgather-{context}-x{world}-{transport}.png",
+                                  f"dcp-allgather-{context}-{records.gpu_slug()}x{world}-"
+                                  f"{transport}.png",
                                   title=f"dcp-allgather over {transport}, {world} GPU(s), "
                                         f"context {context:,}: one forward, ringflow eager, "
                                         f"depth {args.depths[0]}")

@@ -51,6 +51,15 @@ def environment(program: str) -> dict[str, Any]:
             "command": command_line(program)}
 
 
+def gpu_slug() -> str:
+    """The GPU as a file name says it (``NVIDIA H200`` -> ``h200``; ``cpu`` without one): plots
+    and results are named by what they measure and where."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower().removeprefix("nvidia").strip()
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split()) or "gpu"
+
+
 def record(program: str, **fields: Any) -> dict[str, Any]:
     """:func:`environment` followed by the benchmark's ``fields``."""
     return {**environment(program), **fields}

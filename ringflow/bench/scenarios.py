@@ -237,7 +237,7 @@ def _measure(name: str, profile: Profile, *, replays: int, priority: str | None,
 
         spans = record_timeline(dag, pools, work)
         title = f"{name}: one forward, ringflow eager, depth {dag.pools[0].depth}"
-        stem = name.replace("/", "-")
+        stem = f"{name.replace('/', '-')}-{records.gpu_slug()}"  # by experiment and GPU
         if timeline_dir is not None:
             extra["timeline_png"] = plot_timeline(spans, timeline_dir / f"{stem}.png", title).name
         if trace_dir is not None:

@@ -41,3 +41,15 @@ def test_a_scenario_measures_every_variant_and_predicts_with_the_slowdown_beside
     # the table reads the row back
     assert row.split()[-3:] == [f"{pred['slowdown']:.3f}", f"{ahead['slowdown']:.3f}",
                                 f"{1000 * pred['handoff_ms']:.2f}"]
+
+
+def test_a_scenarios_timeline_is_named_by_the_scenario_and_the_gpu(tmp_path):
+    """A timeline file says what it measured and where (``beside-h200.trace.json`` on an H200):
+    the plot's name takes the same stem."""
+    from ringflow.bench import records
+    profile = Profile.load("demo").replace(slot={"shape": [1024, 256], "dtype": "bfloat16"},
+                                           workspace_mib=8)
+    result = bench.run_profile("beside", profile, replays=2, trace_dir=tmp_path).to_dict()
+    name = result["timeline_trace"]
+    assert name == f"beside-{records.gpu_slug()}.trace.json" and (tmp_path / name).exists()
+    assert records.gpu_slug() not in ("cpu", "gpu")
