@@ -8,7 +8,7 @@ on the gather stream.
 Note [Short context]
     Prefetching a unit costs host time inside vLLM's forward (about 0.5 ms per (layer, chunk)
     measured on the H200: event records, waits and the fill's launch on a second stream,
-    profiles/results/README.md), and on one GPU it hides only the local gather: vLLM's own
+    profiles/results/mla-context.md), and on one GPU it hides only the local gather: vLLM's own
     gather is 1.5 to 1.7% of a prefill there, and with the consumer on from 64k context the
     prefill was 1.06x slower at 64k and 1.12x at 128k (H200, vLLM 0.26, 27 V2-Lite layers). So
     on one rank, with ``kv_prefetch.min_context_tokens`` omitted, ringflow leaves every step to
