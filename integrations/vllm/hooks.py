@@ -22,6 +22,7 @@ from types import TracebackType
 from ringflow import envs
 from ringflow.errors import EngineError
 
+
 @functools.cache
 def own_folders() -> tuple[str, ...]:
     """Where ringflow's code lies: its packages' folders (the repository's top-level folders
