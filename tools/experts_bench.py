@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--only", default=None, help="comma-separated configurations")
     parser.add_argument("--routings", default="hard,easy", help="decode routings measured")
-    parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, one step each")
+    parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, each in steps of --chunk tokens")
     parser.add_argument("--chunk", type=int, default=8192,
                         help="max_num_batched_tokens: longer prompts prefill in chunks")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
@@ -131,8 +131,9 @@ def main() -> int:
     prefills = [int(p) for p in args.prefills.split(",") if p]
     batches = [int(b) for b in args.batches.split(",") if b]
     routings = [r for r in args.routings.split(",") if r]
-    if args.rounds < 1 or args.layers < 4 or not set(routings) <= set(ROUTINGS):
-        parser.error("--rounds >= 1, --layers >= 4, --routings among hard,easy")
+    if (args.rounds < 1 or args.layers < 4 or args.chunk < 1
+            or not set(routings) <= set(ROUTINGS)):
+        parser.error("--rounds >= 1, --layers >= 4, --chunk >= 1, --routings among hard,easy")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloaders need V1 (0.26)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(function)
 
@@ -152,6 +153,7 @@ def main() -> int:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     vocab = QWEN3_A3B["vocab_size"]
     longest = max(prefills)
+    step_tokens = min(longest, args.chunk)  # max_num_batched_tokens
     prompts = {p: [TokensPrompt(prompt_token_ids=[(j * 7919 + p) % (vocab - 3) + 3
                                                   for j in range(p)])] for p in prefills}
     short = [TokensPrompt(prompt_token_ids=[(i * 31 + j * 17) % (vocab - 3) + 3
@@ -230,13 +232,13 @@ def main() -> int:
             for p in prefills:
                 key = f"prefill_{p}_tok_s"
                 if key in base:
-                    steps = math.ceil(p / min(longest, args.chunk))  # each copies them all
+                    steps = math.ceil(p / step_tokens)  # each copies them all
                     copy_s = steps * args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
                     bounds[key] = round(p / max(p / base[key]["median"], copy_s), 1)
         doc = records.record("python3 tools/experts_bench.py",
                              vllm=vllm.__version__, runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
                              layers=args.layers, rounds=rounds, slots_per_layer=SLOTS,
-                             max_num_batched_tokens=min(longest, args.chunk),
+                             max_num_batched_tokens=step_tokens,
                              ring_layers=RING, device_layers_of_experts=device_layers(args.layers),
                              model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
@@ -255,7 +257,7 @@ def main() -> int:
         try:
             engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                                 dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
-                                max_num_batched_tokens=min(longest, args.chunk), seed=0,
+                                max_num_batched_tokens=step_tokens, seed=0,
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
                                 gpu_memory_utilization=0.5,
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},

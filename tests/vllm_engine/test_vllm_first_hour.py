@@ -71,12 +71,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_to_exit(env: dict, argv: list[str], timeout: int = 300) -> tuple[int, list[str], float]:
-    """A server command that must stop by itself: its status, stderr lines, seconds."""
+def run_to_exit(env: dict, argv: list[str], timeout: int = 300,
+                both: bool = False) -> tuple[int, list[str], float]:
+    """A server command that must stop by itself: its status, stderr lines (``both``: stdout's
+    too, interleaved, where vLLM logs its workers), seconds."""
     began = time.perf_counter()
     proc = subprocess.run(argv + ["--port", str(free_port())], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stderr.splitlines(), time.perf_counter() - began
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if both else subprocess.PIPE,
+                          text=True, timeout=timeout)
+    lines = (proc.stdout if both else proc.stderr).splitlines()
+    return proc.returncode, lines, time.perf_counter() - began
 
 
 def serve(env: dict, argv: list[str], log: Path) -> dict:
@@ -168,12 +173,7 @@ def test_a_start_vllm_refuses_shows_vllms_traceback_alone_and_ringflows_one_line
     (Note [vLLM's errors keep vLLM's frames]), and the one line ringflow adds said it before."""
     argv = [sys.executable, "-m", SERVER, "--model", models["llama8"], "--skip-tokenizer-init",
             "--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.99"]
-    began = time.perf_counter()
-    proc = subprocess.run(argv + ["--port", str(free_port())],  # vLLM logs on both streams
-                          env={**os.environ, "RINGFLOW_PROFILE": "vllm_weights"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
-    code, err, seconds = proc.returncode, proc.stdout.splitlines(), time.perf_counter() - began
+    code, err, seconds = run_to_exit({"RINGFLOW_PROFILE": "vllm_weights"}, argv, both=True)
     assert code != 0 and "Traceback (most recent call last):" in "\n".join(err), err[-5:]
     assert any("desired CPU memory utilization" in line for line in err), "\n".join(err[-40:])
     ours = [line for line in err if 'File "' in line and ("/integrations/vllm/" in line
