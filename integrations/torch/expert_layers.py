@@ -35,10 +35,43 @@ Note [Expert layer ring]
     fill outlives the step a graph holds. Large steps are not captured by vLLM anyway (its
     capture sizes end at a few hundred tokens); steps that are fall back to the slot cache.
 
+    Fills take what the slot caches hold (Note [Ring fills from the slots]).
+
     With ``trace`` set, every fill, read, event record and wait is recorded
     (``ExpertOp``) for the proof of Note [Expert lane hazards]. With ``poison_reads``, a slot is
     poisoned after its read, on the compute stream before its retire event: a read that skips
     its fill's ready event sees NaN.
+
+Note [Ring fills from the slots]
+    Between large steps the lane's decode steps leave each layer's slot cache holding some of
+    its experts (32 of 128 in the H200 bench: a quarter of the layer). A fill that copied those
+    from host memory again would spend a quarter of the host link on bytes already on the
+    device, and a step of copy-bound layers (chunked prefill) waits on exactly that link. So a
+    fill of position ``p``, given the lane's ``caches``, takes the experts ``p``'s cache holds
+    from its slots (device to device, a few hundred MB at device speed) and only the rest
+    from host memory:
+
+    1. At a large step's first layer (position 0, or a restart), before any fill, the ring
+       reads each cache's slot -> expert table on the compute stream: a device copy of it
+       (which slots hold which expert, for the slot-to-buffer kernel) and a copy to pinned host
+       memory with an event. The first fill that needs the host's view waits for that event
+       (by then the GPU runs the first layer, which is already issued). No slot changes while
+       the ring serves a step (the caches serve only small steps), so the table holds for
+       every fill the step issues, those carried into the next step included.
+    2. The held experts are copied into the buffer on the **compute** stream (kernels/
+       expert_fetch.py over device memory): after the buffer's previous readers by stream
+       order, after the buffer's previous fill by a wait on its ready event (a fill never read
+       may still be copying), and before every later install into those slots by stream order
+       (installs run on the compute stream, or on a lookahead's stream that waits for it
+       first). A carried fill's slot rows are therefore copied before any decode step in
+       between rewrites them.
+    3. The buffer's retire event is recorded after that copy; the copy stream waits for it and
+       copies the other experts from host memory in runs of consecutive experts, then records
+       the ready event. A fill is two ``fill`` operations in the trace, one per stream, and
+       :func:`~ringflow.orchestrator.expert_hazards.check_ring` proves their order.
+
+    The buffer ends up holding every expert at its own index, bytes as the host's: the
+    layer's compute cannot tell where a row came from.
 """
 
 from __future__ import annotations
@@ -50,21 +83,25 @@ import torch
 from ringflow.cudart import copy_async
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import SlotPool, poison
+from ringflow.kernels.expert_fetch import fetch_experts
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
 LANE = "experts-layers"
 _ALIGN = 256  # each parameter's offset in a slot: aligned for any dtype and for DMA
+_DEVICE_PROGRAMS = 256  # the slot-to-buffer copy reads device memory: more programs than PCIe needs
 
 
 class ExpertLayerRing:
     """``buffers`` device slots, each the routed experts of one layer, filled in the order of
     ``hosts`` (per chosen layer: parameter name → tensor [experts, ...], all layers of one
-    layout) from host memory, on ``stream`` (None on the CPU: copies in line). See
-    Note [Expert layer ring]."""
+    layout) from host memory, on ``stream`` (None on the CPU: copies in line), and from the
+    slots of ``caches`` (per chosen layer, its ``ExpertCache`` over the same host tensors;
+    None: host memory only). See Note [Expert layer ring] and Note [Ring fills from the
+    slots]."""
 
     def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
                  device: torch.device | str, stream: torch.cuda.Stream | None = None,
-                 poison_reads: bool = False) -> None:
+                 poison_reads: bool = False, caches: Sequence | None = None) -> None:
         if not hosts:
             raise ConfigError("an expert layer ring needs at least one layer")
         layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
@@ -80,7 +117,15 @@ class ExpertLayerRing:
                 if not t.is_contiguous():
                     raise ConfigError(f"expert parameter {name} must be contiguous (one "
                                       f"expert after another) to be copied whole")
+        if caches is not None:
+            caches = list(caches)
+            if len(caches) != len(hosts) or any(
+                    set(c.host) != set(h) or any(c.host[n] is not h[n] for n in h)
+                    for c, h in zip(caches, hosts)):
+                raise ConfigError("an expert layer ring's caches are the chosen layers' own, "
+                                  "one per layer, over the ring's host tensors")
         self.hosts = [dict(h) for h in hosts]
+        self.caches = caches
         self.device = torch.empty(0, device=device).device
         if (stream is None) != (self.device.type != "cuda"):
             raise ConfigError("an expert layer ring on a GPU needs a copy stream, and on the "
@@ -115,6 +160,17 @@ class ExpertLayerRing:
         self.steps = 0  # large steps served
         self.carried_steps = 0  # of which started with their first layer filled ahead
         self.fills = 0
+        self.rows_from_slots = 0  # experts filled from a slot cache (Note [Ring fills from the slots])
+        self.rows_from_host = 0
+        #: this step's slot tables (Note [Ring fills from the slots]): per position the slots
+        #: holding an expert first, their experts, how many; the host's view read at first use
+        self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._held_host: list[list[int]] | None = None
+        if caches is not None:
+            pinned = cuda and torch.cuda.is_available()
+            self._held_copy = torch.empty((len(caches), max(c.slots for c in caches)),
+                                          dtype=torch.int64, pin_memory=pinned)
+            self._held_event = torch.cuda.Event() if cuda else None
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
 
@@ -146,9 +202,12 @@ class ExpertLayerRing:
             self.steps += 1
             if (LANE, 0) in self.pool.carried:
                 self.carried_steps += 1
-        if self._head() != position:
+        restart = self._head() != position
+        if restart:
             self.abandon()  # not the position the fills ran ahead for: start over from here
             self._next = position
+        if position == 0 or restart:  # a step starts: read what the slots hold now
+            self._read_slot_tables()
         self._fill_ahead()
         lease = self.pool.carried.pop((LANE, position))
         compute = self._current()
@@ -185,6 +244,33 @@ class ExpertLayerRing:
         on the copy stream after the ones forgotten, so their slots need no wait."""
         self.abandon()
         self._next = 0
+        self._held = self._held_host = None
+
+    def _read_slot_tables(self) -> None:
+        """Step 1 of Note [Ring fills from the slots], issued on the compute stream."""
+        self._held = self._held_host = None
+        if self.caches is None:
+            return
+        held = []
+        for p, cache in enumerate(self.caches):
+            table = cache.expert_in[:cache.slots]
+            slots = torch.argsort((table < 0).to(torch.int8), stable=True)  # held ones first
+            held.append((slots, table[slots], (table >= 0).sum().reshape(1)))
+            self._held_copy[p, :cache.slots].copy_(table, non_blocking=True)
+        if self._held_event is not None:
+            self._held_event.record(self._current())
+        self._held = held
+
+    def _held_experts(self, position: int) -> list[int]:
+        """The experts position's cache holds this step (the host's view, read once a step)."""
+        if self._held is None:
+            return []
+        if self._held_host is None:
+            if self._held_event is not None:
+                self._held_event.synchronize()
+            self._held_host = [[e for e in row[:c.slots].tolist() if e >= 0]
+                               for row, c in zip(self._held_copy, self.caches)]
+        return self._held_host[position]
 
     def abandon(self) -> None:
         """Drop every fill issued ahead (a step that stopped half-way, or a new step that does
@@ -216,24 +302,46 @@ class ExpertLayerRing:
             self._next += 1
 
     def _fill(self, position: int, lease) -> None:
-        views, host = self.views[lease.slot], self.hosts[position]
-        retired = self._retired[lease.slot]
+        views, host, slot = self.views[lease.slot], self.hosts[position], lease.slot
+        held = self._held_experts(position)
+        compute = self._current()
+        if held:  # Note [Ring fills from the slots], step 2: on the compute stream
+            if compute is not None:  # a fill of this buffer never read may still be copying
+                compute.wait_event(self._ready[slot])
+            self._op("wait", "compute", on=("ready", slot))
+            cache, (slots, experts, count) = self.caches[position], self._held[position]
+            for name, v in views.items():
+                fetch_experts(cache.weights[name], v, slots, experts, count,
+                              programs=_DEVICE_PROGRAMS)
+            self._op("fill", "compute", pairs=((position, slot),))
+            if compute is not None:
+                self._retire[slot].record(compute)
+            self._op("record", "compute", on=("retired", slot))
+            self._retired[slot] = True
+        retired = self._retired[slot]
         if retired:
-            self._op("wait", "copy", on=("retired", lease.slot))
-        self._op("fill", "copy", pairs=((position, lease.slot),))
-        self._op("record", "copy", on=("ready", lease.slot))
+            self._op("wait", "copy", on=("retired", slot))
+        self._op("fill", "copy", pairs=((position, slot),))
+        self._op("record", "copy", on=("ready", slot))
         self.fills += 1
+        experts = next(iter(views.values())).shape[0]
+        runs = _runs(held, experts)
+        self.rows_from_slots += len(held)
+        self.rows_from_host += experts - len(held)
         if self.stream is None:  # the CPU: in line, in issue order
             for name, v in views.items():
-                v.copy_(host[name])
+                for start, n in runs:
+                    v[start:start + n].copy_(host[name][start:start + n])
             lease.mark_ready(None)
             return
-        ready = self._ready[lease.slot]
+        ready = self._ready[slot]
         if retired:
-            self.stream.wait_event(self._retire[lease.slot])  # its last reader is done
+            self.stream.wait_event(self._retire[slot])  # its last reader (and slot rows) done
         for name, v in views.items():  # a copy engine (DMA), not the SMs
-            copy_async(v.data_ptr(), host[name].data_ptr(), v.numel() * v.element_size(),
-                       self.stream.cuda_stream)
+            row = v[0].numel() * v.element_size()
+            for start, n in runs:
+                copy_async(v.data_ptr() + start * row, host[name].data_ptr() + start * row,
+                           n * row, self.stream.cuda_stream)
         ready.record(self.stream)
         lease.mark_ready(ready)
 
@@ -248,4 +356,17 @@ class ExpertLayerRing:
 
     def describe(self) -> dict:
         return {"layers": self.layers, "buffers": self.buffers, "layer_bytes": self.layer_bytes,
-                "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills}
+                "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills,
+                "rows_from_slots": self.rows_from_slots, "rows_from_host": self.rows_from_host}
+
+
+def _runs(held: Sequence[int], experts: int) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive experts in 0..experts-1 not in ``held``."""
+    skip, runs, start = set(held), [], None
+    for e in range(experts + 1):
+        if e < experts and e not in skip:
+            start = e if start is None else start
+        elif start is not None:
+            runs.append((start, e - start))
+            start = None
+    return runs

@@ -32,13 +32,15 @@ def routing(seed: int, tokens: int):
 
 
 def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="cpu",
-              stream=None, poison_reads=False):
+              stream=None, poison_reads=False, from_slots=True):
     hosts = {i: layer_experts(i) for i in LAYERS}
     if device != "cpu":
         hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
     caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items()}
     ring = (ExpertLayerRing([hosts[i] for i in LAYERS], buffers, device, stream,
-                            poison_reads=poison_reads) if buffers else None)
+                            poison_reads=poison_reads,
+                            caches=[caches[i] for i in LAYERS] if from_slots else None)
+            if buffers else None)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, ring, layer_tokens), hosts
 
 
@@ -92,10 +94,15 @@ def test_the_ring_copies_whole_layers_in_order_and_the_traces_prove():
             else:
                 assert traces[i] == []  # the ring served it: the cache is untouched
     check_ring(lane.ring.trace, lane.ring.buffers)
-    fills = [p for op in lane.ring.trace if op.kind == "fill" for p, _ in op.pairs]
+    # a fill ends on the copy stream; one that takes experts from the slots starts on the
+    # compute stream (Note [Ring fills from the slots])
+    fills = [p for op in lane.ring.trace if op.kind == "fill" and op.stream == "copy"
+             for p, _ in op.pairs]
     reads = [p for op in lane.ring.trace if op.kind == "read" for p, _ in op.pairs]
     assert reads == [0, 1, 2, 3] * lane.ring.steps
     assert fills[:len(reads)] == reads  # filled in the order they are read, carried or not
+    from_slots = [op for op in lane.ring.trace if op.kind == "fill" and op.stream == "compute"]
+    assert from_slots and lane.ring.rows_from_slots > 0
 
 
 def test_a_refill_before_the_readers_retire_is_caught(monkeypatch):
@@ -129,6 +136,61 @@ def test_each_ring_hazard_is_named(mutate, kind):
     with pytest.raises(HazardError) as err:
         check_ring(mutate(lane.ring.trace), 2)
     assert err.value.kind == kind
+
+
+def test_fills_take_what_the_slots_hold_and_copy_only_the_rest():
+    """Note [Ring fills from the slots]: after decode steps fill the caches, a large step's
+    fills copy from host memory only the experts no slot holds; the buffers hold the layers'
+    bytes exactly, whichever way each row came, and the host rows the slots hold are never
+    read (changed behind the caches' backs, the buffers keep the slots' bytes)."""
+    lane, hosts = make_lane(buffers=4, slots=5)
+    for s in range(4):  # decode steps: each cache ends holding 5 of its 12 experts
+        run_step(lane, hosts, 2, 10 + s)
+    held = {i: set(c.holding().values()) for i, c in lane.caches.items()}
+    assert all(len(h) == 5 for h in held.values())
+    marked = {}
+    for i in LAYERS:  # a host row a slot holds: changed, so where it came from shows
+        e = min(held[i])
+        marked[i] = (e, hosts[i]["w13"][e].clone())
+        hosts[i]["w13"][e].add_(1.0)
+    got, want = run_step(lane, hosts, 8, 0)  # 4 buffers: the next step's fills are all issued
+    ring = lane.ring
+    assert ring.rows_from_slots == 2 * sum(len(h) for h in held.values())  # this step's, carried
+    assert ring.rows_from_host == 2 * sum(E - len(h) for h in held.values())
+    for (i, views) in zip(LAYERS, ring.views):
+        e, before = marked[i]
+        assert torch.equal(views["w13"][e], before)  # from the slot, not the changed host row
+        rest = [x for x in range(E) if x != e]
+        assert torch.equal(views["w13"][rest], hosts[i]["w13"][rest])
+        assert torch.equal(views["w2"], hosts[i]["w2"])
+
+
+def test_a_slot_copy_into_a_buffer_an_unread_fill_still_writes_is_caught():
+    """A step that restarts drops fills it never read; refilling their buffers from the slots,
+    on the compute stream, must first wait for those fills' copies: the proof catches the
+    compute-stream copy that skips the wait."""
+    lane, hosts = make_lane(buffers=2)
+    lane.ring.trace = []
+    for s in range(3):
+        run_step(lane, hosts, 1, 20 + s)
+    run_step(lane, hosts, 8, 0)  # carries positions 0 and 1, never read below
+    lane.ring.begin(2)  # a step restarting at position 2: both carried fills dropped
+    lane.ring.end(2)
+    check_ring(lane.ring.trace, 2)
+    ops = lane.ring.trace
+    skipped = [op for j, op in enumerate(ops) if not (
+        op.kind == "wait" and op.stream == "compute" and isinstance(op.on, tuple)
+        and op.on[0] == "ready" and j + 1 < len(ops) and ops[j + 1].kind == "fill")]
+    with pytest.raises(HazardError) as err:
+        check_ring(skipped, 2)
+    assert err.value.kind == "cross-stream"
+
+
+def test_a_ring_over_caches_of_other_host_tensors_is_refused():
+    hosts = [layer_experts(0), layer_experts(1)]
+    caches = [ExpertCache(layer_experts(0), 2, "cpu"), ExpertCache(hosts[1], 2, "cpu")]
+    with pytest.raises(ConfigError, match="over the ring's host tensors"):
+        ExpertLayerRing(hosts, 2, "cpu", caches=caches)
 
 
 def test_a_step_cut_short_and_a_reload_refill_what_they_must():
@@ -239,11 +301,13 @@ def test_the_gpu_race_catches_a_refill_before_the_retire(monkeypatch):
     assert wrong > 0
 
 
+@pytest.mark.parametrize("from_slots", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_fp8_layers_fill_with_their_scales_bit_for_bit(device):
+def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots):
     """A ring over fp8 experts with their scales (Note [fp8 experts]): every buffer a large
     step reads holds its layer's fp8 weights and scales, byte for byte, for two steps (the
-    second's first layers carried)."""
+    second's first layers carried), with a third of each layer taken from its cache's slots
+    (Note [Ring fills from the slots]) or all from host memory."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     hosts = []
@@ -254,7 +318,12 @@ def test_fp8_layers_fill_with_their_scales_bit_for_bit(device):
         host["w2_scale"] = torch.rand(E, 1, generator=g)
         hosts.append({k: v.pin_memory() for k, v in host.items()} if device != "cpu" else host)
     stream = torch.cuda.Stream() if device != "cpu" else None
-    ring = ExpertLayerRing(hosts, 2, device, stream)
+    caches = None
+    if from_slots:
+        caches = [ExpertCache(host, 4, device) for host in hosts]
+        for i, cache in enumerate(caches):  # each cache holds 4 experts of its layer
+            cache.prefetch(torch.tensor([[i, i + 3], [i + 5, i + 7]], device=device))
+    ring = ExpertLayerRing(hosts, 2, device, stream, caches=caches)
     for _ in range(2):
         for position, host in enumerate(hosts):
             views = ring.begin(position)
@@ -262,3 +331,4 @@ def test_fp8_layers_fill_with_their_scales_bit_for_bit(device):
                 assert torch.equal(views[name].cpu().view(torch.uint8), t.cpu().view(torch.uint8))
             ring.end(position)
     assert ring.carried_steps == 1
+    assert ring.rows_from_slots == (4 * ring.fills if from_slots else 0)
