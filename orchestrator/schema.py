@@ -282,6 +282,11 @@ FIELDS: dict[str, ProfileField] = {
                                       "(each the size of one chosen layer's routed experts; "
                                       "capped at the chosen layers); 0: no ring, every step "
                                       "through the slot cache", 0, 1 << 10, 2),
+    "experts.ring_from_slots": _flag("the layer ring's fills take the experts a layer's slot "
+                                     "cache holds from device memory and copy only the others "
+                                     "from host memory (false: every expert from host memory, "
+                                     "the lane before this; Note [Ring fills from the slots])",
+                                     True),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -197,6 +197,7 @@ class ExpertsSpec:
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
+    ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
@@ -212,6 +213,7 @@ class ExpertsSpec:
         out["lookahead"] = self.lookahead
         out["layer_tokens"] = self.layer_tokens
         out["layer_buffers"] = self.layer_buffers
+        out["ring_from_slots"] = self.ring_from_slots
         return out
 
 
@@ -221,7 +223,8 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
                        slots=values["slots"], in_place_tokens=values["in_place_tokens"],
                        lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],
-                       layer_buffers=values["layer_buffers"])
+                       layer_buffers=values["layer_buffers"],
+                       ring_from_slots=values["ring_from_slots"])
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
   there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
   cache, larger ones through the layer ring (Note [Expert lane modes]);
+* ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
+  memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
+  slots]);
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -42,7 +45,8 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
 The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
 than the difference it would show says nothing. ``copy bound`` rows: the time every expert of
 every layer takes at the pinned copy rate (``PINNED_GBPS``, orchestrator/expert_model.py) next
-to the resident step, for prefills where every expert is copied.
+to the resident step, for prefills where every expert is copied (the lane copies fewer: the
+ones its slots hold come from device memory, so it can pass that bound).
 """
 
 import argparse
@@ -70,7 +74,7 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots")  # the expert lane's variants (worker_report rows)
+LANES = ("ringflow", "ringflow-slots", "ringflow-host-fills")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -96,6 +100,8 @@ def configs(layers: int) -> dict[str, dict]:
         "ringflow": {**lane, "additional_config": experts("experts-bench")},
         "ringflow-slots": {**lane, "additional_config": experts("experts-bench-slots",
                                                                  layer_buffers=0)},
+        "ringflow-host-fills": {**lane, "additional_config": experts(
+            "experts-bench-host-fills", ring_from_slots=False)},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
                      "cpu_offload_gb": math.ceil((layers - device_layers(layers)) * layer_gib)},
         "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",

@@ -209,7 +209,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                   if device.type == "cuda" else None)  # lives while the lane's caches do
         ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
                                device, stream, poison_reads=envs.flag("RINGFLOW_POISON"),
-                               caches=[caches[i] for i in sorted(caches)])
+                               caches=([caches[i] for i in sorted(caches)]
+                                       if spec.ring_from_slots else None))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules)
     for i, experts in modules.items():
@@ -237,8 +238,9 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
               if first.whole_in_place else "") +
              (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "
-              + ("the experts its slots hold copied from them, the rest ahead on a copy "
-                 "engine" if device.type == "cuda" else
+              + (("the experts its slots hold copied from them, the rest "
+                  if spec.ring_from_slots else "") + "ahead on a copy engine"
+                 if device.type == "cuda" else
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
