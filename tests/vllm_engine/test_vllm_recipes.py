@@ -4,7 +4,7 @@ line (marked cuda: vLLM's CUDA build on a GPU) is run whole by bash, exactly as 
 it (it writes a tiny model, serves it with ringflow on, asks for four tokens, prints ringflow's
 lines and stops the server); it must print a finished completion and every line of the output
 block that follows it (a line ending in ``...`` is a prefix of one it printed). With
-``RINGFLOW_RECIPE_OUT`` set, each run's printed text is also written there (the device run
+``RECIPES_PRINTED_DIR`` set, each run's printed text is also written there (the device run
 keeps it)."""
 
 import json
@@ -82,7 +82,7 @@ def serves_as_printed(block, output, tmp_path, env: dict, timeout: int) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    keep = os.environ.get("RINGFLOW_RECIPE_OUT")
+    keep = os.environ.get("RECIPES_PRINTED_DIR")
     if keep:
         name = block.id.replace("/", "_").replace(":", "-")
         os.makedirs(keep, exist_ok=True)
