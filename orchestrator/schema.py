@@ -260,11 +260,20 @@ FIELDS: dict[str, ProfileField] = {
                                            "last": {"type": "integer", "minimum": 1}}}]},
                                    words="'all' (every MoE layer), a list of layer indices, or "
                                    "{every: N, last: K}"),
-    "experts.slots": _integer("experts each chosen layer keeps on the device; a step that needs "
-                              "more runs in several passes (slower, never wrong)", 1, 1 << 16,
-                              None, nullable=True,
-                              words="an integer >= 1, or omitted for a quarter of the layer's "
-                                    "experts (at least its top_k)"),
+    "experts.slots": ProfileField("experts each chosen layer keeps on the device; a step that "
+                                  "needs more runs in several passes (slower, never wrong); "
+                                  "'auto': experts.auto_percent of the device memory vLLM's "
+                                  "budget (--gpu-memory-utilization) leaves after the weights "
+                                  "and the layer ring, the KV cache getting the rest (on a "
+                                  "GPU; the CPU build takes the default)", "slots", None,
+                                  nullable=True, shape={"oneOf": [
+                                      {"type": "integer", "minimum": 1, "maximum": 1 << 16},
+                                      {"const": "auto"}]},
+                                  words="an integer >= 1, 'auto', or omitted for a quarter of "
+                                        "the layer's experts (at least its top_k)"),
+    "experts.auto_percent": _integer("with slots: auto, the percent of what vLLM's memory "
+                                     "budget leaves after the weights and the layer ring that "
+                                     "the slots take (the KV cache gets the rest)", 1, 100, 25),
     "experts.in_place_tokens": _integer("a step of at most this many tokens that needs more "
                                         "experts than the slots hold computes the ones it could "
                                         "not install straight from host memory, in one pass, "

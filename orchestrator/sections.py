@@ -192,16 +192,19 @@ class ExpertsSpec:
     """Routed experts from host memory through a per-layer cache (Note [Expert cache])."""
 
     layers: str | frozenset[int] | tuple[int, int]
-    slots: int | None  # None: a quarter of the layer's experts, at least its top_k
+    slots: int | str | None  # None: a quarter of the experts, at least top_k; "auto": by memory
     in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
+    auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
 
     def slots_for(self, experts: int, top_k: int) -> int:
-        """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token."""
-        if self.slots is not None:
+        """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token
+        (``slots: auto`` is sized by :func:`auto_slots` where the memory is known; here it
+        takes the default)."""
+        if isinstance(self.slots, int):
             return min(self.slots, experts)
         return min(experts, max(top_k, experts // 4))
 
@@ -214,17 +217,43 @@ class ExpertsSpec:
         out["layer_tokens"] = self.layer_tokens
         out["layer_buffers"] = self.layer_buffers
         out["ring_from_slots"] = self.ring_from_slots
+        out["auto_percent"] = self.auto_percent
         return out
 
 
 def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     doc = section("experts", doc, source)
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
+    if values["slots"] not in (None, "auto"):
+        int_in("experts.slots", values["slots"], source, 1, 1 << 16)
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
                        slots=values["slots"], in_place_tokens=values["in_place_tokens"],
                        lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],
                        layer_buffers=values["layer_buffers"],
-                       ring_from_slots=values["ring_from_slots"])
+                       ring_from_slots=values["ring_from_slots"],
+                       auto_percent=values["auto_percent"])
+
+
+def auto_slots(left: int, percent: int, layers: int, slot_bytes: int, experts: int,
+               top_k: int, source: str | None = None) -> int:
+    """``slots: auto``: the slots per layer that ``percent`` of ``left`` bytes (what vLLM's
+    memory budget leaves after the weights and the layer ring) holds over ``layers`` chosen
+    layers, ``slot_bytes`` each; at most the layer's ``experts``.
+
+    Raises:
+        ProfileError: that share holds fewer than ``top_k`` per layer (a step could not fit
+            one token's experts in one pass), naming what to change.
+    """
+    share = max(left, 0) * percent // 100
+    slots = share // (layers * slot_bytes)
+    if slots < top_k:
+        raise ProfileError("experts.slots", f"is 'auto': {percent}% of the "
+                           f"{max(left, 0) / 2**20:,.0f} MiB vLLM's memory budget leaves after "
+                           f"the weights and the layer ring holds {slots} experts per layer for "
+                           f"{layers} layers of {slot_bytes / 2**20:.1f} MiB each, fewer than "
+                           f"top_k ({top_k}); raise experts.auto_percent or "
+                           f"--gpu-memory-utilization, or set experts.slots", source)
+    return min(slots, experts)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,12 @@ class ExpertLane:
                                    expert_map, p == passes - 1)
         return out
 
+    @property
+    def bytes(self) -> int:
+        """Device bytes of the slots and the ring, reserved when the lane was built."""
+        return (sum(c.bytes for c in self.caches.values())
+                + (self.ring.bytes if self.ring is not None else 0))
+
     def forget(self) -> None:
         """The host copies changed (a reload): no cached expert nor ring fill is current."""
         for cache in self.caches.values():

@@ -67,7 +67,7 @@ from ringflow.integrations.vllm.expert_kernel import ResidentKernel
 from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
-from ringflow.orchestrator.sections import resolve_layers
+from ringflow.orchestrator.sections import auto_slots, resolve_layers
 from ringflow.units import mib
 
 log = logging.getLogger("ringflow")
@@ -149,7 +149,8 @@ def moe_runners_of(decoder_layer) -> list:
             if type(getattr(m, "routed_experts", None)).__name__ == "RoutedExperts"]
 
 
-def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) -> ExpertLane:
+def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
+           vllm_config=None) -> ExpertLane:
     """Build the model's expert lane over each chosen layer's routed experts and attach it
     (Note [Experts in vLLM]): a cache per layer, one layer ring over them all (Note [Expert
     layer ring]), vLLM's kernel called as the resident layer calls it on a GPU (Note [Same
@@ -186,6 +187,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
     caches: dict[int, ExpertCache] = {}
     modules: dict[int, object] = {}
     computes: dict[int, object] = {}
+    hosts: dict[int, dict] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
         check_layer(i, runner, experts, offload if on_gpu else None)
@@ -195,8 +197,13 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                                         f"while vLLM loaded the model (their quant method is "
                                         f"{type(experts.quant_method).__name__}, not "
                                         f"vLLM's unquantized one)")
-        cache = ExpertCache(host, spec.slots_for(experts.global_num_experts, experts.top_k),
-                            experts.w13_weight.device, in_place_tokens=spec.in_place_tokens,
+        hosts[i] = host
+    auto, auto_said = _auto_slots(spec, hosts, found, on_gpu, vllm_config, profile.source)
+    for i, (runner,) in sorted(found.items()):
+        experts, host = runner.routed_experts, hosts[i]
+        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k)
+        cache = ExpertCache(host, slots, experts.w13_weight.device,
+                            in_place_tokens=spec.in_place_tokens,
                             whole_in_place=scales_across_rows(experts))
         caches[i], modules[i] = cache, experts
         computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
@@ -225,7 +232,11 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
         _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
     cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
-           if spec.slots is not None and spec.slots > first.experts else "")
+           if isinstance(spec.slots, int) and spec.slots > first.experts else "")
+    if spec.slots == "auto":
+        cut = (f" (experts.slots: auto, {auto_said})" if auto_said
+               else " (experts.slots: auto, the default on the CPU build: it has no device "
+                    "memory budget to share)")
     log.info("experts: layers %s: %d routed experts each (%s), %d kept on the device per "
              "layer (%s)%s, host copies %s; a step of fewer than %d tokens brings in only the "
              "experts its router chose that are not kept%s", sorted(caches), first.experts,
@@ -244,6 +255,31 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict) ->
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
     return lane
+
+
+def _auto_slots(spec, hosts: dict, found: dict, on_gpu: bool, vllm_config,
+                source: str | None) -> tuple[int | None, str]:
+    """``slots: auto`` on a GPU: the slots per layer that the profile's share of what vLLM's
+    memory budget leaves holds (``sections.auto_slots``), and how the log says it; (None, "")
+    where slots are not auto or the device is the CPU (vLLM's CPU build sizes its KV cache from
+    host memory: the default serves)."""
+    if spec.slots != "auto" or not on_gpu:
+        return None, ""
+    first = hosts[min(hosts)]
+    (runner,) = found[min(found)]
+    experts = runner.routed_experts
+    slot_bytes = sum(t[0].numel() * t.element_size() for t in first.values())
+    layer_bytes = slot_bytes * experts.global_num_experts
+    ring = min(spec.layer_buffers, len(hosts)) * layer_bytes
+    device = experts.w13_weight.device
+    free, total = torch.cuda.mem_get_info(device)
+    util = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
+    left = int(free - (1 - util) * total) - ring
+    slots = auto_slots(left, spec.auto_percent, len(hosts), slot_bytes,
+                       experts.global_num_experts, experts.top_k, source)
+    return slots, (f"{spec.auto_percent}% of the {mib(max(left, 0))} that vLLM's budget "
+                   f"(--gpu-memory-utilization {util}) leaves after the weights and the layer "
+                   f"ring; the KV cache gets the rest")
 
 
 def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:

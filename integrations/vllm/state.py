@@ -103,6 +103,10 @@ class PluginState:
         return sum(m.reserved_bytes for m in self.models.values()) + \
             sum(m.reserved_bytes for m in self.context_models.values())
 
+    def expert_bytes(self) -> int:
+        """Bytes of every expert lane's slots and ring alive in this process."""
+        return sum(lane.bytes for lane in self.expert_lanes.values())
+
     def profile(self, vllm_config):
         """The profile ``vllm_config`` was started with (None: ringflow is off), parsed once per
         source (the ``additional_config`` section, ``RINGFLOW_PROFILE`` and the named file's

@@ -73,7 +73,8 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         if wants_experts:
             model = worker.model_runner.get_model()
             state.expert_lanes[model] = experts.enable(
-                state, profile, layers.decoder_layers(model, stacks), expert_copies)
+                state, profile, layers.decoder_layers(model, stacks), expert_copies,
+                worker.vllm_config)
         if streaming:
             _enable(state, worker, profile, stacks)
         elif layer_ops_only:
@@ -150,7 +151,8 @@ def on_initialize_from_config(state: PluginState, original, worker, *args, **kwa
     """The hook on ``Worker.initialize_from_config`` (vLLM allocates the KV cache): from here on
     no ring may be allocated (the KV budget would lie); the log says what the rings took."""
     streamer = state.streamers.get(worker.model_runner)
-    reserved = (streamer.reserved_bytes if streamer is not None else 0) + state.ring_bytes()
+    reserved = ((streamer.reserved_bytes if streamer is not None else 0) + state.ring_bytes()
+                + state.expert_bytes())
     if reserved:
         state.record("kv-cache-initialized")
         log.info("KV cache allocated after ringflow's rings (%s reserved before sizing)",

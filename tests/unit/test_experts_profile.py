@@ -30,6 +30,10 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"layers": [1, 1]}, "experts.layers"),
     ({"layers": {"count": 2}}, "experts.layers"),
     ({"slots": 0}, "experts.slots"),
+    ({"slots": "Auto"}, "experts.slots"),
+    ({"slots": 1.5}, "experts.slots"),
+    ({"auto_percent": 0}, "experts.auto_percent"),
+    ({"auto_percent": 101}, "experts.auto_percent"),
     ({"lookahead": "often"}, "experts.lookahead"),
     ({"in_place_tokens": -1}, "experts.in_place_tokens"),
 ])
@@ -43,6 +47,26 @@ def test_default_slots_are_a_quarter_of_the_experts_and_at_least_top_k():
     spec = load({}).experts
     assert spec.slots_for(128, 8) == 32 and spec.slots_for(16, 8) == 8
     assert load({"slots": 500}).experts.slots_for(64, 6) == 64
+
+
+def test_auto_slots_take_the_stated_share_of_what_the_budget_leaves():
+    from ringflow.orchestrator.sections import auto_slots
+    spec = load({"slots": "auto", "auto_percent": 40}).experts
+    assert spec.slots == "auto" and spec.auto_percent == 40
+    assert Profile.from_mapping(load({"slots": "auto"}).to_mapping(), vllm=True).experts.slots \
+        == "auto"
+    assert spec.slots_for(128, 8) == 32  # where no budget is known: the default
+    expert = 9_437_184  # one Qwen3-30B-A3B expert in bf16
+    # 40% of 100 GiB over 48 layers of 9 MiB experts: 94 per layer
+    assert auto_slots(100 << 30, 40, 48, expert, 128, 8) == (100 << 30) * 40 // 100 // (
+        48 * expert) == 94
+    assert auto_slots(1 << 40, 40, 48, expert, 128, 8) == 128  # never more than the experts
+    with pytest.raises(ProfileError, match=r"holds 5 experts per layer .* fewer than top_k "
+                                           r"\(8\); raise experts.auto_percent") as err:
+        auto_slots(48 * 5 * expert * 4, 25, 48, expert, 128, 8)
+    assert err.value.field == "experts.slots"
+    with pytest.raises(ProfileError, match="holds 0 experts"):  # the ring took it all
+        auto_slots(-(1 << 30), 25, 48, expert, 128, 8)
 
 
 def test_the_front_end_checks_expert_layers_against_the_models_config():

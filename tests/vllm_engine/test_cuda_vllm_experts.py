@@ -127,6 +127,9 @@ def mode_cases(mode):
 REFUSALS = [
     {"name": "refused/device-memory", "model": MOE, "mode": "eager",
      "engine": {"moe_backend": "triton"}, "additional_config": lane(3)},
+    # not a refusal: slots sized from vLLM's memory budget, in the same (eager) process
+    {"name": "auto/eager", "model": MOE, "mode": "eager", "max_tokens": 12, "serial": True,
+     "long_prompt": True, "engine": UVA, "env": POISON, "additional_config": lane("auto")},
 ]
 
 
@@ -230,6 +233,22 @@ def test_fp8_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
         return
     assert got["tokens"] == want["tokens"]
     assert max_logprob_diff(got, want) == 0.0, max_logprob_diff(got, want)
+
+
+def test_auto_slots_take_a_share_of_vllms_budget_and_give_the_resident_bits(runs):
+    """``slots: auto``: the slots per layer come from 25% of what vLLM's budget leaves after the
+    weights and the ring (at least top_k, at most the layer's experts), the start-up line says
+    so, the KV cache's size follows it, and the tokens are all-resident vLLM's."""
+    got, want = runs["auto/eager"], runs["eager/resident"]
+    for r in (want, got):
+        assert "error" not in r, r["error"]
+    said = [line for line in got["log"] if line.startswith("experts: layers")]
+    assert len(said) == 1 and "(experts.slots: auto, 25% of the " in said[0] and \
+        "that vLLM's budget (--gpu-memory-utilization " in said[0], got["log"]
+    assert all(8 <= layer["slots"] <= 128 for layer in got["experts"]), got["experts"]
+    assert any(line.startswith("vLLM sized the KV cache at ") for line in got["log"])
+    assert got["tokens"] == want["tokens"]
+    assert max_logprob_diff(got, want) == 0.0
 
 
 @pytest.mark.parametrize("name, words", [

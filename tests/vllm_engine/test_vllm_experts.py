@@ -38,6 +38,7 @@ CASES = [
     {"name": "dsv2moe/lane-3", "model": "dsv2_moe16",
      "additional_config": experts(layers="all", slots=3)},
     {"name": "moe/cut", "model": MOE, "additional_config": experts(layers=[0], slots=32)},
+    {"name": "moe/auto", "model": MOE, "additional_config": experts(layers=[0], slots="auto")},
     {"name": "moe/missing-layer", "model": MOE, "additional_config": experts(layers=[7])},
     {"name": "moe/dense", "model": "llama", "additional_config": experts(layers="all")},
 ]
@@ -118,6 +119,20 @@ def test_slots_asked_beyond_the_layer_s_experts_are_cut_with_a_word(runs):
     said = [l for l in run["log"] if l.startswith("experts: layers [0]")]
     assert len(said) == 1 and "(experts.slots: 32 asked, cut to the layer's 16 experts)" in \
         said[0], run["log"]
+
+
+def test_auto_slots_on_the_cpu_build_take_the_default_and_say_so(runs):
+    """vLLM's CPU build sizes no device budget for ``slots: auto`` to share: the default (a
+    quarter of 16 experts), said on the start-up line; the lane's memory counts as reserved
+    before the KV cache, whose size the next line gives."""
+    run = runs["moe/auto"]
+    assert "error" not in run, run["error"]
+    assert [layer["slots"] for layer in run["experts"]] == [4]
+    said = [l for l in run["log"] if l.startswith("experts: layers [0]")]
+    assert len(said) == 1 and "(experts.slots: auto, the default on the CPU build: it has no " \
+        "device memory budget to share)" in said[0], run["log"]
+    assert any(l.startswith("KV cache allocated after ringflow's rings (") for l in run["log"])
+    assert any(l.startswith("vLLM sized the KV cache at ") for l in run["log"]), run["log"]
 
 
 @pytest.mark.parametrize("name, words", [
