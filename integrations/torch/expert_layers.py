@@ -56,8 +56,11 @@ Note [Ring fills from the slots]
        (which slots hold which expert, for the slot-to-buffer kernel) and a copy to pinned host
        memory with an event. The first fill that needs the host's view waits for that event
        (by then the GPU runs the first layer, which is already issued). No slot changes while
-       the ring serves a step (the caches serve only small steps), so the table holds for
-       every fill the step issues, those carried into the next step included.
+       the ring serves a step (the caches serve only small steps, and the lane joins every
+       pending lookahead before the ring's first layer, so no side-stream install is still
+       writing), so the table holds for every fill the step issues. Fills carried into the
+       next step copy their slot rows now, in this step's tail, ahead on the compute stream of
+       any decode step that could rewrite them.
     2. The held experts are copied into the buffer on the **compute** stream (kernels/
        expert_fetch.py over device memory): after the buffer's previous readers by stream
        order, after the buffer's previous fill by a wait on its ready event (a fill never read
@@ -68,7 +71,10 @@ Note [Ring fills from the slots]
     3. The buffer's retire event is recorded after that copy; the copy stream waits for it and
        copies the other experts from host memory in runs of consecutive experts, then records
        the ready event. A fill is two ``fill`` operations in the trace, one per stream, and
-       :func:`~ringflow.orchestrator.expert_hazards.check_ring` proves their order.
+       :func:`~ringflow.orchestrator.expert_hazards.check_ring` proves their order on the
+       buffer. The slot side (a slot copy against the caches' installs) is not in that proof:
+       it rests on the stream order argued in steps 1 and 2, and on the H200's bit-for-bit
+       engine tests with poisoned slots and buffers.
 
     The buffer ends up holding every expert at its own index, bytes as the host's: the
     layer's compute cannot tell where a row came from.
@@ -82,7 +88,7 @@ import torch
 
 from ringflow.cudart import copy_async
 from ringflow.errors import ConfigError, KernelError
-from ringflow.graphs.slots import SlotPool, poison
+from ringflow.graphs.slots import LeaseState, SlotPool, poison
 from ringflow.kernels.expert_fetch import fetch_experts
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
@@ -240,8 +246,10 @@ class ExpertLayerRing:
         self._fill_ahead()
 
     def forget(self) -> None:
-        """The host copies changed: nothing filled or carried is current. The next fills run
-        on the copy stream after the ones forgotten, so their slots need no wait."""
+        """The host copies changed: nothing filled or carried is current. The next fills' host
+        copies run on the copy stream after the ones forgotten; their slot copies, on the
+        compute stream, wait for each buffer's last ready event (Note [Ring fills from the
+        slots])."""
         self.abandon()
         self._next = 0
         self._held = self._held_host = None
@@ -297,9 +305,26 @@ class ExpertLayerRing:
             if position == 0 and self._next and (LANE, 0) in self.pool.carried:
                 break  # never two fills of one position at once
             lease = self.pool.acquire(tag=position)
-            self._fill(position, lease)
+            try:
+                self._fill(position, lease)
+            except BaseException:
+                self._give_back(lease)
+                raise
             self.pool.carried[(LANE, position)] = lease
             self._next += 1
+
+    def _give_back(self, lease) -> None:
+        """A fill raised half-issued: its slot returns to the pool, and whatever of it reached
+        a stream is ordered before the slot's next writer (both streams after the copy)."""
+        if lease.state is LeaseState.WRITING:
+            lease.mark_ready(None)
+        lease.begin_read()
+        lease.retire(None)
+        lease.release()
+        compute = self._current()
+        if compute is not None:
+            compute.wait_stream(self.stream)
+        self._retired[lease.slot] = False  # ordered by the stream wait: no event to wait for
 
     def _fill(self, position: int, lease) -> None:
         views, host, slot = self.views[lease.slot], self.hosts[position], lease.slot

@@ -186,6 +186,25 @@ def test_a_slot_copy_into_a_buffer_an_unread_fill_still_writes_is_caught():
     assert err.value.kind == "cross-stream"
 
 
+def test_a_fill_that_raises_gives_its_buffer_back(monkeypatch):
+    """A fill that raises half-way (here its slot copy) leaks no buffer: the step's error
+    reaches the caller, and the next large step fills every layer and equals the reference."""
+    from ringflow.integrations.torch import expert_layers
+    lane, hosts = make_lane(buffers=2)
+    for s in range(2):
+        run_step(lane, hosts, 1, 30 + s)  # the slots hold experts: fills copy from them
+    real = expert_layers.fetch_experts
+    monkeypatch.setattr(expert_layers, "fetch_experts",
+                        lambda *a, **k: (_ for _ in ()).throw(KernelError("copy failed")))
+    with pytest.raises(KernelError, match="copy failed"):
+        run_step(lane, hosts, 8, 0)
+    monkeypatch.setattr(expert_layers, "fetch_experts", real)
+    assert lane.ring.pool.free_count == lane.ring.buffers
+    got, want = run_step(lane, hosts, 8, 1)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+
+
 def test_a_ring_over_caches_of_other_host_tensors_is_refused():
     hosts = [layer_experts(0), layer_experts(1)]
     caches = [ExpertCache(layer_experts(0), 2, "cpu"), ExpertCache(hosts[1], 2, "cpu")]
