@@ -130,6 +130,9 @@ class ExpertLayerRing:
                     for c, h in zip(caches, hosts)):
                 raise ConfigError("an expert layer ring's caches are the chosen layers' own, "
                                   "one per layer, over the ring's host tensors")
+            if len({c.slots for c in caches}) != 1:
+                raise ConfigError(f"an expert layer ring's caches have one slot count, got "
+                                  f"{sorted({c.slots for c in caches})}")
         self.hosts = [dict(h) for h in hosts]
         self.caches = caches
         self.device = torch.empty(0, device=device).device
@@ -174,8 +177,8 @@ class ExpertLayerRing:
         self._held_host: list[list[int]] | None = None
         if caches is not None:
             pinned = cuda and torch.cuda.is_available()
-            self._held_copy = torch.empty((len(caches), max(c.slots for c in caches)),
-                                          dtype=torch.int64, pin_memory=pinned)
+            self._held_copy = torch.empty((len(caches), caches[0].slots), dtype=torch.int64,
+                                          pin_memory=pinned)
             self._held_event = torch.cuda.Event() if cuda else None
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
@@ -264,7 +267,7 @@ class ExpertLayerRing:
             table = cache.expert_in[:cache.slots]
             slots = torch.argsort((table < 0).to(torch.int8), stable=True)  # held ones first
             held.append((slots, table[slots], (table >= 0).sum().reshape(1)))
-            self._held_copy[p, :cache.slots].copy_(table, non_blocking=True)
+            self._held_copy[p].copy_(table, non_blocking=True)
         if self._held_event is not None:
             self._held_event.record(self._current())
         self._held = held
@@ -276,8 +279,7 @@ class ExpertLayerRing:
         if self._held_host is None:
             if self._held_event is not None:
                 self._held_event.synchronize()
-            self._held_host = [[e for e in row[:c.slots].tolist() if e >= 0]
-                               for row, c in zip(self._held_copy, self.caches)]
+            self._held_host = [[e for e in row if e >= 0] for row in self._held_copy.tolist()]
         return self._held_host[position]
 
     def abandon(self) -> None:
