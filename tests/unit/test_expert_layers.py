@@ -210,6 +210,9 @@ def test_a_ring_over_caches_of_other_host_tensors_is_refused():
     caches = [ExpertCache(layer_experts(0), 2, "cpu"), ExpertCache(hosts[1], 2, "cpu")]
     with pytest.raises(ConfigError, match="over the ring's host tensors"):
         ExpertLayerRing(hosts, 2, "cpu", caches=caches)
+    caches = [ExpertCache(hosts[0], 2, "cpu"), ExpertCache(hosts[1], 3, "cpu")]
+    with pytest.raises(ConfigError, match=r"one slot count, got \[2, 3\]"):
+        ExpertLayerRing(hosts, 2, "cpu", caches=caches)
 
 
 def test_a_step_cut_short_and_a_reload_refill_what_they_must():
