@@ -324,9 +324,10 @@ class ExpertLayerRing:
         lease.retire(None)
         lease.release()
         compute = self._current()
-        if compute is not None:
+        if compute is not None:  # each stream after what the other issued of the fill
             compute.wait_stream(self.stream)
-        self._retired[lease.slot] = False  # ordered by the stream wait: no event to wait for
+            self.stream.wait_stream(compute)
+        self._retired[lease.slot] = False  # ordered by the stream waits: no event to wait for
 
     def _fill(self, position: int, lease) -> None:
         views, host, slot = self.views[lease.slot], self.hosts[position], lease.slot
