@@ -151,11 +151,13 @@ def on_initialize_from_config(state: PluginState, original, worker, *args, **kwa
     """The hook on ``Worker.initialize_from_config`` (vLLM allocates the KV cache): from here on
     no ring may be allocated (the KV budget would lie); the log says what the rings took."""
     streamer = state.streamers.get(worker.model_runner)
-    reserved = ((streamer.reserved_bytes if streamer is not None else 0) + state.ring_bytes()
-                + state.expert_bytes())
+    rings = (streamer.reserved_bytes if streamer is not None else 0) + state.ring_bytes()
+    experts = state.expert_bytes()
+    reserved = rings + experts
     if reserved:
         state.record("kv-cache-initialized")
-        log.info("KV cache allocated after ringflow's rings (%s reserved before sizing)",
+        what = " and ".join(name for name, n in (("rings", rings), ("expert lane", experts)) if n)
+        log.info("KV cache allocated after ringflow's %s (%s reserved before sizing)", what,
                  mib(reserved))
         memory.log_kv_size(worker, streamer, *args, **kwargs)
     state.kv_sized = True

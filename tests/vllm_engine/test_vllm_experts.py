@@ -131,7 +131,8 @@ def test_auto_slots_on_the_cpu_build_take_the_default_and_say_so(runs):
     said = [l for l in run["log"] if l.startswith("experts: layers [0]")]
     assert len(said) == 1 and "(experts.slots: auto, the default on the CPU build: it has no " \
         "device memory budget to share)" in said[0], run["log"]
-    assert any(l.startswith("KV cache allocated after ringflow's rings (") for l in run["log"])
+    assert any(l.startswith("KV cache allocated after ringflow's expert lane (") for l in
+               run["log"]), run["log"]
     assert any(l.startswith("vLLM sized the KV cache at ") for l in run["log"]), run["log"]
 
 
