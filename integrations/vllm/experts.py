@@ -249,8 +249,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
               if first.whole_in_place else "") +
              (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "
-              + (("the experts its slots hold copied from them, the rest "
-                  if spec.ring_from_slots else "") + "ahead on a copy engine"
+              + (("the experts its slots hold copied from them, the rest ahead on a copy "
+                  "engine" if spec.ring_from_slots else "copied ahead on a copy engine")
                  if device.type == "cuda" else
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
