@@ -118,8 +118,9 @@ class ExpertLane:
         ranges, compute = self._ranges[layer], self.computes[layer]
         if self.uses_ring(x.shape[0], x.device):
             position = self.position[layer]
-            for lookahead in self.ahead.values():  # a step that raised may have left guesses
-                lookahead.join()  # installing into the slots the ring's fills copy from
+            if position == 0:  # where the ring reads the slot tables: a decode step that
+                for lookahead in self.ahead.values():  # raised may have left guesses
+                    lookahead.join()  # installing into the slots its fills copy from
             weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
             try:
                 out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights,
