@@ -24,6 +24,20 @@ Note [Expert lane hazards]
       count it twice). A pass in place (``host``, Note [Expert cache] step 5) reads its experts
       from the host store, which no install writes: it counts here and nowhere else.
 
+    A step that hands misses to the host (Note [Host split], Note [Host node]) adds three
+    operations: ``stage`` (the lane's stream copies the step's rows and choices to the pinned
+    buffers the host reads), ``cpu`` (the host's worker computes its experts, a stream of its
+    own, reading the host store and those buffers) and ``sum`` (the lane's stream reads the
+    host's output into the layer's sum). Each ``cpu`` expert counts for ``incomplete`` like
+    any read, and:
+
+    * ``cross-stream``: a ``cpu`` happens-after the latest ``stage`` (it reads what was
+      staged), and a ``stage`` happens-after every ``cpu`` before it (it rewrites what the
+      host may still be reading);
+    * ``unjoined-host``: the ``sum`` happens-after every ``cpu`` of the step, and a step with
+      a ``cpu`` has a ``sum`` after it (a sum before the join reads an output being written;
+      the mutant ``host-join-dropped`` of the tests).
+
     The layer ring (Note [Expert layer ring]) is proven over a trace of many steps by
     :func:`check_ring`: its ``fill`` writes a whole layer (a position of the chosen layers)
     into a ring slot on the copy stream, its ``read`` is a layer's MoE on the compute stream,
@@ -58,8 +72,9 @@ class ExpertOp:
     pass in place) reads expert ``e`` from the host store (``s`` is ``e``); ``record`` names
     (``on``) an event after what ``stream`` issued so far; ``wait`` orders what ``stream``
     issues next after that event, or, where ``on`` names no event, after everything issued
-    so far on stream ``on``. The layer ring's ``fill`` writes layer position ``p`` into ring
-    slot ``s`` for each ``(p, s)``, and its ``read`` reads them."""
+    so far on stream ``on``. ``stage``, ``cpu`` (``(e, e)`` per expert the host computes)
+    and ``sum`` are the host's share of a step. The layer ring's ``fill`` writes layer
+    position ``p`` into ring slot ``s`` for each ``(p, s)``, and its ``read`` reads them."""
 
     kind: str
     stream: object
@@ -116,6 +131,9 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
     writer: dict[int, int] = {}  # slot -> the install that wrote it this step
     readers: dict[int, list[int]] = {}  # slot -> reads of it since
     read: dict[int, int] = {}
+    staged: int | None = None  # the latest stage of the host's inputs
+    cpu: list[int] = []  # the host's computes so far
+    summed: set[int] = set()  # those a sum read after
 
     def unordered(i: int, after: set[int], s: int, first: list[int]) -> None:
         late = [j for j in first if j not in after]
@@ -124,6 +142,13 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                               f"{ops[i].stream}) touches slot {s} with no event after "
                               f"operation(s) {late} on stream(s) "
                               f"{sorted({str(ops[j].stream) for j in late})}", [*late, i])
+
+    def unordered_host(i: int, after: set[int], first: list[int], what: str) -> None:
+        late = [j for j in first if j not in after]
+        if late:
+            raise HazardError("cross-stream", f"operation {i} ({ops[i].kind}, stream "
+                              f"{ops[i].stream}) {what} with no event after operation(s) "
+                              f"{late}", [*late, i])
 
     for i, op in enumerate(ops):
         after = order.before(i, op)
@@ -146,7 +171,23 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                                                                else ())])
                 writer[s], readers[s] = i, []
             held.update({s: e for e, s in op.pairs})
-        elif op.kind in ("read", "host"):
+        elif op.kind == "stage":
+            unordered_host(i, after, [j for j in cpu], "rewrites the host's inputs")
+            staged = i
+        elif op.kind == "sum":
+            late = [j for j in cpu if j not in after]
+            if late:
+                raise HazardError("unjoined-host", f"sum {i} (stream {op.stream}) reads the "
+                                  f"host's output with no join after its compute(s) {late}",
+                                  [*late, i])
+            summed.update(cpu)
+        elif op.kind in ("read", "host", "cpu"):
+            if op.kind == "cpu":
+                if staged is None:
+                    raise HazardError("cross-stream", f"host compute {i} reads inputs that no "
+                                      f"stage wrote this step", [i])
+                unordered_host(i, after, [staged], "reads the staged inputs")
+                cpu.append(i)
             for e, s in op.pairs:
                 if op.kind == "read":
                     if held.get(s) != e:
@@ -160,8 +201,12 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                 read[e] = i
         else:
             raise HazardError("unknown", f"operation {i} is {op.kind!r}, not install, read, "
-                              f"host, record or wait", [i])
+                              f"host, stage, cpu, sum, record or wait", [i])
         order.issue(i, op)
+    unjoined = [j for j in cpu if j not in summed]
+    if unjoined:
+        raise HazardError("unjoined-host", f"host compute(s) {unjoined} are never summed after "
+                          f"a join: the step ends without their experts", unjoined)
     if set(read) != needed:
         missing, extra = sorted(needed - set(read)), sorted(set(read) - needed)
         raise HazardError("incomplete", f"experts chosen but never read: {missing}; read but not "

@@ -32,6 +32,17 @@ def in_host_memory(ptr: int) -> bool:
     return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost
 
 
+def host_address(ptr: int) -> int:
+    """The host's address of the pinned host memory a CUDA pointer ``ptr`` addresses (the same
+    number under unified addressing), for reading it on the CPU."""
+    rt = runtime()
+    attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), KernelError,
+                    "the pointer is not one CUDA knows")
+    if attrs.type != rt.cudaMemoryType.cudaMemoryTypeHost:
+        raise KernelError(f"pointer {ptr:#x} is not pinned host memory")
+    return int(attrs.hostPointer)
+
+
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """``cudaMemcpyAsync`` of ``nbytes`` from ``src`` to ``dst`` on ``stream`` (a handle), the
     direction read from the pointers (unified addressing): a copy engine's DMA between device

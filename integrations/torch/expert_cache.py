@@ -111,6 +111,10 @@ class ExpertCache:
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
         self.in_place_steps = torch.zeros((), dtype=torch.int64, device=dev)
+        # the experts a step hands to the host (Note [Host split]), one spare entry, and how
+        # many were handed over all steps
+        self.host_mine = torch.zeros(e + 1, dtype=torch.bool, device=dev)
+        self.host_computed = torch.zeros((), dtype=torch.int64, device=dev)
         # lookahead (Note [Expert lookahead]): the experts predicted for the coming step, and
         # over all steps how many were predicted, how many of those the step chose, and how
         # many the prediction installed
@@ -144,12 +148,17 @@ class ExpertCache:
         host store (Note [Expert cache], step 5)."""
         return tokens <= self.in_place_tokens
 
-    def serve(self, topk_ids: torch.Tensor) -> Iterator[tuple[dict[str, torch.Tensor],
-                                                                torch.Tensor]]:
+    def serve(self, topk_ids: torch.Tensor, host_share: float = 0.0
+              ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Install the experts ``topk_ids`` [tokens, top_k] needs and yield, per pass, the
         weights to compute it with (``self.weights``, or ``self.host`` for a pass in place) and
         the expert→index map [experts] into them (int64, -1: not in this pass); compute each
-        pass before taking the next (Note [Expert cache])."""
+        pass before taking the next (Note [Expert cache]).
+
+        With ``host_share`` > 0 (a step of one pass only), that share of the step's misses,
+        those with the fewest tokens, is neither installed nor read: ``host_mine`` [experts]
+        marks them once the first pass is yielded, for the host to compute (Note [Host
+        split] in orchestrator/host_split.py)."""
         if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise KernelError(f"topk_ids must be [tokens, top_k] integers, got "
                               f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -167,6 +176,11 @@ class ExpertCache:
         miss_count = miss.sum()
         self.hits += (needed & cached).sum()
         self.misses += miss_count
+        if host_share > 0:
+            if passes > 1:
+                raise KernelError(f"a host share needs a step of one pass; {tuple(topk_ids.shape)}"
+                                  f" choices take {passes} through {s} slots")
+            miss, miss_count = self._hand_to_host(topk_ids, miss, miss_count, host_share)
         if self.looked_ahead:  # score the prediction made for this step, then drop it
             self.predictions[:2] += torch.stack([self.predicted.sum(),
                                                  (self.predicted & needed).sum()])
@@ -188,6 +202,25 @@ class ExpertCache:
             installed.index_fill_(0, torch.where(self._positions < count, ids, e), True)
             yield self.weights, self._traced_read(torch.where(installed[:e], self.slot_of[:e],
                                                               -1))
+
+    def _hand_to_host(self, topk_ids: torch.Tensor, miss: torch.Tensor, miss_count: torch.Tensor,
+                      share: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mark ``round(share * misses)`` of the missed experts, fewest tokens first, as the
+        host's (``host_mine``); return the misses left to install and their count."""
+        e = self.experts
+        if not 0 < share <= 1:
+            raise KernelError(f"a host share is in (0, 1], got {share}")
+        q = round(share * 1024)  # a constant of the step's shape: a replay repeats it
+        take = torch.div(miss_count * q + 512, 1024, rounding_mode="floor")
+        tokens = torch.zeros(e + 1, dtype=torch.int64, device=self.device)
+        tokens.index_add_(0, topk_ids.reshape(-1).long().clamp(min=-1) % (e + 1),
+                          torch.ones_like(topk_ids.reshape(-1), dtype=torch.int64))
+        order = torch.argsort(torch.where(miss, tokens[:e], _LATEST), stable=True)
+        self.host_mine.zero_()
+        self.host_mine.index_fill_(0, torch.where(self._experts < take, order, e), True)
+        self.host_computed += take
+        mine = self.host_mine[:e]
+        return miss & ~mine, miss_count - take
 
     def prefetch(self, topk_ids: torch.Tensor) -> None:
         """Install the experts ``topk_ids`` [tokens, top_k] predicts for the coming step that are
@@ -283,6 +316,7 @@ class ExpertCache:
                 "hits": hits, "misses": misses, "in_place_tokens": self.in_place_tokens,
                 "whole_in_place": self.whole_in_place,
                 "in_place_steps": int(self.in_place_steps),
+                "host_computed": int(self.host_computed),
                 **({"lookahead": dict(zip(("predicted", "chosen", "installed"),
                                           self.predictions.tolist()))}
                    if self.looked_ahead else {}),

@@ -13,6 +13,11 @@ Note [Expert lane modes]
     The choice depends on the step's shape and on whether it is captured, so a replay repeats
     it.
 
+    A decode step may hand part of each layer's misses to the host, which computes them on
+    the CPU while the GPU copies and computes the rest (Note [Host split], Note [Host
+    experts]): the share comes from ``host_policy`` by the step's token count, for steps of
+    one pass only, so a replay repeats it.
+
     Both modes compute with the caller's ``compute`` (Note [Same bits as resident] for vLLM's
     kernel on a GPU): ``compute(x, weights, topk_weights, topk_ids, expert_map, last)`` with
     ``expert_map`` None where ``weights`` hold every expert at its own index (a ring buffer)
@@ -31,6 +36,8 @@ from ringflow.graphs import nvtx_ranges
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.integrations.torch.expert_lookahead import Lookahead
+from ringflow.integrations.torch.host_experts import HostExperts
+from ringflow.orchestrator.host_split import HostPolicy
 from ringflow.kernels.moe import moe_from_slots
 
 log = logging.getLogger("ringflow")
@@ -69,7 +76,9 @@ class ExpertLane:
     def __init__(self, caches: Mapping[int, ExpertCache], computes: Mapping[int, Compute],
                  ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
                  lookaheads: Mapping[int, Lookahead] | None = None,
-                 modules: Mapping[int, object] | None = None) -> None:
+                 modules: Mapping[int, object] | None = None,
+                 hosts: Mapping[int, HostExperts] | None = None,
+                 host_policy: HostPolicy | None = None) -> None:
         if set(computes) != set(caches):
             raise ConfigError(f"one compute per cached layer: caches {sorted(caches)}, "
                               f"computes {sorted(computes)}")
@@ -85,9 +94,13 @@ class ExpertLane:
         self.ahead = dict(lookaheads or {})
         self.behind = {self._layer_of(la.target): la for la in self.ahead.values()}
         self._ranges = {layer: {kind: nvtx_ranges.handle(f"ringflow/experts/{kind}/L{layer}")
-                                for kind in ("fetch", "moe", "lookahead", "layer")}
+                                for kind in ("fetch", "moe", "lookahead", "layer", "host")}
                         for layer in self.caches}
         self.said_capture = False
+        if (hosts is None) != (host_policy is None) or not set(hosts or ()) <= set(caches):
+            raise ConfigError(f"a host share needs host experts of cached layers and a policy: "
+                              f"hosts {sorted(hosts or ())}, caches {sorted(caches)}")
+        self.hosts, self.host_policy = dict(hosts or {}), host_policy
         #: the engine's object per layer that this lane serves (vLLM's ``RoutedExperts``), for
         #: whoever must find a layer's lane (a reload); empty outside an engine
         self.modules = dict(modules or {})
@@ -129,15 +142,23 @@ class ExpertLane:
                 self.ring.end(position)
             return out
         cache, ahead = self.caches[layer], self.ahead.get(layer)
-        maps = cache.serve(topk_ids)
         passes = cache.passes(*topk_ids.shape)
+        host = self.hosts.get(layer)
+        share = (self.host_policy.share(x.shape[0])
+                 if host is not None and passes == 1 and x.shape[0] <= host.max_tokens else 0.0)
+        maps = cache.serve(topk_ids, share)
         out = None
         for p in range(passes):
             weights, expert_map = nvtx_ranges.call(ranges["fetch"], next, maps)
+            if p == 0 and share:
+                nvtx_ranges.call(ranges["host"], host.launch, x, topk_weights, topk_ids,
+                                 cache.host_mine, cache.trace)
             if p == 0 and ahead is not None:
                 nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
             out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
                                    expert_map, p == passes - 1)
+        if share:  # Note [Host experts], step 3: the host's rows join the sum
+            out = (out.float() + host.join(x.shape[0], cache.trace)).to(x.dtype)
         return out
 
     @property
@@ -158,4 +179,10 @@ class ExpertLane:
         (one host sync per layer)."""
         ring = self.ring.describe() if self.ring is not None else None
         return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
-                 "ring": ring} for i, cache in self.caches.items()]
+                 "ring": ring, **({"host": self.hosts[i].describe()} if i in self.hosts else {})}
+                for i, cache in self.caches.items()]
+
+    def close(self) -> None:
+        """Stop the host shares' workers (when no step or graph will run this lane again)."""
+        for host in self.hosts.values():
+            host.close()

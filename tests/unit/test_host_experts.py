@@ -1,0 +1,256 @@
+"""The host's share of the expert lane (Note [Host split], [Host node], [Host experts]): the split
+rule, the host node's thread and protocol, the CPU MoE and the lane with every split from
+all-copy to all-CPU against the float64 MoE, and the proof with its mutants."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from ringflow.errors import ConfigError, HazardError, KernelError
+from ringflow.graphs.host_node import HostNode
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
+from ringflow.integrations.torch.host_experts import HostExperts
+from ringflow.kernels.host_moe import moe_on_host
+from ringflow.kernels.reference import moe_ref
+from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step
+from ringflow.orchestrator.expert_model import fetch_ms
+from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy, host_share, split
+
+from tests.unit.test_expert_cache import E, H, K, dequantized, experts, fp8_experts, routing
+
+QWEN_BYTES = 9_437_184
+
+
+def rates(ms_one: float, handoff: float = 0.03) -> HostRates:
+    return HostRates({1: ms_one, 2: 1.2 * ms_one, 4: 1.6 * ms_one, 16: 4 * ms_one},
+                     QWEN_BYTES, handoff, threads=16)
+
+
+# the split (Note [Host split])
+
+def test_the_split_is_the_least_of_the_larger_time_over_every_k():
+    for ms_one in (0.02, 0.1, 0.2, 0.5, 5.0):
+        r = rates(ms_one)
+        for misses in (0, 1, 3, 6, 12):
+            best = split(misses, 1, QWEN_BYTES, r)
+            times = [max(r.handoff_ms + k * r.cpu_ms(1) if k else 0.0,
+                         fetch_ms(misses - k, QWEN_BYTES)) for k in range(misses + 1)]
+            assert best.ms == pytest.approx(min(times))
+            assert best.to_host == times.index(min(times))  # ties go to copying
+            assert best.copy_ms == pytest.approx(fetch_ms(misses, QWEN_BYTES))
+
+
+def test_a_fast_host_takes_most_misses_and_a_slow_one_none():
+    fast, slow = split(6, 1, QWEN_BYTES, rates(0.02)), split(6, 1, QWEN_BYTES, rates(5.0))
+    assert fast.to_host >= 5 and fast.gain > 2
+    assert slow.to_host == 0 and slow.gain == 1
+    assert host_share(6, 1, QWEN_BYTES, rates(5.0)) == 0
+    even = split(6, 1, QWEN_BYTES, rates(0.2))  # as fast as the copy: about half each
+    assert 2 <= even.to_host <= 4 and even.ms < even.copy_ms
+
+
+def test_host_rates_interpolate_by_tokens_scale_by_bytes_and_load_from_json(tmp_path):
+    r = rates(0.1)
+    assert r.cpu_ms(1) == pytest.approx(0.1) and r.cpu_ms(3) == pytest.approx(0.14)
+    assert r.cpu_ms(32) == pytest.approx(0.4 + 16 * (0.4 - 0.16) / 12)  # past the last point
+    assert r.cpu_ms(1, QWEN_BYTES // 2) == pytest.approx(0.05)
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"host": {"cpu": "x"}, "model": {
+        "expert_ms": {"1": 0.1, "4": 0.2}, "expert_bytes": QWEN_BYTES, "handoff_ms": 0.05,
+        "threads": 8}}))
+    loaded = HostRates.load(path)
+    assert loaded.cpu_ms(4) == 0.2 and loaded.threads == 8 and loaded.source == str(path)
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="tools/host_rates.py"):
+        HostRates.load(path)
+    with pytest.raises(ConfigError, match="positive"):
+        HostRates({1: 0.0}, QWEN_BYTES, 0.1)
+
+
+def test_the_policy_shares_by_token_count_and_stops_where_one_pass_ends():
+    p = host_policy(rates(0.1), experts=128, top_k=8, slots=32, expert_bytes=QWEN_BYTES)
+    assert 0 < p.share(1) <= 1 and p.max_tokens <= 4  # 5 tokens x 8 > 32 slots: two passes
+    assert p.share(100) == 0 and "1 token:" in p.why
+    assert host_policy(rates(5.0), experts=128, top_k=8, slots=32,
+                       expert_bytes=QWEN_BYTES).max_tokens == 0  # no gain: off
+    forced = host_policy(rates(5.0), experts=128, top_k=8, slots=32, expert_bytes=QWEN_BYTES,
+                         forced=1.0)
+    assert forced.share(1) == 1.0 and "forced" in forced.why
+
+
+# the CPU MoE
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_moe_computes_only_its_experts(dtype):
+    w13, w2 = experts(dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    for s in range(6):
+        ids, weights = routing(40 + s, 1 + s)
+        hidden = torch.randn(1 + s, H, generator=g).to(dtype)
+        mine = torch.rand(E, generator=g) < 0.5
+        out = torch.full((1 + s, H), float("nan"))  # poisoned: every row must be written
+        count = moe_on_host(hidden, w13, w2, weights, ids, mine, out)
+        keep = mine[ids]
+        want = moe_ref(hidden, w13, w2, torch.where(keep, weights, 0), ids)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        assert count == len(set(ids[keep].tolist()))
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_the_host_moe_dequantizes_fp8_experts_with_their_scales(blocks):
+    host = fp8_experts("cpu", blocks)
+    w13, w2 = dequantized(host, "w13"), dequantized(host, "w2")
+    ids, weights = routing(9, 3)
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(9))
+    out = torch.empty(3, H)
+    moe_on_host(hidden, host["w13"], host["w2"], weights, ids, torch.ones(E, dtype=torch.bool),
+                out, host["w13_scale"], host["w2_scale"])
+    torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+# the host node (Note [Host node])
+
+def test_the_host_node_runs_its_work_on_its_own_thread_between_post_and_join():
+    seen = []
+    node = HostNode(lambda: seen.append(threading.get_ident()), "cpu", "ringflow/test/host")
+    try:
+        for _ in range(3):
+            node.post()
+            node.join()
+        assert len(seen) == 3 and threading.get_ident() not in seen
+        assert node.describe()["runs"] == 3
+    finally:
+        node.close()
+    with pytest.raises(KernelError, match="closed"):
+        node.post()
+
+
+def test_a_work_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog):
+    out = torch.zeros(2)
+
+    def work():
+        raise RuntimeError("boom")
+
+    node = HostNode(work, "cpu", "ringflow/test/host", fail=lambda: out.fill_(float("nan")))
+    try:
+        node.post()
+        node.join()  # does not hang: the worker posts done whatever happens
+        assert out.isnan().all() and "boom" in caplog.text
+        with pytest.raises(KernelError, match="raised on the host"):
+            node.post()
+    finally:
+        node.close()
+
+
+# the lane with a host share, against the float64 MoE
+
+def lane_with_host(slots: int, share: float, max_tokens: int = 4, dtype=torch.float32):
+    w13, w2 = experts(dtype=dtype)
+    cache = ExpertCache({"w13": w13, "w2": w2}, slots, "cpu")
+    cache.trace = []
+    host = HostExperts(cache.host, H, K, max_tokens, "cpu", dtype, layer=0)
+    host.out.fill_(float("nan"))  # poisoned: the worker writes every row it is asked for
+    policy = HostPolicy({t: share for t in range(1, max_tokens + 1)}, "test")
+    lane = ExpertLane({0: cache}, {0: TorchCompute()}, hosts={0: host}, host_policy=policy)
+    return lane, cache, host, w13, w2
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
+    lane, cache, host, w13, w2 = lane_with_host(slots=2 * K, share=share)
+    g = torch.Generator().manual_seed(11)
+    try:
+        for s, tokens in enumerate([1, 1, 2, 1, 2, 1, 1, 2]):
+            ids, weights = routing(60 + s, tokens)
+            hidden = torch.randn(tokens, H, generator=g)
+            held = cache.holding()
+            start = len(cache.trace)
+            out = lane.forward(0, hidden, weights, ids)
+            torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                                       rtol=1e-5, atol=1e-5)
+            check_expert_step(held, set(ids.flatten().tolist()), cache.trace[start:],
+                              cache.slots)
+        handed = int(cache.host_computed)
+        assert handed == host.computed
+        assert (handed == 0) == (share == 0) and (share < 1 or int(cache.misses) == handed)
+    finally:
+        lane.close()
+
+
+def test_a_host_share_is_refused_for_steps_of_several_passes():
+    lane, cache, host, *_ = lane_with_host(slots=K, share=0.5)
+    try:
+        ids, weights = routing(3, 2)  # 6 choices through 3 slots: two passes
+        with pytest.raises(KernelError, match="one pass"):
+            next(cache.serve(ids, 0.5))
+        out = lane.forward(0, torch.randn(2, H), weights, ids)  # the lane copies them all
+        assert torch.isfinite(out).all() and int(cache.host_computed) == 0
+    finally:
+        lane.close()
+
+
+# the proof: the host's share (Note [Expert lane hazards]) and its mutants
+
+def host_step(join: bool = True, stage_first: bool = True):
+    ops = [ExpertOp("install", "lane", ((0, 0),)), ExpertOp("read", "lane", ((0, 0),))]
+    if stage_first:
+        ops += [ExpertOp("stage", "lane"), ExpertOp("wait", "host", on="lane")]
+    else:
+        ops += [ExpertOp("wait", "host", on="lane"), ExpertOp("stage", "lane")]
+    ops.append(ExpertOp("cpu", "host", ((1, 1), (2, 2))))
+    if join:
+        ops.append(ExpertOp("wait", "lane", on="host"))
+    ops.append(ExpertOp("sum", "lane"))
+    return ops
+
+
+def test_the_proof_accepts_the_host_protocol_and_refuses_its_mutants():
+    assert check_expert_step({}, {0, 1, 2}, host_step(), slots=2) == {0: 0}
+    with pytest.raises(HazardError, match="no join") as err:  # host-join-dropped
+        check_expert_step({}, {0, 1, 2}, host_step(join=False), slots=2)
+    assert err.value.kind == "unjoined-host"
+    with pytest.raises(HazardError, match="staged inputs"):  # posted before its inputs landed
+        check_expert_step({}, {0, 1, 2}, host_step(stage_first=False), slots=2)
+    never = host_step()[:-2]  # the step ends without the host's rows
+    with pytest.raises(HazardError, match="never summed"):
+        check_expert_step({}, {0, 1, 2}, never, slots=2)
+    restaged = host_step()[:5] + [ExpertOp("stage", "lane")] + host_step()[5:]
+    with pytest.raises(HazardError, match="rewrites the host's inputs"):
+        check_expert_step({}, {0, 1, 2}, restaged, slots=2)
+    twice = host_step()[:2] + [ExpertOp("read", "lane", ((1, 0),))]
+    with pytest.raises(HazardError):
+        check_expert_step({0: 1}, {0, 1, 2}, twice + host_step()[2:], slots=2)
+
+
+def test_a_lane_whose_join_is_dropped_reads_a_poisoned_output_and_fails_the_proof(monkeypatch):
+    """The mutant ``host-join-dropped`` at run time: the host's worker is held until the step
+    has read its output, which is the poison, and the step's trace fails the proof."""
+    lane, cache, host, w13, w2 = lane_with_host(slots=2 * K, share=1.0)
+    gate = threading.Event()
+    work = host.node.work
+    host.node.work = lambda: (gate.wait(5), work())
+
+    def join_without_waiting(tokens, trace=None):
+        if trace is not None:
+            trace.append(ExpertOp("sum", "cpu"))
+        return host._out[:tokens].copy_(host.out[:tokens])
+
+    monkeypatch.setattr(host, "join", join_without_waiting)
+    try:
+        ids, weights = routing(5, 1)
+        hidden = torch.randn(1, H)
+        out = lane.forward(0, hidden, weights, ids)
+        assert out.isnan().all()  # the poison, not the experts
+        with pytest.raises(HazardError, match="no join"):
+            check_expert_step({}, set(ids.flatten().tolist()), cache.trace, cache.slots)
+    finally:
+        gate.set()
+        host.node.join()
+        lane.close()
