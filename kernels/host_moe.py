@@ -38,19 +38,24 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     also quantizes the activations, so fp8 agrees within its own rounding). All on the CPU.
     Returns how many experts it computed."""
     out.zero_()
-    ids = topk_ids.long()
-    chosen = (ids >= 0) & mine[ids.clamp(min=0)]
-    if not bool(chosen.any()):
-        return 0
     inter = w2.shape[2]
     dtype = w13.dtype if w13_scale is None else hidden.dtype
+    mine_list = mine.tolist()
+    rows: dict[int, list[tuple[int, int]]] = {}  # expert -> its (token, choice) pairs
+    for t, choices in enumerate(topk_ids.tolist()):
+        for j, e in enumerate(choices):
+            if e >= 0 and mine_list[e]:
+                rows.setdefault(e, []).append((t, j))
+    if not rows:
+        return 0
     weights = topk_weights.float()
-    experts = ids[chosen].unique().tolist()
-    for e in experts:
-        rows, picks = torch.nonzero(chosen & (ids == e), as_tuple=True)
-        x = hidden[rows].to(dtype)
-        h = x @ expert_weight(w13, e, w13_scale, dtype).T
-        act = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype)
-        y = act @ expert_weight(w2, e, w2_scale, dtype).T
-        out.index_add_(0, rows, y.float() * weights[rows, picks].unsqueeze(1))
-    return len(experts)
+    linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
+    for e, pairs in rows.items():
+        tokens = torch.tensor([t for t, _ in pairs])
+        x = hidden.index_select(0, tokens).to(dtype)
+        h = linear(x, expert_weight(w13, e, w13_scale, dtype)).float()
+        y = linear((silu(h[:, :inter]) * h[:, inter:]).to(dtype),
+                   expert_weight(w2, e, w2_scale, dtype))
+        scale = weights[tokens, torch.tensor([j for _, j in pairs])].unsqueeze(1)
+        out.index_add_(0, tokens, y.float() * scale)
+    return len(rows)

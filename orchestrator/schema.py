@@ -301,6 +301,27 @@ FIELDS: dict[str, ProfileField] = {
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "
                                "graphs and steps of several passes do not guess); the report "
                                "gives the guesses' hit rate (Note [Expert lookahead])", False),
+    "experts.host_share": ProfileField("a decode step hands this share of each layer's missed "
+                                       "experts to the host's CPU, which computes them from "
+                                       "host memory while the GPU copies and computes the "
+                                       "rest (Note [Host split]); 'auto': the share the host's "
+                                       "measured rates predict (off where they predict no "
+                                       "gain, said once); 'off': copy every miss; on a GPU "
+                                       "only", "share", "off",
+                                       shape={"oneOf": [{"enum": ["off", "auto"]},
+                                                        {"type": "number", "minimum": 0,
+                                                         "maximum": 1}]},
+                                       words="'off', 'auto', or a number in 0..1"),
+    "experts.host_tokens": _integer("the host share serves steps of at most this many tokens "
+                                    "(and of one pass through the slots); larger steps copy "
+                                    "every miss", 1, 256, 8),
+    "experts.host_rates": ProfileField("the host's rates as tools/host_rates.py wrote them, for "
+                                       "host_share: auto; omitted: measured at start-up on the "
+                                       "first chosen layer's experts", "str", None,
+                                       nullable=True, words="a path to a JSON file"),
+    "experts.host_threads": _integer("CPU threads the host share computes with (torch's CPU "
+                                     "threads in vLLM's worker, which vLLM otherwise sets to "
+                                     "1); 0: the CPUs the worker may run on", 0, 4096, 0),
 }
 
 

@@ -199,6 +199,10 @@ class ExpertsSpec:
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
     auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
+    host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
+    host_tokens: int = 8  # the host share serves steps of at most this many tokens
+    host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
+    host_threads: int = 0  # the host share's CPU threads; 0: the worker's usable CPUs
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token
@@ -218,6 +222,11 @@ class ExpertsSpec:
         out["layer_buffers"] = self.layer_buffers
         out["ring_from_slots"] = self.ring_from_slots
         out["auto_percent"] = self.auto_percent
+        out["host_share"] = self.host_share
+        out["host_tokens"] = self.host_tokens
+        if self.host_rates is not None:
+            out["host_rates"] = self.host_rates
+        out["host_threads"] = self.host_threads
         return out
 
 
@@ -231,7 +240,19 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],
                        layer_buffers=values["layer_buffers"],
                        ring_from_slots=values["ring_from_slots"],
-                       auto_percent=values["auto_percent"])
+                       auto_percent=values["auto_percent"],
+                       host_share=_host_share(values["host_share"], source),
+                       host_tokens=values["host_tokens"], host_rates=values["host_rates"],
+                       host_threads=values["host_threads"])
+
+
+def _host_share(value: Any, source: str | None) -> str | float:
+    """``experts.host_share``: 'off', 'auto' or a share in 0..1 (0 is 'off')."""
+    if value in ("off", "auto"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise rejected("experts.host_share", value, source)
+    return float(value) if value else "off"
 
 
 def auto_slots(left: int, percent: int, layers: int, slot_bytes: int, experts: int,

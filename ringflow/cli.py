@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="routing skew of the simulation (0: uniform; default 1)")
     experts.add_argument("--steps", type=positive, default=200,
                          help="simulated steps (default 200)")
+    experts.add_argument("--host-rates", metavar="JSON",
+                         help="the host's measured rates (tools/host_rates.py --out): also "
+                              "predict the step with each layer's misses split between the "
+                              "copy and the CPU (Note [Host split])")
 
     run = sub.add_parser("run", help="run the synthetic workload through the executors and "
                                      "check them against a reference (on a CPU: the "
@@ -291,10 +295,31 @@ def _cmd_place_experts(args: argparse.Namespace) -> int:
           f"per step, top-{args.top_k}: hit rate {args.hit_rate:.3f} ({source}); "
           f"{step.distinct:.1f} experts asked, {step.misses:.2f} fetched per layer "
           f"({step.fetch_ms:.3f} ms)")
-    for name, ms in (("predicted step", step.step_ms), ("missed-bytes bound", step.bound_ms),
-                     ("whole-layer streaming", step.whole_layer_ms), ("all resident", resident)):
+    rows = [("predicted step", step.step_ms), ("missed-bytes bound", step.bound_ms),
+            ("whole-layer streaming", step.whole_layer_ms), ("all resident", resident)]
+    if args.host_rates:
+        rows.insert(1, _host_split_row(args, step))
+    for name, ms in rows:
         print(f"  {name}: {ms:.3f} ms ({1e3 * args.tokens / ms:.1f} tok/s)")
     return 0
+
+
+def _host_split_row(args: argparse.Namespace, step) -> tuple[str, float]:
+    """The step with each expert layer's misses split between the copy and the host's CPU
+    (Note [Host split]), and a line saying the split."""
+    from ringflow.orchestrator.host_split import HostRates, split
+    rates = HostRates.load(args.host_rates)
+    expert_bytes = int(args.expert_mib * 2**20)
+    best = split(max(0, round(step.misses)), args.tokens * args.top_k / step.distinct,
+                 expert_bytes, rates)
+    layers = args.expert_layers or args.layers
+    ms = args.layers * args.compute_ms + layers * best.ms
+    print(f"host ({rates.extra.get('host', {}).get('cpu', 'unknown CPU')}, {rates.threads} "
+          f"threads, {rates.cpu_ms(1, expert_bytes):.3f} ms per expert at 1 token, handoff "
+          f"{rates.handoff_ms:.3f} ms): of {best.misses} misses per layer, {best.to_host} on "
+          f"the CPU and {best.copied} copied: {best.ms:.3f} ms against {best.copy_ms:.3f} ms "
+          f"copying all ({best.gain:.2f}x)")
+    return "predicted step, host split", ms
 
 
 def _require_gpu() -> None:

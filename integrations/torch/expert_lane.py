@@ -27,6 +27,7 @@ Note [Expert lane modes]
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -101,6 +102,8 @@ class ExpertLane:
             raise ConfigError(f"a host share needs host experts of cached layers and a policy: "
                               f"hosts {sorted(hosts or ())}, caches {sorted(caches)}")
         self.hosts, self.host_policy = dict(hosts or {}), host_policy
+        if self.hosts:  # their workers hold no reference to the lane: stop them with it
+            weakref.finalize(self, _close_all, list(self.hosts.values()))
         #: the engine's object per layer that this lane serves (vLLM's ``RoutedExperts``), for
         #: whoever must find a layer's lane (a reload); empty outside an engine
         self.modules = dict(modules or {})
@@ -163,9 +166,11 @@ class ExpertLane:
 
     @property
     def bytes(self) -> int:
-        """Device bytes of the slots and the ring, reserved when the lane was built."""
+        """Device bytes of the slots, the ring and the host shares' outputs, reserved when the
+        lane was built."""
         return (sum(c.bytes for c in self.caches.values())
-                + (self.ring.bytes if self.ring is not None else 0))
+                + (self.ring.bytes if self.ring is not None else 0)
+                + sum(h.bytes for h in self.hosts.values()))
 
     def forget(self) -> None:
         """The host copies changed (a reload): no cached expert nor ring fill is current."""
@@ -186,3 +191,8 @@ class ExpertLane:
         """Stop the host shares' workers (when no step or graph will run this lane again)."""
         for host in self.hosts.values():
             host.close()
+
+
+def _close_all(hosts: list[HostExperts]) -> None:
+    for host in hosts:
+        host.close()

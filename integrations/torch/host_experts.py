@@ -132,3 +132,65 @@ class HostExperts:
 
 def _stream(device: torch.device) -> object:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else "cpu"
+
+
+def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
+                      repeats: int = 3, hidden_dtype: torch.dtype | None = None
+                      ) -> dict[int, float]:
+    """Milliseconds the host takes for one expert of ``host`` (a layer's store) with ``t``
+    tokens, for each ``t`` of ``tokens``: ``moe_on_host`` as a step runs it, each run on
+    another expert (so its weights come from memory, not the CPU's caches), the median of
+    ``repeats`` rounds over the layer's experts (at most 16 per round)."""
+    import statistics
+    import time
+    store = {name: cpu_view(t) for name, t in host.items()}
+    w13 = store["w13"]
+    experts, width = w13.shape[0], w13.shape[2]
+    dtype = hidden_dtype or (w13.dtype if "w13_scale" not in store else torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    out: dict[int, float] = {}
+    order = torch.randperm(experts, generator=g).tolist()
+    for t in tokens:
+        rows = torch.randn(t, width, generator=g).to(dtype)
+        weights = torch.ones(t, 1)
+        result = torch.empty(t, width)
+        rounds = []
+        for _ in range(repeats):
+            picks = order[:min(16, experts)]
+            order = order[len(picks):] + picks
+            start = time.perf_counter()
+            for e in picks:
+                mine = torch.zeros(experts, dtype=torch.bool)
+                mine[e] = True
+                moe_on_host(rows, w13, store["w2"], weights, torch.full((t, 1), e), mine,
+                            result, store.get("w13_scale"), store.get("w2_scale"))
+            rounds.append(1e3 * (time.perf_counter() - start) / len(picks))
+        out[t] = statistics.median(rounds)
+    return out
+
+
+def measure_handoff_ms(device: torch.device | str, repeats: int = 20) -> float:
+    """Milliseconds a host node with no work adds to a stream (post, the worker's wake-up and
+    its done, the join): timed with CUDA events on a GPU, on the host's clock on the CPU."""
+    import statistics
+    import time
+    node = HostNode(lambda: None, device, "ringflow/experts/host/handoff")
+    try:
+        times = []
+        for _ in range(repeats + 3):
+            if node.device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                node.post()
+                node.join()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                start = time.perf_counter()
+                node.post()
+                node.join()
+                times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times[3:])
+    finally:
+        node.close()

@@ -63,6 +63,7 @@ from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.integrations.torch.expert_lookahead import Lookahead
 from ringflow.integrations.vllm import compat
+from ringflow.integrations.vllm.expert_host import host_shares
 from ringflow.integrations.vllm.expert_kernel import ResidentKernel
 from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator import dumps
@@ -219,7 +220,9 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                caches=([caches[i] for i in sorted(caches)]
                                        if spec.ring_from_slots else None))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
-    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules)
+    on_host, policy = host_shares(spec, caches, modules, vllm_config)
+    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules,
+                      on_host or None, policy)
     for i, experts in modules.items():
         if not compat.shadow(state, _FORWARD, experts, _forward(i, lane)):
             raise UnsupportedModelError(f"experts: layer {i}'s {type(experts).__qualname__}."
@@ -417,6 +420,20 @@ def _dump(lane: ExpertLane, base: str) -> None:
                      "fetch]) then its MoE, in stream order (Note [Expert cache]); the layer "
                      "ring's fills on ringflow's copy stream (Note [Expert layer ring])",
            "layers": layers}
+    if lane.hosts:  # Note [Host experts]: the host nodes of each layer's decode steps
+        policy = lane.host_policy
+        doc["host_share"] = {
+            "shares": {t: round(share, 4) for t, share in policy.shares.items()},
+            "why": policy.why,
+            "nodes": ["stage: the step's rows, choices and the host's experts to pinned memory "
+                      "(device-to-host, vLLM's stream)",
+                      "host node post: cuLaunchHostFunc(sem_post) wakes the layer's worker "
+                      "thread (ringflow/experts/host/L<layer>)",
+                      "the GPU's passes over the slots; meanwhile the worker computes its "
+                      "experts from host memory into pinned float32 rows",
+                      "host node join: cuLaunchHostFunc(sem_wait): the stream waits for the "
+                      "worker",
+                      "sum: the host's rows to the device and into the layer's sum"]}
     try:
         path = dumps.write_json(f"{stem}.experts.json", doc)
     except OutputError as exc:

@@ -254,3 +254,140 @@ def test_a_lane_whose_join_is_dropped_reads_a_poisoned_output_and_fails_the_proo
         gate.set()
         host.node.join()
         lane.close()
+
+
+# the measurement and the model's use of it
+
+def test_host_rates_tool_writes_what_the_model_and_place_experts_read(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from ringflow.cli import main
+    out = tmp_path / "rates.json"
+    run = subprocess.run([sys.executable, "tools/host_rates.py", "--quick", "--threads", "1",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "read GB/s" in run.stdout and "handoff" in run.stdout
+    rates = HostRates.load(out)
+    assert set(rates.expert_ms) == {1, 2, 4, 8, 16} and rates.handoff_ms > 0
+    assert main(["place-experts", "--hit-rate", "0.25", "--host-rates", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "6 misses per layer" in printed and "predicted step, host split" in printed
+
+
+# on a GPU: the host node inside captured graphs (pytest -m cuda)
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    return torch.device("cuda")
+
+
+@pytest.mark.cuda
+def test_a_replayed_graph_runs_the_host_node_at_every_replay():
+    """D2H of a device tensor, the host doubles it, H2D back, all captured once and replayed
+    with new inputs: each replay's output is its own input doubled (poisoned before), and the
+    worker ran once per replay, with no Python on the driver's thread."""
+    dev = _gpu()
+    src = torch.zeros(64, device=dev)
+    staged = torch.empty(64).pin_memory()
+    answer = torch.empty(64).pin_memory()
+    out = torch.empty(64, device=dev)
+    node = HostNode(lambda: torch.mul(staged, 2, out=answer), dev, "ringflow/test/host")
+    try:
+        def step():
+            staged.copy_(src, non_blocking=True)
+            node.post()
+            src.add_(0)  # the GPU's own work between the two
+            node.join()
+            out.copy_(answer, non_blocking=True)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # eager once
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        runs = node.runs
+        for i in range(5):
+            values = torch.randn(64, generator=torch.Generator().manual_seed(i))
+            src.copy_(values)
+            out.fill_(float("nan"))
+            answer.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.cpu(), 2 * values)
+        assert node.runs == runs + 5
+    finally:
+        torch.cuda.synchronize()
+        node.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(share):
+    """A lane decode step of 2 tokens with a host share, captured once and replayed with new
+    routings: each replay equals the float64 MoE (slots and the host's output poisoned), and
+    the host computed experts at every replay."""
+    dev = _gpu()
+    w13, w2 = experts()
+    cache = ExpertCache({"w13": w13.pin_memory(), "w2": w2.pin_memory()}, 2 * K, dev)
+    host = HostExperts(cache.host, H, K, 2, dev, torch.float32, layer=0)
+    lane = ExpertLane({0: cache}, {0: TorchCompute()}, hosts={0: host},
+                      host_policy=HostPolicy({1: share, 2: share}, "test"))
+    ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
+    weights_in = torch.zeros(2, K, device=dev)
+    hidden_in = torch.zeros(2, H, device=dev)
+    out = torch.empty(2, H, device=dev)
+
+    def forward():
+        out.copy_(lane.forward(0, hidden_in, weights_in, ids_in))
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ids, w = routing(0, 2)
+            ids_in.copy_(ids)
+            weights_in.copy_(w)
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        runs = host.node.runs
+        g = torch.Generator().manual_seed(4)
+        for s in range(6):
+            ids, w = routing(70 + s, 2)
+            hidden = torch.randn(2, H, generator=g)
+            ids_in.copy_(ids)
+            weights_in.copy_(w)
+            hidden_in.copy_(hidden)
+            out.fill_(float("nan"))
+            host.out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
+                                       rtol=1e-4, atol=1e-4)
+        assert host.node.runs == runs + 6 and int(cache.host_computed) > 0
+    finally:
+        torch.cuda.synchronize()
+        lane.close()
+
+
+def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
+    from ringflow.integrations.vllm.expert_host import host_shares
+    from ringflow.orchestrator.sections import experts_section
+    w13, w2 = experts()
+    cache = ExpertCache({"w13": w13, "w2": w2}, K, "cpu")
+    off = experts_section({"layers": "all"}, None)
+    assert host_shares(off, {0: cache}, {0: object()}, None) == ({}, None)
+    assert "host_share" not in caplog.text  # off by default: nothing to say
+    auto = experts_section({"layers": "all", "host_share": "auto"}, None)
+    with caplog.at_level("INFO", logger="ringflow"):
+        assert host_shares(auto, {0: cache}, {0: object()}, None) == ({}, None)
+    assert "already compute on the CPU" in caplog.text

@@ -33,27 +33,30 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.orchestrator{m}" for m in (
         "", ".vocab", ".budget", ".schema", ".placement", ".sections", ".profile_yaml",
         ".profile", ".dag", ".planner",
-        ".hazards", ".expert_hazards", ".simulate", ".dumps", ".expert_model")], "plan"),
+        ".hazards", ".expert_hazards", ".simulate", ".dumps", ".expert_model", ".host_split")],
+        "plan"),
     # leaves: the gathers and exchanges, and the tests' CPU references
     **dict.fromkeys([f"ringflow.kernels{m}" for m in (
         "", ".row_gather", ".gathers", ".dcp_rows", ".kv_gathers", ".peer_exchange",
-        ".expert_fetch", ".moe")], "kernels"),
+        ".expert_fetch", ".moe", ".host_moe")], "kernels"),
     "ringflow.kernels.reference": "reference",
     # execute: slots, streams, NVTX, executors
     **dict.fromkeys([f"ringflow.graphs{m}" for m in (
         "", ".slots", ".streams", ".nvtx_ranges", ".executor", ".sync", ".eager", ".captured",
-        ".stepped", ".graph_view")], "execute"),
+        ".stepped", ".graph_view", ".host_node")], "execute"),
     # engine-neutral adapters over a layer stack
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
         ".torch.verification", ".torch.chunk_prefetch", ".torch.expert_cache",
-        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_lane")], "adapters"),
+        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_lane",
+        ".torch.host_experts")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
         "", ".surfaces", ".state", ".hooks", ".compat", ".config", ".cache_key", ".frontend",
         ".layers", ".memory", ".metadata", ".graph_mode", ".startup_errors", ".weights",
         ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
-        ".context_hooks", ".context_attach", ".attention", ".expert_kernel", ".experts")],
+        ".context_hooks", ".context_attach", ".attention", ".expert_kernel", ".expert_host",
+        ".experts")],
         "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement

@@ -124,6 +124,28 @@ def mode_cases(mode):
     return cases
 
 
+#: the host share (Note [Host split]): a decode step's misses split between the copy and the
+#: host's CPU, forced (0.5, and 1.0: every miss on the CPU) and chosen from the host's rates
+#: measured at start-up (auto); slots only, so every decode step takes the cache
+HOST_LANES = {
+    "host-half": {"slots": 32, "layer_buffers": 0, "host_share": 0.5},
+    "host-all": {"slots": 32, "layer_buffers": 0, "host_share": 1.0},
+    "host-auto": {"slots": 32, "layer_buffers": 0, "host_share": "auto"},
+}
+#: the CPU computes its experts' rows in bf16 GEMMs summed in float32, and its rows join the
+#: GPU's sum in float32 (one rounding more than the resident layer's): the top-5 logprob gap
+#: to all-resident allowed up to and with the first differing token
+HOST_GAP = 0.1
+
+
+def host_cases(mode):
+    base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True}
+    return [{"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
+             "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
+                                                            if k != "slots"})}
+            for name, section in HOST_LANES.items()]
+
+
 REFUSALS = [
     {"name": "refused/device-memory", "model": MOE, "mode": "eager",
      "engine": {"moe_backend": "triton"}, "additional_config": lane(3)},
@@ -137,6 +159,7 @@ REFUSALS = [
 def runs():
     started = [run(mode_cases(mode), f"experts-{mode}", env=V1) for mode in MODES]
     started += [run(fp8_cases(mode), f"experts-fp8-{mode}", env=V1) for mode in MODES]
+    started += [run(host_cases(mode), f"experts-host-{mode}", env=V1) for mode in MODES]
     started.append(run(REFUSALS, "experts-refusals", env=V1))
     return collect(started)
 
@@ -258,3 +281,34 @@ def test_auto_slots_take_a_share_of_vllms_budget_and_give_the_resident_bits(runs
 def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name, words):
     said = [runs[name].get("error", "")] + runs[name].get("log", [])
     assert any(words in line for line in said), runs[name]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(HOST_LANES))
+def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(runs, mode, name):
+    """A decode step hands its share of each layer's misses to the host's CPU (Note [Host
+    experts]), inside vLLM's FULL decode graphs in the default mode: the tokens and top-5
+    logprobs stay within HOST_GAP of all-resident vLLM (one request at a time, seeded weights
+    of real scale), every layer's host computed experts at every decode step (counted by its
+    worker, so replays count too), and the start-up line says the share and why."""
+    section = HOST_LANES[name]
+    want, got = runs[f"{mode}/resident"], runs[f"{mode}/{name}"]
+    for r in (want, got):
+        assert "error" not in r, r["error"]
+    said = [line for line in got["log"] if line.startswith("experts.host_share")]
+    assert len(said) == 1, got["log"]
+    layers = got["experts"]
+    if name == "host-auto" and "predict no gain" in said[0]:
+        assert all("host" not in layer for layer in layers)  # off, and said why
+        assert got["tokens"] == want["tokens"]
+        return
+    gap, diverged = gap_until_divergence(got, want)
+    assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
+    decode_steps = 4 * 11  # 4 prompts, 12 tokens each: the first from the prefill
+    for layer in layers:
+        host = layer["host"]
+        assert host["runs"] >= decode_steps and host["computed"] >= decode_steps, host
+        assert layer["host_computed"] == host["computed"]
+    if section["host_share"] == 1.0:  # every decode miss on the CPU: more than at half
+        half = runs[f"{mode}/host-half"]["experts"]
+        assert sum(l["host_computed"] for l in layers) > sum(l["host_computed"] for l in half)

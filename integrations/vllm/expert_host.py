@@ -1,0 +1,66 @@
+"""The experts section's host share in vLLM's worker: the host's rates, the share per step size,
+one HostExperts per chosen layer, and the start-up line that says what was decided and why
+(Note [Host split], Note [Host experts])."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.host_experts import (HostExperts, measure_expert_ms,
+                                                      measure_handoff_ms)
+from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
+
+log = logging.getLogger("ringflow")
+
+
+def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object],
+                vllm_config) -> tuple[dict[int, HostExperts], HostPolicy | None]:
+    """The lane's host experts and policy for ``spec.host_share`` (empty and None: off, with
+    the reason logged once where the profile asked for it)."""
+    if spec.host_share == "off":
+        return {}, None
+    first = caches[min(caches)]
+    if first.device.type != "cuda":
+        log.info("experts.host_share: %s asked, but the experts already compute on the CPU "
+                 "(vLLM's CPU build): the host share is off", spec.host_share)
+        return {}, None
+    threads = spec.host_threads or len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != threads:
+        log.info("experts.host_share: torch's CPU threads in this worker set from %d to %d "
+                 "(experts.host_threads)", torch.get_num_threads(), threads)
+        torch.set_num_threads(threads)
+    experts = modules[min(modules)]
+    expert_bytes = first.bytes // first.slots
+    if spec.host_rates:
+        rates = HostRates.load(spec.host_rates)
+    else:
+        rates = HostRates(measure_expert_ms(first.host), expert_bytes,
+                          measure_handoff_ms(first.device), threads,
+                          source=f"measured at start-up on layer {min(caches)}'s experts with "
+                                 f"{threads} threads")
+    forced = spec.host_share if isinstance(spec.host_share, float) else None
+    policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=first.slots,
+                         expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced)
+    if policy.max_tokens == 0:
+        if forced is None:
+            log.info("experts.host_share: auto: the host's rates predict no gain for steps of "
+                     "up to %d tokens (%s; one expert of %d tokens takes %.3f ms on the CPU, "
+                     "the handoff %.3f ms); every miss is copied", spec.host_tokens,
+                     rates.source, 1, rates.cpu_ms(1, expert_bytes), rates.handoff_ms)
+        return {}, None
+    model = getattr(vllm_config, "model_config", None)
+    dtype = getattr(model, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        w13 = first.host["w13"]
+        dtype = w13.dtype if w13.element_size() >= 2 else torch.bfloat16
+    hidden = first.host["w2"].shape[1]
+    hosts = {i: HostExperts(cache.host, hidden, modules[i].top_k, policy.max_tokens,
+                            cache.device, dtype, i) for i, cache in caches.items()}
+    log.info("experts.host_share: steps of up to %d tokens hand part of each layer's misses "
+             "to the host's CPU (%d threads), which computes them inside the step: %s",
+             policy.max_tokens, threads, policy.why)
+    return hosts, policy
