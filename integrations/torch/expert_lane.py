@@ -95,7 +95,7 @@ class ExpertLane:
         self.ahead = dict(lookaheads or {})
         self.behind = {self._layer_of(la.target): la for la in self.ahead.values()}
         self._ranges = {layer: {kind: nvtx_ranges.handle(f"ringflow/experts/{kind}/L{layer}")
-                                for kind in ("fetch", "moe", "lookahead", "layer", "host")}
+                                for kind in ("fetch", "moe", "lookahead", "layer", "stage")}
                         for layer in self.caches}
         self.said_capture = False
         if (hosts is None) != (host_policy is None) or not set(hosts or ()) <= set(caches):
@@ -154,7 +154,7 @@ class ExpertLane:
         for p in range(passes):
             weights, expert_map = nvtx_ranges.call(ranges["fetch"], next, maps)
             if p == 0 and share:
-                nvtx_ranges.call(ranges["host"], host.launch, x, topk_weights, topk_ids,
+                nvtx_ranges.call(ranges["stage"], host.launch, x, topk_weights, topk_ids,
                                  cache.host_mine, cache.trace)
             if p == 0 and ahead is not None:
                 nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())

@@ -149,6 +149,35 @@ def test_a_work_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog)
         node.close()
 
 
+def test_the_host_work_runs_in_its_nvtx_range_on_the_worker_thread(monkeypatch):
+    from ringflow.graphs import nvtx_ranges
+
+    class Recorder:
+        name, pushed = "test", []
+
+        def handle(self, message):
+            return message
+
+        def push(self, h):
+            self.pushed.append((h, threading.get_ident()))
+
+        def pop(self):
+            pass
+
+    monkeypatch.setattr(nvtx_ranges, "backend", Recorder())
+    lane, cache, host, *_ = lane_with_host(slots=2 * K, share=1.0)
+    try:
+        ids, weights = routing(1, 1)
+        lane.forward(0, torch.randn(1, H), weights, ids)
+        pushed = nvtx_ranges.backend.pushed
+        worker = [t for h, t in pushed if h == "ringflow/experts/host/L0"]
+        assert len(worker) == 1 and worker[0] == host.node._thread.ident
+        assert ("ringflow/experts/host/L0", threading.get_ident()) not in pushed
+        assert ("ringflow/experts/stage/L0", threading.get_ident()) in pushed
+    finally:
+        lane.close()
+
+
 # the lane with a host share, against the float64 MoE
 
 def lane_with_host(slots: int, share: float, max_tokens: int = 4, dtype=torch.float32):
