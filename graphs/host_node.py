@@ -104,10 +104,11 @@ class _Semaphore:
 class HostNode:
     """Runs ``work()`` on its own thread between ``post()`` and ``join()`` on ``device``'s
     current stream (Note [Host node]); ``fail()`` marks the work's output bad when it raised.
-    ``name`` names the thread and the NVTX range of each run."""
+    ``name`` names the thread and the NVTX range of each run; ``threads`` (0: torch's
+    default) are torch's CPU threads for the work."""
 
     def __init__(self, work: Callable[[], None], device: torch.device | str, name: str,
-                 fail: Callable[[], None] = lambda: None) -> None:
+                 fail: Callable[[], None] = lambda: None, threads: int = 0) -> None:
         self.device = torch.empty(0, device=device).device if not isinstance(
             device, torch.device) else device
         self.work, self.fail, self.name = work, fail, name
@@ -116,6 +117,7 @@ class HostNode:
         self.runs, self.busy_s = 0, 0.0
         self.error: BaseException | None = None
         self._stopping = False
+        self.threads = threads
         if self.device.type == "cuda":
             addr = ctypes.cast(libc().sem_post, ctypes.c_void_p).value
             self._post_fn = addr
@@ -124,6 +126,8 @@ class HostNode:
         self._thread.start()
 
     def _serve(self) -> None:
+        if self.threads:  # torch's CPU threads are set per thread at its first parallel op
+            torch.set_num_threads(self.threads)
         while True:
             self._go.wait()
             if self._stopping:

@@ -33,15 +33,18 @@ from ringflow.kernels.host_moe import moe_on_host
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
 
-def cpu_view(t: torch.Tensor) -> torch.Tensor:
+def cpu_view(t: torch.Tensor, copy_device: bool = False) -> torch.Tensor:
     """``t`` as a CPU tensor: itself on the CPU; for a CUDA view of pinned host memory, a CPU
-    tensor over the same bytes (the host's address of them)."""
+    tensor over the same bytes (the host's address of them); a tensor in device memory is
+    copied when ``copy_device`` (fp8 scales: a few KiB), else refused."""
     if t.device.type == "cpu":
         return t
     import ctypes
 
     from ringflow import cudart
     if not t.is_contiguous() or not cudart.in_host_memory(t.data_ptr()):
+        if copy_device:
+            return t.detach().cpu()
         raise ConfigError(f"the host computes experts from host memory; a {tuple(t.shape)} "
                           f"tensor on {t.device} is device memory (or not contiguous)")
     nbytes = t.numel() * t.element_size()
@@ -56,10 +59,11 @@ class HostExperts:
 
     def __init__(self, host: Mapping[str, torch.Tensor], hidden: int, top_k: int,
                  max_tokens: int, device: torch.device | str, dtype: torch.dtype,
-                 layer: int) -> None:
+                 layer: int, threads: int = 0) -> None:
         if max_tokens < 1:
             raise ConfigError(f"the host share needs max_tokens >= 1, got {max_tokens}")
-        self.host = {name: cpu_view(t) for name, t in host.items()}
+        self.host = {name: cpu_view(t, copy_device=name.endswith("_scale"))
+                     for name, t in host.items()}
         self.experts = self.host["w13"].shape[0]
         self.device = torch.empty(0, device=device).device
         self.max_tokens, self.layer = max_tokens, layer
@@ -78,7 +82,7 @@ class HostExperts:
         self._out = torch.full((max_tokens, hidden), float("nan"), device=self.device)
         self.computed = 0  # experts the host computed, counted by the worker
         self.node = HostNode(self._work, self.device, f"ringflow/experts/host/L{layer}",
-                             fail=lambda: self.out.fill_(float("nan")))
+                             fail=lambda: self.out.fill_(float("nan")), threads=threads)
         self.stream_name = f"host/L{layer}"
 
     @property

@@ -59,7 +59,7 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
         dtype = w13.dtype if w13.element_size() >= 2 else torch.bfloat16
     hidden = first.host["w2"].shape[1]
     hosts = {i: HostExperts(cache.host, hidden, modules[i].top_k, policy.max_tokens,
-                            cache.device, dtype, i) for i, cache in caches.items()}
+                            cache.device, dtype, i, threads) for i, cache in caches.items()}
     log.info("experts.host_share: steps of up to %d tokens hand part of each layer's misses "
              "to the host's CPU (%d threads), which computes them inside the step: %s",
              policy.max_tokens, threads, policy.why)

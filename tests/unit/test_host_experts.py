@@ -420,3 +420,15 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     with caplog.at_level("INFO", logger="ringflow"):
         assert host_shares(auto, {0: cache}, {0: object()}, None) == ({}, None)
     assert "already compute on the CPU" in caplog.text
+
+
+def test_the_worker_computes_with_the_threads_it_was_given():
+    seen = []
+    node = HostNode(lambda: seen.append(torch.get_num_threads()), "cpu", "ringflow/test/host",
+                    threads=1)
+    try:
+        node.post()
+        node.join()
+        assert seen == [1]
+    finally:
+        node.close()
