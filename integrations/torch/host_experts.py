@@ -52,6 +52,12 @@ def cpu_view(t: torch.Tensor, copy_device: bool = False) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape)
 
 
+def host_store(host: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's host store as the CPU reads it: the weights where they lie, the fp8 scales
+    copied where they are in device memory."""
+    return {name: cpu_view(t, copy_device=name.endswith("_scale")) for name, t in host.items()}
+
+
 class HostExperts:
     """Layer ``layer``'s host share (Note [Host experts]): computes from ``host`` (the cache's
     host store: ``w13``, ``w2`` and, for fp8, their scales) for steps of at most
@@ -62,8 +68,7 @@ class HostExperts:
                  layer: int, threads: int = 0) -> None:
         if max_tokens < 1:
             raise ConfigError(f"the host share needs max_tokens >= 1, got {max_tokens}")
-        self.host = {name: cpu_view(t, copy_device=name.endswith("_scale"))
-                     for name, t in host.items()}
+        self.host = host_store(host)
         self.experts = self.host["w13"].shape[0]
         self.device = torch.empty(0, device=device).device
         self.max_tokens, self.layer = max_tokens, layer
@@ -147,7 +152,7 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
     ``repeats`` rounds over the layer's experts (at most 16 per round)."""
     import statistics
     import time
-    store = {name: cpu_view(t) for name, t in host.items()}
+    store = host_store(host)
     w13 = store["w13"]
     experts, width = w13.shape[0], w13.shape[2]
     dtype = hidden_dtype or (w13.dtype if "w13_scale" not in store else torch.bfloat16)
