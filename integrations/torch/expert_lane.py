@@ -184,8 +184,19 @@ class ExpertLane:
         (one host sync per layer)."""
         ring = self.ring.describe() if self.ring is not None else None
         return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
-                 "ring": ring, **({"host": self.hosts[i].describe()} if i in self.hosts else {})}
+                 "ring": ring, **({"host": self._host_report(i)} if i in self.hosts else {})}
                 for i, cache in self.caches.items()]
+
+    def _host_report(self, layer: int) -> dict:
+        """A layer's host share: what its worker did, and per step size the share and what
+        the model predicted for the CPU's time and the copy's (Note [Host split])."""
+        policy = self.host_policy
+        return {**self.hosts[layer].describe(),
+                "shares": {t: round(share, 4) for t, share in policy.shares.items()},
+                "predicted": {t: {"misses": b.misses, "to_host": b.to_host,
+                                  "cpu_ms": round(b.cpu_ms, 4), "copy_ms": round(b.copy_ms, 4),
+                                  "layer_ms": round(b.ms, 4)}
+                              for t, b in policy.predicted.items()}}
 
     def close(self) -> None:
         """Stop the host shares' workers (when no step or graph will run this lane again)."""

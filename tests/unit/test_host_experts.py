@@ -208,6 +208,9 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
                               cache.slots)
         handed = int(cache.host_computed)
         assert handed == host.computed
+        [row] = lane.report()
+        assert row["host_computed"] == handed and row["host"]["computed"] == handed
+        assert row["host"]["runs"] == (8 if share else 0) and row["host"]["shares"][1] == share
         assert (handed == 0) == (share == 0) and (share < 1 or int(cache.misses) == handed)
     finally:
         lane.close()
