@@ -277,8 +277,10 @@ def _cmd_place(args: argparse.Namespace) -> int:
 def _cmd_place_experts(args: argparse.Namespace) -> int:
     from ringflow.integrations.torch.expert_cache import simulate_hit_rate
     from ringflow.orchestrator.expert_model import predict
+    from ringflow.orchestrator.host_split import HostRates
     if args.slots > args.experts:
         raise ConfigError(f"--slots {args.slots} exceeds --experts {args.experts}")
+    rates = HostRates.load(args.host_rates) if args.host_rates else None
     distinct = None
     if args.hit_rate is None:
         args.hit_rate, distinct = simulate_hit_rate(args.experts, args.top_k, args.slots, args.tokens,
@@ -297,18 +299,17 @@ def _cmd_place_experts(args: argparse.Namespace) -> int:
           f"({step.fetch_ms:.3f} ms)")
     rows = [("predicted step", step.step_ms), ("missed-bytes bound", step.bound_ms),
             ("whole-layer streaming", step.whole_layer_ms), ("all resident", resident)]
-    if args.host_rates:
-        rows.insert(1, _host_split_row(args, step))
+    if rates is not None:
+        rows.insert(1, _host_split_row(args, step, rates))
     for name, ms in rows:
         print(f"  {name}: {ms:.3f} ms ({1e3 * args.tokens / ms:.1f} tok/s)")
     return 0
 
 
-def _host_split_row(args: argparse.Namespace, step) -> tuple[str, float]:
+def _host_split_row(args: argparse.Namespace, step, rates) -> tuple[str, float]:
     """The step with each expert layer's misses split between the copy and the host's CPU
     (Note [Host split]), and a line saying the split."""
-    from ringflow.orchestrator.host_split import HostRates, split
-    rates = HostRates.load(args.host_rates)
+    from ringflow.orchestrator.host_split import split
     expert_bytes = int(args.expert_mib * 2**20)
     best = split(max(0, round(step.misses)), args.tokens * args.top_k / step.distinct,
                  expert_bytes, rates)

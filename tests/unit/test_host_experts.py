@@ -305,6 +305,9 @@ def test_host_rates_tool_writes_what_the_model_and_place_experts_read(tmp_path, 
     assert main(["place-experts", "--hit-rate", "0.25", "--host-rates", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "6 misses per layer" in printed and "predicted step, host split" in printed
+    assert main(["place-experts", "--host-rates", str(tmp_path / "missing.json")]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and "tools/host_rates.py" in refused.err  # before any work
 
 
 # on a GPU: the host node inside captured graphs (pytest -m cuda)
