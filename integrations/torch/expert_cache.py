@@ -212,9 +212,9 @@ class ExpertCache:
             raise KernelError(f"a host share is in (0, 1], got {share}")
         q = round(share * 1024)  # a constant of the step's shape: a replay repeats it
         take = torch.div(miss_count * q + 512, 1024, rounding_mode="floor")
-        tokens = torch.zeros(e + 1, dtype=torch.int64, device=self.device)
-        tokens.index_add_(0, topk_ids.reshape(-1).long().clamp(min=-1) % (e + 1),
-                          torch.ones_like(topk_ids.reshape(-1), dtype=torch.int64))
+        ids = topk_ids.reshape(-1).long()
+        tokens = torch.zeros(e + 1, dtype=torch.int64, device=self.device)  # a -1 on the spare
+        tokens.index_add_(0, torch.where(ids >= 0, ids, e), torch.ones_like(ids))
         order = torch.argsort(torch.where(miss, tokens[:e], _LATEST), stable=True)
         self.host_mine.zero_()
         self.host_mine.index_fill_(0, torch.where(self._experts < take, order, e), True)

@@ -216,6 +216,21 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
         lane.close()
 
 
+def test_the_host_takes_the_misses_with_the_fewest_tokens_and_leaves_hits_alone():
+    w13, w2 = experts()
+    cache = ExpertCache({"w13": w13, "w2": w2}, 2 * K, "cpu")
+    ids = torch.tensor([[5, 1, 2], [5, 1, 3]])  # 5 and 1 have two tokens, 2 and 3 one
+    for _ in cache.serve(ids, 0.5):  # nothing cached: 4 misses, 2 to the host
+        pass
+    assert cache.host_mine[:E].nonzero().flatten().tolist() == [2, 3]
+    assert sorted(cache.holding().values()) == [1, 5]  # only the copied ones are installed
+    ids = torch.tensor([[5, 1, 7], [5, 1, 8]])  # 5 and 1 now hit: the host shares the misses
+    for _ in cache.serve(ids, 1.0):
+        pass
+    assert cache.host_mine[:E].nonzero().flatten().tolist() == [7, 8]
+    assert int(cache.host_computed) == 4 and int(cache.misses) == 6 and int(cache.hits) == 2
+
+
 def test_a_host_share_is_refused_for_steps_of_several_passes():
     lane, cache, host, *_ = lane_with_host(slots=K, share=0.5)
     try:
