@@ -19,6 +19,9 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
+* ``ringflow-host``: the lane with ``host_share: auto``: decode steps of up to 8 tokens hand
+  part of each layer's misses to the host's CPU, the share the host's rates (measured at the
+  engine's start) predict makes the copy and the CPU finish together (Note [Host split]);
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -74,7 +77,7 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots", "ringflow-host-fills")  # the expert lane's variants (worker_report rows)
+LANES = ("ringflow", "ringflow-slots", "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -102,6 +105,8 @@ def configs(layers: int) -> dict[str, dict]:
                                                                  layer_buffers=0)},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
+        "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",
+                                                                host_share="auto")},
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
                      "cpu_offload_gb": math.ceil((layers - device_layers(layers)) * layer_gib)},
         "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
