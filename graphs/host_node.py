@@ -27,6 +27,12 @@ Note [Host node]
     the CPU computes; host functions of other streams wait behind it (nothing else in the
     engine issues them).
 
+    The join has a second form (``join_by="wait_value"``): the worker sets a flag in pinned
+    memory when done, and the stream waits for it with the driver's stream memory operations
+    (``cuStreamWaitValue32``, then ``cuStreamWriteValue32`` resets it), so the driver's
+    host-function thread is never blocked; both values are constants, so a graph replays it.
+    Which is cheaper is measured on the GPU (``tools/host_rates.py``), not assumed.
+
     A work that raises must not leave the stream waiting: the worker posts ``done`` whatever
     happens, marks the output bad (the work's ``fail`` fills it with NaN), logs once, and
     the next ``post()`` from Python raises the error. On the CPU (a device without streams)
@@ -51,6 +57,8 @@ from ringflow.graphs import nvtx_ranges
 log = logging.getLogger("ringflow")
 
 _SEM_BYTES = 64  # sem_t is 32 bytes on 64-bit glibc; room to spare
+JOINS = ("host_function", "wait_value")  # how the stream waits for the worker
+_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 _libc = None
 _cuda = None
 
@@ -79,6 +87,11 @@ def _driver() -> ctypes.CDLL:
                               f"{exc}") from exc
         lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.cuLaunchHostFunc.restype = ctypes.c_int
+        for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+            fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            setattr(lib, f"ringflow_{name}", fn)
         _cuda = lib
     return _cuda
 
@@ -108,7 +121,10 @@ class HostNode:
     default) are torch's CPU threads for the work."""
 
     def __init__(self, work: Callable[[], None], device: torch.device | str, name: str,
-                 fail: Callable[[], None] = lambda: None, threads: int = 0) -> None:
+                 fail: Callable[[], None] = lambda: None, threads: int = 0,
+                 join_by: str = "host_function") -> None:
+        if join_by not in JOINS:
+            raise KernelError(f"a host node joins by one of {JOINS}, got {join_by!r}")
         self.device = torch.empty(0, device=device).device if not isinstance(
             device, torch.device) else device
         self.work, self.fail, self.name = work, fail, name
@@ -117,7 +133,11 @@ class HostNode:
         self.runs, self.busy_s = 0, 0.0
         self.error: BaseException | None = None
         self._stopping = False
-        self.threads = threads
+        self.threads, self.join_by = threads, join_by
+        self._flag = None
+        if self.device.type == "cuda" and join_by == "wait_value":
+            self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # the GPU's address
+            self._flag_host = ctypes.c_uint32.from_address(self._flag.data_ptr())  # too (UVA)
         if self.device.type == "cuda":
             addr = ctypes.cast(libc().sem_post, ctypes.c_void_p).value
             self._post_fn = addr
@@ -148,7 +168,10 @@ class HostNode:
             finally:
                 self.busy_s += time.perf_counter() - start
                 self.runs += 1
-                self._done.post()
+                if self._flag is not None:
+                    self._flag_host.value = 1
+                else:
+                    self._done.post()
 
     def _launch(self, fn: int, sem: _Semaphore) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -170,7 +193,17 @@ class HostNode:
 
     def join(self) -> None:
         """On the current stream: what the stream issues next runs after the worker's run."""
-        if self.device.type == "cuda":
+        if self._flag is not None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            address = self._flag.data_ptr()
+            for fn, value, flags in (("ringflow_cuStreamWaitValue32", 1, _WAIT_EQ),
+                                     ("ringflow_cuStreamWriteValue32", 0, 0)):
+                err = getattr(_driver(), fn)(stream, address, value, flags)
+                if err != 0:
+                    raise DeviceError(f"{fn.removeprefix('ringflow_')} failed with CUresult "
+                                      f"{err} for {self.name}; join_by='host_function' needs "
+                                      f"no stream memory operations")
+        elif self.device.type == "cuda":
             self._launch(self._wait_fn, self._done)
         else:
             self._done.wait()
@@ -182,7 +215,7 @@ class HostNode:
             return
         self._stopping = True
         self._go.post()
-        self._done.wait()
+        self._done.wait()  # the worker posts done when it stops, whatever the join
         self._thread.join(timeout=5)
 
     def describe(self) -> dict:

@@ -12,7 +12,7 @@ Note [Host rates]
     * the same two while the copy engines move pinned memory to the GPU at full rate (on a GPU
       machine: the copy and the CPU share the memory bus), and the copy's rate meanwhile;
     * the handoff of a host node (Note [Host node]) that does nothing: eager, and replayed in a
-      CUDA graph.
+      CUDA graph, joined by a host function and by a flag the stream waits on.
 
     Its ``model`` entry (bf16 expert times at the chosen thread count, under copy load where
     measured, and the replayed handoff) is what ``HostRates.load`` reads for ``ringflow
@@ -105,10 +105,10 @@ class CopyLoad:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def replayed_handoff_ms(repeats: int = 50) -> float:
+def replayed_handoff_ms(join_by: str, repeats: int = 50) -> float:
     """A no-op host node's post and join captured in a CUDA graph, replayed: ms per replay."""
     from ringflow.graphs.host_node import HostNode
-    node = HostNode(lambda: None, "cuda", "ringflow/experts/host/handoff")
+    node = HostNode(lambda: None, "cuda", "ringflow/experts/host/handoff", join_by=join_by)
     try:
         stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
         marker = torch.zeros(1, device="cuda")
@@ -190,8 +190,11 @@ def main() -> int:
         loaded["copy_gbps_alone"] = round(alone.gbps, 2)
     handoff = {"eager_ms": round(measure_handoff_ms("cuda" if cuda else "cpu"), 4),
                "where": "cuda stream" if cuda else "cpu only: the semaphores' round trip"}
-    if cuda:
-        handoff["replayed_ms"] = round(replayed_handoff_ms(), 4)
+    if cuda:  # Note [Host node]: the join by a host function, or by a flag the stream waits on
+        handoff["replayed_ms"] = round(replayed_handoff_ms("host_function"), 4)
+        handoff["wait_value_eager_ms"] = round(measure_handoff_ms("cuda",
+                                                                  join_by="wait_value"), 4)
+        handoff["wait_value_replayed_ms"] = round(replayed_handoff_ms("wait_value"), 4)
     model_ms = (loaded or best)["expert_ms_bfloat16"]
     doc = records.record("tools/host_rates.py", host=info, shapes={
         "hidden": args.hidden, "inter": args.inter, "experts": args.experts,

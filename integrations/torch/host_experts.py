@@ -178,12 +178,13 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
     return out
 
 
-def measure_handoff_ms(device: torch.device | str, repeats: int = 20) -> float:
+def measure_handoff_ms(device: torch.device | str, repeats: int = 20,
+                       join_by: str = "host_function") -> float:
     """Milliseconds a host node with no work adds to a stream (post, the worker's wake-up and
     its done, the join): timed with CUDA events on a GPU, on the host's clock on the CPU."""
     import statistics
     import time
-    node = HostNode(lambda: None, device, "ringflow/experts/host/handoff")
+    node = HostNode(lambda: None, device, "ringflow/experts/host/handoff", join_by=join_by)
     try:
         times = []
         for _ in range(repeats + 3):

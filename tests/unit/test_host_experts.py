@@ -334,7 +334,8 @@ def _gpu():
 
 
 @pytest.mark.cuda
-def test_a_replayed_graph_runs_the_host_node_at_every_replay():
+@pytest.mark.parametrize("join_by", ["host_function", "wait_value"])
+def test_a_replayed_graph_runs_the_host_node_at_every_replay(join_by):
     """D2H of a device tensor, the host doubles it, H2D back, all captured once and replayed
     with new inputs: each replay's output is its own input doubled (poisoned before), and the
     worker ran once per replay, with no Python on the driver's thread."""
@@ -343,7 +344,8 @@ def test_a_replayed_graph_runs_the_host_node_at_every_replay():
     staged = torch.empty(64).pin_memory()
     answer = torch.empty(64).pin_memory()
     out = torch.empty(64, device=dev)
-    node = HostNode(lambda: torch.mul(staged, 2, out=answer), dev, "ringflow/test/host")
+    node = HostNode(lambda: torch.mul(staged, 2, out=answer), dev, "ringflow/test/host",
+                    join_by=join_by)
     try:
         def step():
             staged.copy_(src, non_blocking=True)
@@ -441,6 +443,11 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     with caplog.at_level("INFO", logger="ringflow"):
         assert host_shares(auto, {0: cache}, {0: object()}, None) == ({}, None)
     assert "already compute on the CPU" in caplog.text
+
+
+def test_a_host_node_joins_by_a_known_way():
+    with pytest.raises(KernelError, match="joins by one of"):
+        HostNode(lambda: None, "cpu", "ringflow/test/host", join_by="doorbell")
 
 
 def test_the_worker_computes_with_the_threads_it_was_given():
