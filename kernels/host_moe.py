@@ -48,14 +48,17 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 rows.setdefault(e, []).append((t, j))
     if not rows:
         return 0
-    weights = topk_weights.float()
+    weights = topk_weights.tolist()
     linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
     for e, pairs in rows.items():
-        tokens = torch.tensor([t for t, _ in pairs])
-        x = hidden.index_select(0, tokens).to(dtype)
-        h = linear(x, expert_weight(w13, e, w13_scale, dtype)).float()
+        if len(pairs) == 1:  # a decode step's usual case: one token, a view of its row
+            (t, j), = pairs
+            x = hidden[t:t + 1]
+        else:
+            x = hidden.index_select(0, torch.tensor([t for t, _ in pairs]))
+        h = linear(x.to(dtype), expert_weight(w13, e, w13_scale, dtype)).float()
         y = linear((silu(h[:, :inter]) * h[:, inter:]).to(dtype),
-                   expert_weight(w2, e, w2_scale, dtype))
-        scale = weights[tokens, torch.tensor([j for _, j in pairs])].unsqueeze(1)
-        out.index_add_(0, tokens, y.float() * scale)
+                   expert_weight(w2, e, w2_scale, dtype)).float()
+        for row, (t, j) in zip(y, pairs):
+            out[t].add_(row, alpha=weights[t][j])
     return len(rows)
