@@ -213,6 +213,8 @@ class HostNode:
         post this node again."""
         if self._stopping:
             return
+        if self.device.type == "cuda":  # a post still queued on a stream would wake nobody
+            torch.cuda.synchronize(self.device)  # and its join would wait for good
         self._stopping = True
         self._go.post()
         self._done.wait()  # the worker posts done when it stops, whatever the join

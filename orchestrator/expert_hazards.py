@@ -34,6 +34,8 @@ Note [Expert lane hazards]
     * ``cross-stream``: a ``cpu`` happens-after the latest ``stage`` (it reads what was
       staged), and a ``stage`` happens-after every ``cpu`` before it (it rewrites what the
       host may still be reading);
+    * ``stage`` and ``sum`` run on the lane's stream, the one the steps before and after are
+      ordered on (the next step's ``stage`` then follows this step's ``sum``);
     * ``unjoined-host``: the ``sum`` happens-after every ``cpu`` of the step, and a step with
       a ``cpu`` has a ``sum`` after it (a sum before the join reads an output being written;
       the mutant ``host-join-dropped`` of the tests).
@@ -171,8 +173,12 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                                                                else ())])
                 writer[s], readers[s] = i, []
             held.update({s: e for e, s in op.pairs})
+        elif op.kind in ("stage", "sum") and op.stream != lane:
+            raise HazardError("cross-stream", f"{op.kind} {i} runs on stream {op.stream}, not "
+                              f"the lane's ({lane}): the steps before and after order only "
+                              f"the lane's stream", [i])
         elif op.kind == "stage":
-            unordered_host(i, after, [j for j in cpu], "rewrites the host's inputs")
+            unordered_host(i, after, cpu, "rewrites the host's inputs")
             staged = i
         elif op.kind == "sum":
             late = [j for j in cpu if j not in after]

@@ -51,7 +51,7 @@ Note [Expert cache]
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -148,23 +148,28 @@ class ExpertCache:
         host store (Note [Expert cache], step 5)."""
         return tokens <= self.in_place_tokens
 
-    def serve(self, topk_ids: torch.Tensor, host_share: float = 0.0
+    def serve(self, topk_ids: torch.Tensor, host_share: float = 0.0,
+              on_split: Callable[[], None] | None = None
               ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Install the experts ``topk_ids`` [tokens, top_k] needs and yield, per pass, the
         weights to compute it with (``self.weights``, or ``self.host`` for a pass in place) and
         the expert→index map [experts] into them (int64, -1: not in this pass); compute each
         pass before taking the next (Note [Expert cache]).
 
-        With ``host_share`` > 0 (a step of one pass only), that share of the step's misses,
-        those with the fewest tokens, is neither installed nor read: ``host_mine`` [experts]
-        marks them once the first pass is yielded, for the host to compute (Note [Host
-        split] in orchestrator/host_split.py)."""
+        With ``host_share`` > 0 (a step whose experts fit the slots), that share of the step's
+        misses, those with the fewest tokens, is neither installed nor read: ``host_mine``
+        [experts] marks them, and ``on_split()`` is called then, before the other misses are
+        installed, so the host's work overlaps the copies (Note [Host split] in
+        orchestrator/host_split.py, Note [Host experts])."""
         if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point:
             raise KernelError(f"topk_ids must be [tokens, top_k] integers, got "
                               f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
         if topk_ids.device != self.device:
             raise KernelError(f"topk_ids are on {topk_ids.device}, the cache on {self.device}")
         e, s = self.experts, self.slots
+        if host_share > 0 and self._through_slots(*topk_ids.shape) > 1:
+            raise KernelError(f"a host share needs a step whose experts fit the slots; "
+                              f"{tuple(topk_ids.shape)} choices need more than {s}")
         passes = self.passes(*topk_ids.shape)
         needed = self._chosen(topk_ids)
         if self.whole_in_place and self._through_slots(*topk_ids.shape) > 1:  # step 6
@@ -177,10 +182,9 @@ class ExpertCache:
         self.hits += (needed & cached).sum()
         self.misses += miss_count
         if host_share > 0:
-            if passes > 1:
-                raise KernelError(f"a host share needs a step of one pass; {tuple(topk_ids.shape)}"
-                                  f" choices take {passes} through {s} slots")
             miss, miss_count = self._hand_to_host(topk_ids, miss, miss_count, host_share)
+            if on_split is not None:
+                on_split()
         if self.looked_ahead:  # score the prediction made for this step, then drop it
             self.predictions[:2] += torch.stack([self.predicted.sum(),
                                                  (self.predicted & needed).sum()])

@@ -43,7 +43,8 @@ from ringflow.kernels.moe import moe_from_slots
 
 log = logging.getLogger("ringflow")
 
-#: (x, weights, topk_weights, topk_ids, expert_map or None, last) -> the step's sum when last
+#: (x, weights, topk_weights, topk_ids, expert_map or None, last[, partial]) -> the step's sum
+#: when last; ``partial``: some chosen experts are computed elsewhere (the host's share)
 Compute = Callable[..., "torch.Tensor | None"]
 
 
@@ -56,7 +57,8 @@ class TorchCompute:
 
     def __call__(self, x: torch.Tensor, weights: Mapping[str, torch.Tensor],
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 expert_map: torch.Tensor | None, last: bool = True) -> torch.Tensor | None:
+                 expert_map: torch.Tensor | None, last: bool = True,
+                 partial: bool = False) -> torch.Tensor | None:
         if expert_map is None:  # every expert at its own index
             expert_map = torch.arange(weights["w13"].shape[0], device=x.device)
         part = moe_from_slots(x, weights["w13"], weights["w2"], topk_weights, topk_ids,
@@ -78,7 +80,7 @@ class ExpertLane:
                  ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
                  lookaheads: Mapping[int, Lookahead] | None = None,
                  modules: Mapping[int, object] | None = None,
-                 hosts: Mapping[int, HostExperts] | None = None,
+                 host: HostExperts | None = None,
                  host_policy: HostPolicy | None = None) -> None:
         if set(computes) != set(caches):
             raise ConfigError(f"one compute per cached layer: caches {sorted(caches)}, "
@@ -98,12 +100,14 @@ class ExpertLane:
                                 for kind in ("fetch", "moe", "lookahead", "layer", "stage")}
                         for layer in self.caches}
         self.said_capture = False
-        if (hosts is None) != (host_policy is None) or not set(hosts or ()) <= set(caches):
+        if (host is None) != (host_policy is None) or not set(
+                host.layers if host else ()) <= set(caches):
             raise ConfigError(f"a host share needs host experts of cached layers and a policy: "
-                              f"hosts {sorted(hosts or ())}, caches {sorted(caches)}")
-        self.hosts, self.host_policy = dict(hosts or {}), host_policy
-        if self.hosts:  # their workers hold no reference to the lane: stop them with it
-            weakref.finalize(self, _close_all, list(self.hosts.values()))
+                              f"host layers {list(host.layers) if host else None}, caches "
+                              f"{sorted(caches)}")
+        self.host, self.host_policy = host, host_policy
+        if host is not None:  # its worker holds no reference to the lane: stop it with it
+            weakref.finalize(self, host.close)
         #: the engine's object per layer that this lane serves (vLLM's ``RoutedExperts``), for
         #: whoever must find a layer's lane (a reload); empty outside an engine
         self.modules = dict(modules or {})
@@ -146,21 +150,24 @@ class ExpertLane:
             return out
         cache, ahead = self.caches[layer], self.ahead.get(layer)
         passes = cache.passes(*topk_ids.shape)
-        host = self.hosts.get(layer)
-        share = (self.host_policy.share(x.shape[0])
-                 if host is not None and passes == 1 and x.shape[0] <= host.max_tokens else 0.0)
-        maps = cache.serve(topk_ids, share)
+        host = self.host
+        share = (self.host_policy.share(x.shape[0]) if host is not None and layer in host.layers
+                 and passes == 1 and x.shape[0] <= host.max_tokens else 0.0)
+        on_split = None
+        if share:  # Note [Host experts], steps 1 and 2: before the other misses are installed
+            def on_split():
+                nvtx_ranges.call(ranges["stage"], host.launch, layer, x, topk_weights, topk_ids,
+                                 cache.host_mine, cache.trace)
+        maps = cache.serve(topk_ids, share, on_split)
+        partial = (True,) if share else ()  # some chosen experts are the host's
         out = None
         for p in range(passes):
             weights, expert_map = nvtx_ranges.call(ranges["fetch"], next, maps)
-            if p == 0 and share:
-                nvtx_ranges.call(ranges["stage"], host.launch, x, topk_weights, topk_ids,
-                                 cache.host_mine, cache.trace)
             if p == 0 and ahead is not None:
                 nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
             out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
-                                   expert_map, p == passes - 1)
-        if share:  # Note [Host experts], step 3: the host's rows join the sum
+                                   expert_map, p == passes - 1, *partial)
+        if share:  # step 3: the host's rows join the sum
             out = (out.float() + host.join(x.shape[0], cache.trace)).to(x.dtype)
         return out
 
@@ -170,7 +177,7 @@ class ExpertLane:
         lane was built."""
         return (sum(c.bytes for c in self.caches.values())
                 + (self.ring.bytes if self.ring is not None else 0)
-                + sum(h.bytes for h in self.hosts.values()))
+                + (self.host.bytes if self.host is not None else 0))
 
     def forget(self) -> None:
         """The host copies changed (a reload): no cached expert nor ring fill is current."""
@@ -184,14 +191,15 @@ class ExpertLane:
         (one host sync per layer)."""
         ring = self.ring.describe() if self.ring is not None else None
         return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
-                 "ring": ring, **({"host": self._host_report(i)} if i in self.hosts else {})}
+                 "ring": ring, **({"host": self._host_report(i)} if self.host is not None
+                                  and i in self.host.layers else {})}
                 for i, cache in self.caches.items()]
 
     def _host_report(self, layer: int) -> dict:
         """A layer's host share: what its worker did, and per step size the share and what
         the model predicted for the CPU's time and the copy's (Note [Host split])."""
         policy = self.host_policy
-        return {**self.hosts[layer].describe(),
+        return {**self.host.describe(layer),
                 "shares": {t: round(share, 4) for t, share in policy.shares.items()},
                 "predicted": {t: {"misses": b.misses, "to_host": b.to_host,
                                   "cpu_ms": round(b.cpu_ms, 4), "copy_ms": round(b.copy_ms, 4),
@@ -199,11 +207,6 @@ class ExpertLane:
                               for t, b in policy.predicted.items()}}
 
     def close(self) -> None:
-        """Stop the host shares' workers (when no step or graph will run this lane again)."""
-        for host in self.hosts.values():
-            host.close()
-
-
-def _close_all(hosts: list[HostExperts]) -> None:
-    for host in hosts:
-        host.close()
+        """Stop the host share's worker (when no step or graph will run this lane again)."""
+        if self.host is not None:
+            self.host.close()

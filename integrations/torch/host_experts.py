@@ -1,33 +1,43 @@
-"""HostExperts: one MoE layer's host share of a step, computed on the CPU beside the GPU's own.
+"""HostExperts: the expert lane's host share of a step, computed on the CPU beside the GPU's own.
 
 Note [Host experts]
-    A decode step hands part of a layer's misses to the host (Note [Host split]); per step, on
-    the layer's stream (``launch`` then ``join``):
+    A decode step hands part of each chosen layer's misses to the host (Note [Host split]);
+    per layer, on the layer's stream (``launch`` then ``join``):
 
-    1. ``stage``: the step's token count, rows, choices, router weights and the experts marked
-       for the host (``ExpertCache.host_mine``) are copied into pinned buffers sized for
-       ``max_tokens`` tokens (a small device-to-host copy, stream-ordered);
+    1. ``stage``: the step's token count and layer, rows, choices, router weights and the
+       experts marked for the host (``ExpertCache.host_mine``) are copied into pinned buffers
+       sized for ``max_tokens`` tokens (small device-to-host copies, stream-ordered). The
+       cache marks them before it installs the step's other misses, so staging and the
+       host's work overlap the copies, not just the GPU's MoE;
     2. the host node is posted (Note [Host node]); its worker computes the marked experts'
-       rows from the host store with ``kernels/host_moe.moe_on_host`` into a pinned float32
-       output, while the stream goes on with the GPU's passes over the slots;
+       rows from that layer's host store with ``kernels/host_moe.moe_on_host`` into a pinned
+       float32 output, while the stream goes on with the installs and the GPU's pass;
     3. ``join``: the stream waits for the worker, copies the output to the device and the
        lane adds it to the GPU's sum (``sum``), in float32, cast once.
 
-    The token count travels with the rows (a fill of the step's count, a constant of its
-    shape, so a replayed graph stages its own), and the worker computes only those rows. The
-    output buffers are the host's alone between ``launch`` and ``join``: a step's ``stage``
-    follows the previous step's ``join`` on the same stream. The host store is read where it
-    lies: pinned host tensors, or the host memory behind a CUDA view of pinned memory (vLLM's
-    UVA offloader), which the CPU reads at the same address.
+    One worker and one set of buffers serve every chosen layer: the layers run one after
+    another on one stream, so a layer's ``stage`` follows the previous layer's ``join``, and
+    one thread keeps its CPU thread pool warm from layer to layer. The token count and the
+    layer travel with the rows (copied from a device table of both, a fixed address per step
+    shape and layer, so a replayed graph stages its own), and the worker computes only those
+    rows, from that layer's store. The host store is read where it lies: pinned host tensors,
+    or the host memory behind a CUDA view of pinned memory (vLLM's UVA offloader), which the
+    CPU reads at the same address.
+
+    A worker that raises logs once, marks its output NaN and makes the next eager step raise
+    (Note [Host node]); under a replayed CUDA graph no Python runs to raise, so the rows it
+    returns are NaN and the report names the error.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
 
 from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.host_node import HostNode
 from ringflow.kernels.host_moe import moe_on_host
 from ringflow.orchestrator.expert_hazards import ExpertOp
@@ -59,19 +69,26 @@ def host_store(host: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class HostExperts:
-    """Layer ``layer``'s host share (Note [Host experts]): computes from ``host`` (the cache's
-    host store: ``w13``, ``w2`` and, for fp8, their scales) for steps of at most
-    ``max_tokens`` tokens of ``hidden`` columns, ``top_k`` choices each, on ``device``."""
+    """The lane's host share (Note [Host experts]): computes, for each chosen layer of
+    ``stores`` (layer → its cache's host store: ``w13``, ``w2`` and, for fp8, their scales),
+    steps of at most ``max_tokens`` tokens of ``hidden`` columns, ``top_k`` choices each, on
+    ``device``, with ``threads`` CPU threads (0: torch's default)."""
 
-    def __init__(self, host: Mapping[str, torch.Tensor], hidden: int, top_k: int,
-                 max_tokens: int, device: torch.device | str, dtype: torch.dtype,
-                 layer: int, threads: int = 0) -> None:
+    def __init__(self, stores: Mapping[int, Mapping[str, torch.Tensor]], hidden: int,
+                 top_k: int, max_tokens: int, device: torch.device | str, dtype: torch.dtype,
+                 threads: int = 0, join_by: str = "host_function") -> None:
         if max_tokens < 1:
             raise ConfigError(f"the host share needs max_tokens >= 1, got {max_tokens}")
-        self.host = host_store(host)
-        self.experts = self.host["w13"].shape[0]
+        if not stores:
+            raise ConfigError("the host share needs at least one layer's host store")
+        self.stores = {layer: host_store(host) for layer, host in sorted(stores.items())}
+        counts = {layer: s["w13"].shape[0] for layer, s in self.stores.items()}
+        if len(set(counts.values())) != 1:
+            raise ConfigError(f"the host share's layers must have one expert count: {counts}")
+        self.experts = next(iter(counts.values()))
+        self.layers = tuple(self.stores)
         self.device = torch.empty(0, device=device).device
-        self.max_tokens, self.layer = max_tokens, layer
+        self.max_tokens = max_tokens
         pin = self.device.type == "cuda"
 
         def buffer(*shape, dtype=torch.float32):
@@ -81,62 +98,83 @@ class HostExperts:
         self.ids = buffer(max_tokens, top_k, dtype=torch.int64)
         self.weights = buffer(max_tokens, top_k)
         self.mine = buffer(self.experts, dtype=torch.bool)
-        self.count = buffer(1, dtype=torch.int64)
+        self.meta = buffer(2, dtype=torch.int64)  # the step's tokens, its layer
         self.out = buffer(max_tokens, hidden).fill_(float("nan"))
-        self._count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # (tokens, layer) for every step size and layer: one row is staged per step
+        self._metas = torch.tensor([[[t, layer] for t in range(max_tokens + 1)]
+                                    for layer in self.layers], device=self.device)
         self._out = torch.full((max_tokens, hidden), float("nan"), device=self.device)
-        self.computed = 0  # experts the host computed, counted by the worker
-        self.node = HostNode(self._work, self.device, f"ringflow/experts/host/L{layer}",
-                             fail=lambda: self.out.fill_(float("nan")), threads=threads)
-        self.stream_name = f"host/L{layer}"
+        self.computed = dict.fromkeys(self.layers, 0)  # experts computed, by the worker
+        self.runs = dict.fromkeys(self.layers, 0)
+        self.busy_s = dict.fromkeys(self.layers, 0.0)
+        self._ranges = {layer: nvtx_ranges.handle(f"ringflow/experts/host/L{layer}")
+                        for layer in self.layers}
+        self.node = HostNode(self._work, self.device, "ringflow/experts/host",
+                             fail=lambda: self.out.fill_(float("nan")), threads=threads,
+                             join_by=join_by)
+        self.stream_name = "host"
 
     @property
     def bytes(self) -> int:
-        """Device bytes of the output it copies back (the pinned buffers are host memory)."""
-        return self._out.numel() * self._out.element_size()
+        """Device bytes of the output it copies back and its table (the pinned buffers are
+        host memory)."""
+        return sum(t.numel() * t.element_size() for t in (self._out, self._metas))
 
     def _work(self) -> None:
-        t = int(self.count[0])
-        if not 0 <= t <= self.max_tokens:
-            raise KernelError(f"the host was staged {t} tokens; it holds {self.max_tokens}")
-        self.computed += moe_on_host(
-            self.rows[:t], self.host["w13"], self.host["w2"], self.weights[:t], self.ids[:t],
-            self.mine, self.out[:t], self.host.get("w13_scale"), self.host.get("w2_scale"))
+        t, layer = self.meta.tolist()
+        if not 0 <= t <= self.max_tokens or layer not in self.stores:
+            raise KernelError(f"the host was staged {t} tokens of layer {layer}; it holds "
+                              f"{self.max_tokens} tokens of layers {self.layers}")
+        store = self.stores[layer]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.computed[layer] += nvtx_ranges.call(
+                self._ranges[layer], moe_on_host, self.rows[:t], store["w13"], store["w2"],
+                self.weights[:t], self.ids[:t], self.mine, self.out[:t],
+                store.get("w13_scale"), store.get("w2_scale"))
+        self.busy_s[layer] += time.perf_counter() - start
+        self.runs[layer] += 1
 
-    def launch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               mine: torch.Tensor, trace: list | None = None) -> None:
-        """Stage the step and post the host node (steps 1 and 2), on the current stream."""
+    def launch(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, mine: torch.Tensor, trace: list | None = None) -> None:
+        """Stage layer ``layer``'s step and post the host node (steps 1 and 2), on the current
+        stream."""
         t = x.shape[0]
         if t > self.max_tokens:
             raise KernelError(f"a step of {t} tokens is larger than the host share's "
                               f"{self.max_tokens}")
-        self._count.fill_(t)
-        for dst, src in ((self.count, self._count), (self.rows[:t], x),
-                         (self.ids[:t], topk_ids), (self.weights[:t], topk_weights),
-                         (self.mine, mine[:self.experts])):
+        lane = _stream(self.device)
+        for dst, src in ((self.meta, self._metas[self.layers.index(layer), t]),
+                         (self.rows[:t], x), (self.ids[:t], topk_ids),
+                         (self.weights[:t], topk_weights), (self.mine, mine[:self.experts])):
             dst.copy_(src, non_blocking=True)
         if trace is not None:
-            trace.append(ExpertOp("stage", _stream(self.device)))
-            trace.append(ExpertOp("wait", self.stream_name, on=_stream(self.device)))
-            picked = mine[:self.experts].nonzero().flatten().tolist()
-            trace.append(ExpertOp("cpu", self.stream_name, tuple((e, e) for e in picked)))
+            trace.append(ExpertOp("stage", lane))
         self.node.post()
+        if trace is not None:
+            picked = mine[:self.experts].nonzero().flatten().tolist()
+            trace += [ExpertOp("wait", self.stream_name, on=lane),
+                      ExpertOp("cpu", self.stream_name, tuple((e, e) for e in picked))]
 
     def join(self, tokens: int, trace: list | None = None) -> torch.Tensor:
         """The host's rows [tokens, hidden] in float32 on the device, read after the worker
         finished (step 3), on the current stream."""
         self.node.join()
         if trace is not None:
-            trace.append(ExpertOp("wait", _stream(self.device), on=self.stream_name))
-            trace.append(ExpertOp("sum", _stream(self.device)))
+            lane = _stream(self.device)
+            trace += [ExpertOp("wait", lane, on=self.stream_name), ExpertOp("sum", lane)]
         return self._out[:tokens].copy_(self.out[:tokens], non_blocking=True)
 
     def close(self) -> None:
         self.node.close()
 
-    def describe(self) -> dict:
-        return {"max_tokens": self.max_tokens, "computed": self.computed,
-                **self.node.describe()}
+    def describe(self, layer: int) -> dict:
+        """Layer ``layer``'s share of the host's work: its runs, experts and time."""
+        runs, busy = self.runs[layer], self.busy_s[layer]
+        return {"max_tokens": self.max_tokens, "computed": self.computed[layer], "runs": runs,
+                "busy_ms": round(1e3 * busy, 3),
+                "mean_ms": round(1e3 * busy / runs, 4) if runs else None,
+                "error": repr(self.node.error) if self.node.error is not None else None}
 
 
 def _stream(device: torch.device) -> object:
@@ -144,14 +182,28 @@ def _stream(device: torch.device) -> object:
 
 
 def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
-                      repeats: int = 3, hidden_dtype: torch.dtype | None = None
-                      ) -> dict[int, float]:
+                      repeats: int = 3, hidden_dtype: torch.dtype | None = None,
+                      threads: int = 0) -> dict[int, float]:
     """Milliseconds the host takes for one expert of ``host`` (a layer's store) with ``t``
     tokens, for each ``t`` of ``tokens``: ``moe_on_host`` as a step runs it, each run on
     another expert (so its weights come from memory, not the CPU's caches), the median of
-    ``repeats`` rounds over the layer's experts (at most 16 per round)."""
+    ``repeats`` rounds over the layer's experts (at most 16 per round). With ``threads``, on
+    a worker thread of its own with that many CPU threads, as the host share runs (the
+    caller's thread keeps its own)."""
+    if threads:
+        result: dict = {}
+        node = HostNode(lambda: result.update(ms=measure_expert_ms(
+            host, tokens, repeats, hidden_dtype)), "cpu", "ringflow/experts/host/measure",
+            threads=threads)
+        try:
+            node.post()
+            node.join()
+        finally:
+            node.close()
+        if node.error is not None:
+            raise node.error
+        return result["ms"]
     import statistics
-    import time
     store = host_store(host)
     w13 = store["w13"]
     experts, width = w13.shape[0], w13.shape[2]
@@ -159,6 +211,7 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
     g = torch.Generator().manual_seed(0)
     out: dict[int, float] = {}
     order = torch.randperm(experts, generator=g).tolist()
+    masks = torch.eye(experts, dtype=torch.bool)
     for t in tokens:
         rows = torch.randn(t, width, generator=g).to(dtype)
         weights = torch.ones(t, 1)
@@ -167,12 +220,11 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
         for _ in range(repeats):
             picks = order[:min(16, experts)]
             order = order[len(picks):] + picks
+            ids = [torch.full((t, 1), e) for e in picks]
             start = time.perf_counter()
-            for e in picks:
-                mine = torch.zeros(experts, dtype=torch.bool)
-                mine[e] = True
-                moe_on_host(rows, w13, store["w2"], weights, torch.full((t, 1), e), mine,
-                            result, store.get("w13_scale"), store.get("w2_scale"))
+            for e, chose in zip(picks, ids):
+                moe_on_host(rows, w13, store["w2"], weights, chose, masks[e], result,
+                            store.get("w13_scale"), store.get("w2_scale"))
             rounds.append(1e3 * (time.perf_counter() - start) / len(picks))
         out[t] = statistics.median(rounds)
     return out
@@ -183,7 +235,6 @@ def measure_handoff_ms(device: torch.device | str, repeats: int = 20,
     """Milliseconds a host node with no work adds to a stream (post, the worker's wake-up and
     its done, the join): timed with CUDA events on a GPU, on the host's clock on the CPU."""
     import statistics
-    import time
     node = HostNode(lambda: None, device, "ringflow/experts/host/handoff", join_by=join_by)
     try:
         times = []

@@ -18,27 +18,23 @@ log = logging.getLogger("ringflow")
 
 
 def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object],
-                vllm_config) -> tuple[dict[int, HostExperts], HostPolicy | None]:
-    """The lane's host experts and policy for ``spec.host_share`` (empty and None: off, with
-    the reason logged once where the profile asked for it)."""
+                vllm_config) -> tuple[HostExperts | None, HostPolicy | None]:
+    """The lane's host share and policy for ``spec.host_share`` (None and None: off, with the
+    reason logged once where the profile asked for it)."""
     if spec.host_share == "off":
-        return {}, None
+        return None, None
     first = caches[min(caches)]
     if first.device.type != "cuda":
         log.info("experts.host_share: %s asked, but the experts already compute on the CPU "
                  "(vLLM's CPU build): the host share is off", spec.host_share)
-        return {}, None
-    threads = spec.host_threads or len(os.sched_getaffinity(0))
-    if torch.get_num_threads() != threads:
-        log.info("experts.host_share: torch's CPU threads in this worker set from %d to %d "
-                 "(experts.host_threads)", torch.get_num_threads(), threads)
-        torch.set_num_threads(threads)
+        return None, None
+    threads = spec.host_threads or _share_of_cpus(vllm_config)
     experts = modules[min(modules)]
     expert_bytes = first.bytes // first.slots
     if spec.host_rates:
         rates = HostRates.load(spec.host_rates)
-    else:
-        rates = HostRates(measure_expert_ms(first.host), expert_bytes,
+    else:  # on a worker thread with the share's threads, as the steps will run
+        rates = HostRates(measure_expert_ms(first.host, threads=threads), expert_bytes,
                           measure_handoff_ms(first.device), threads,
                           source=f"measured at start-up on layer {min(caches)}'s experts with "
                                  f"{threads} threads")
@@ -51,16 +47,26 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
                      "up to %d tokens (%s; one expert of %d tokens takes %.3f ms on the CPU, "
                      "the handoff %.3f ms); every miss is copied", spec.host_tokens,
                      rates.source, 1, rates.cpu_ms(1, expert_bytes), rates.handoff_ms)
-        return {}, None
+        return None, None
     model = getattr(vllm_config, "model_config", None)
     dtype = getattr(model, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         w13 = first.host["w13"]
         dtype = w13.dtype if w13.element_size() >= 2 else torch.bfloat16
     hidden = first.host["w2"].shape[1]
-    hosts = {i: HostExperts(cache.host, hidden, modules[i].top_k, policy.max_tokens,
-                            cache.device, dtype, i, threads) for i, cache in caches.items()}
+    host = HostExperts({i: cache.host for i, cache in caches.items()}, hidden, experts.top_k,
+                       policy.max_tokens, first.device, dtype, threads)
     log.info("experts.host_share: steps of up to %d tokens hand part of each layer's misses "
-             "to the host's CPU (%d threads), which computes them inside the step: %s",
-             policy.max_tokens, threads, policy.why)
-    return hosts, policy
+             "to the host's CPU (one worker, %d threads), which computes them inside the step: "
+             "%s", policy.max_tokens, threads, policy.why)
+    return host, policy
+
+
+def _share_of_cpus(vllm_config) -> int:
+    """The CPUs this worker may run on, divided among the GPU workers of this host (each rank
+    of tensor or pipeline parallelism runs its own host share)."""
+    usable = len(os.sched_getaffinity(0))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    world = getattr(parallel, "world_size", 1) or 1
+    local = max(1, min(world, torch.cuda.device_count() or 1))
+    return max(1, usable // local)

@@ -130,11 +130,15 @@ class ResidentKernel:
 
     def __call__(self, x: torch.Tensor, weights: Mapping[str, torch.Tensor],
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 expert_map: torch.Tensor | None, last: bool = True) -> torch.Tensor | None:
+                 expert_map: torch.Tensor | None, last: bool = True,
+                 partial: bool = False) -> torch.Tensor | None:
         """One pass (the lane's ``Compute``, Note [Expert lane modes]): the rows of the choices
         ``expert_map`` names, with ``weights["w13"]``/``["w2"]`` (None: every expert at its own
         index, the resident layout); the tokens' sums when ``last`` (every earlier pass of the
-        step applied), else None."""
+        step applied), else None. ``partial``: some chosen experts are the host's (Note [Host
+        experts]): the map stays, so the kernel skips their choices through it, and the pass's
+        rows are masked (without a map a choice of -1 is skipped only in the kernel's
+        small-step row assignment)."""
         from vllm.model_executor.layers.fused_moe import override_config
         w13, w2 = weights["w13"], weights["w2"]
         if w13.shape[1:] != self.w13_shape[1:] or w2.shape[1:] != self.w2_shape[1:]:
@@ -142,7 +146,7 @@ class ResidentKernel:
                               f"match the layer's {tuple(self.w13_shape)}/{tuple(self.w2_shape)}")
         impl = self._impl()
         impl.fused_experts.quant_config = self._scaled(weights)
-        if last and self._acc is None and expert_map is not None:
+        if last and self._acc is None and expert_map is not None and not partial:
             # the step's only pass: every choice is in a slot. Name the slots as the choices
             # and pass no map, so the kernel assigns rows as it does for the resident layer
             # a choice of -1 stays -1, as the resident kernel skips it: indexing the map with

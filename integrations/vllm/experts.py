@@ -221,8 +221,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                        if spec.ring_from_slots else None))
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
     on_host, policy = host_shares(spec, caches, modules, vllm_config)
-    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules,
-                      on_host or None, policy)
+    lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules, on_host,
+                      policy)
     for i, experts in modules.items():
         if not compat.shadow(state, _FORWARD, experts, _forward(i, lane)):
             raise UnsupportedModelError(f"experts: layer {i}'s {type(experts).__qualname__}."
@@ -420,17 +420,18 @@ def _dump(lane: ExpertLane, base: str) -> None:
                      "fetch]) then its MoE, in stream order (Note [Expert cache]); the layer "
                      "ring's fills on ringflow's copy stream (Note [Expert layer ring])",
            "layers": layers}
-    if lane.hosts:  # Note [Host experts]: the host nodes of each layer's decode steps
+    if lane.host is not None:  # Note [Host experts]: the host nodes of each decode step
         policy = lane.host_policy
         doc["host_share"] = {
             "shares": {t: round(share, 4) for t, share in policy.shares.items()},
             "why": policy.why,
             "nodes": ["stage: the step's rows, choices and the host's experts to pinned memory "
                       "(device-to-host, vLLM's stream)",
-                      "host node post: cuLaunchHostFunc(sem_post) wakes the layer's worker "
-                      "thread (ringflow/experts/host/L<layer>)",
-                      "the GPU's passes over the slots; meanwhile the worker computes its "
-                      "experts from host memory into pinned float32 rows",
+                      "host node post: cuLaunchHostFunc(sem_post) wakes the lane's worker "
+                      "thread (ringflow/experts/host/L<layer>), before the step's other "
+                      "misses are installed",
+                      "the installs and the GPU's pass over the slots; meanwhile the worker "
+                      "computes its experts from host memory into pinned float32 rows",
                       "host node join: cuLaunchHostFunc(sem_wait): the stream waits for the "
                       "worker",
                       "sum: the host's rows to the device and into the layer's sum"]}

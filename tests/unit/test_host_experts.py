@@ -184,10 +184,10 @@ def lane_with_host(slots: int, share: float, max_tokens: int = 4, dtype=torch.fl
     w13, w2 = experts(dtype=dtype)
     cache = ExpertCache({"w13": w13, "w2": w2}, slots, "cpu")
     cache.trace = []
-    host = HostExperts(cache.host, H, K, max_tokens, "cpu", dtype, layer=0)
+    host = HostExperts({0: cache.host}, H, K, max_tokens, "cpu", dtype)
     host.out.fill_(float("nan"))  # poisoned: the worker writes every row it is asked for
     policy = HostPolicy({t: share for t in range(1, max_tokens + 1)}, "test")
-    lane = ExpertLane({0: cache}, {0: TorchCompute()}, hosts={0: host}, host_policy=policy)
+    lane = ExpertLane({0: cache}, {0: TorchCompute()}, host=host, host_policy=policy)
     return lane, cache, host, w13, w2
 
 
@@ -204,10 +204,13 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
             out = lane.forward(0, hidden, weights, ids)
             torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
                                        rtol=1e-5, atol=1e-5)
-            check_expert_step(held, set(ids.flatten().tolist()), cache.trace[start:],
-                              cache.slots)
+            step = cache.trace[start:]
+            check_expert_step(held, set(ids.flatten().tolist()), step, cache.slots)
+            kinds = [op.kind for op in step]
+            if share:  # staged and posted before the copies, so the host overlaps them
+                assert kinds.index("stage") < kinds.index("install") < kinds.index("sum")
         handed = int(cache.host_computed)
-        assert handed == host.computed
+        assert handed == host.computed[0]
         [row] = lane.report()
         assert row["host_computed"] == handed and row["host"]["computed"] == handed
         assert row["host"]["runs"] == (8 if share else 0) and row["host"]["shares"][1] == share
@@ -235,7 +238,7 @@ def test_a_host_share_is_refused_for_steps_of_several_passes():
     lane, cache, host, *_ = lane_with_host(slots=K, share=0.5)
     try:
         ids, weights = routing(3, 2)  # 6 choices through 3 slots: two passes
-        with pytest.raises(KernelError, match="one pass"):
+        with pytest.raises(KernelError, match="fit the slots"):
             next(cache.serve(ids, 0.5))
         out = lane.forward(0, torch.randn(2, H), weights, ids)  # the lane copies them all
         assert torch.isfinite(out).all() and int(cache.host_computed) == 0
@@ -271,6 +274,9 @@ def test_the_proof_accepts_the_host_protocol_and_refuses_its_mutants():
     restaged = host_step()[:5] + [ExpertOp("stage", "lane")] + host_step()[5:]
     with pytest.raises(HazardError, match="rewrites the host's inputs"):
         check_expert_step({}, {0, 1, 2}, restaged, slots=2)
+    aside = [ExpertOp("sum", "side") if op.kind == "sum" else op for op in host_step()]
+    with pytest.raises(HazardError, match="not the lane's"):  # summed where no step waits
+        check_expert_step({}, {0, 1, 2}, aside, slots=2)
     twice = host_step()[:2] + [ExpertOp("read", "lane", ((1, 0),))]
     with pytest.raises(HazardError):
         check_expert_step({0: 1}, {0, 1, 2}, twice + host_step()[2:], slots=2)
@@ -387,8 +393,8 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
     dev = _gpu()
     w13, w2 = experts()
     cache = ExpertCache({"w13": w13.pin_memory(), "w2": w2.pin_memory()}, 2 * K, dev)
-    host = HostExperts(cache.host, H, K, 2, dev, torch.float32, layer=0)
-    lane = ExpertLane({0: cache}, {0: TorchCompute()}, hosts={0: host},
+    host = HostExperts({0: cache.host}, H, K, 2, dev, torch.float32)
+    lane = ExpertLane({0: cache}, {0: TorchCompute()}, host=host,
                       host_policy=HostPolicy({1: share, 2: share}, "test"))
     ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
     weights_in = torch.zeros(2, K, device=dev)
@@ -411,7 +417,7 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             forward()
-        runs = host.node.runs
+        runs = host.runs[0]
         g = torch.Generator().manual_seed(4)
         for s in range(6):
             ids, w = routing(70 + s, 2)
@@ -425,7 +431,7 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
             torch.cuda.synchronize()
             torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
                                        rtol=1e-4, atol=1e-4)
-        assert host.node.runs == runs + 6 and int(cache.host_computed) > 0
+        assert host.runs[0] == runs + 6 and int(cache.host_computed) > 0
     finally:
         torch.cuda.synchronize()
         lane.close()
@@ -437,11 +443,11 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     w13, w2 = experts()
     cache = ExpertCache({"w13": w13, "w2": w2}, K, "cpu")
     off = experts_section({"layers": "all"}, None)
-    assert host_shares(off, {0: cache}, {0: object()}, None) == ({}, None)
+    assert host_shares(off, {0: cache}, {0: object()}, None) == (None, None)
     assert "host_share" not in caplog.text  # off by default: nothing to say
     auto = experts_section({"layers": "all", "host_share": "auto"}, None)
     with caplog.at_level("INFO", logger="ringflow"):
-        assert host_shares(auto, {0: cache}, {0: object()}, None) == ({}, None)
+        assert host_shares(auto, {0: cache}, {0: object()}, None) == (None, None)
     assert "already compute on the CPU" in caplog.text
 
 
