@@ -319,9 +319,10 @@ FIELDS: dict[str, ProfileField] = {
                                        "host_share: auto; omitted: measured at start-up on the "
                                        "first chosen layer's experts", "str", None,
                                        nullable=True, words="a path to a JSON file"),
-    "experts.host_threads": _integer("CPU threads the host share computes with (torch's CPU "
-                                     "threads in vLLM's worker, which vLLM otherwise sets to "
-                                     "1); 0: the CPUs the worker may run on", 0, 4096, 0),
+    "experts.host_threads": _integer("CPU threads the host share's worker computes with "
+                                     "(its own; vLLM's threads are left as they are); 0: the "
+                                     "CPUs the process may run on, divided among the GPU "
+                                     "workers of the host", 0, 4096, 0),
 }
 
 
