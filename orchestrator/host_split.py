@@ -102,12 +102,15 @@ class Split:
 
 
 def split(misses: int, tokens_per_expert: float, expert_bytes: int,
-          rates: HostRates) -> Split:
+          rates: HostRates, cpu_bytes: int | None = None) -> Split:
     """The ``k`` of ``misses`` the CPU computes that makes the layer wait least (Note [Host
-    split]); ties go to copying (the copied experts stay cached for the next steps)."""
+    split]); ties go to copying (the copied experts stay cached for the next steps). The copy
+    moves ``expert_bytes`` per expert; the CPU's time scales with ``cpu_bytes`` (default the
+    same; fp8 experts against rates measured in bf16: their bf16 size, since the CPU
+    dequantizes them)."""
     if misses < 0:
         raise ConfigError(f"misses must be >= 0, got {misses}")
-    per_expert = rates.cpu_ms(tokens_per_expert, expert_bytes)
+    per_expert = rates.cpu_ms(tokens_per_expert, cpu_bytes or expert_bytes)
     best = None
     for k in range(misses + 1):
         cpu = rates.handoff_ms + k * per_expert if k else 0.0
@@ -148,7 +151,8 @@ class HostPolicy:
 
 
 def host_policy(rates: HostRates, *, experts: int, top_k: int, slots: int, expert_bytes: int,
-                max_tokens: int = 16, forced: float | None = None) -> HostPolicy:
+                max_tokens: int = 16, forced: float | None = None,
+                cpu_bytes: int | None = None) -> HostPolicy:
     """The shares for steps of 1..``max_tokens`` tokens: each step's expected misses (its
     distinct experts under uniform routing, of which a cache of ``slots`` holds ``slots /
     experts``: the hard case) split by :func:`split`; ``forced`` gives every such step that
@@ -164,7 +168,8 @@ def host_policy(rates: HostRates, *, experts: int, top_k: int, slots: int, exper
         if forced is not None:
             shares[t] = forced
             continue
-        best = split(max(1, round(misses)), t * top_k / distinct, expert_bytes, rates)
+        best = split(max(1, round(misses)), t * top_k / distinct, expert_bytes, rates,
+                     cpu_bytes)
         predicted[t] = best
         shares[t] = best.to_host / best.misses if best.ms < best.copy_ms else 0.0
     why = (f"forced to {forced} by the profile" if forced is not None else

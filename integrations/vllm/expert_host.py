@@ -31,8 +31,11 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
     threads = spec.host_threads or _share_of_cpus(vllm_config)
     experts = modules[min(modules)]
     expert_bytes = first.bytes // first.slots
+    cpu_bytes = None
     if spec.host_rates:
         rates = HostRates.load(spec.host_rates)
+        if "w13_scale" in first.host:  # the CPU dequantizes fp8: its time is bf16-sized
+            cpu_bytes = 2 * sum(first.host[n][0].numel() for n in ("w13", "w2"))
     else:  # on a worker thread with the share's threads, as the steps will run
         rates = HostRates(measure_expert_ms(first.host, threads=threads), expert_bytes,
                           measure_handoff_ms(first.device), threads,
@@ -40,7 +43,8 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
                                  f"{threads} threads")
     forced = spec.host_share if isinstance(spec.host_share, float) else None
     policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=first.slots,
-                         expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced)
+                         expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced,
+                         cpu_bytes=cpu_bytes)
     if policy.max_tokens == 0:
         if forced is None:
             log.info("experts.host_share: auto: the host's rates predict no gain for steps of "

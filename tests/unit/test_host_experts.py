@@ -54,6 +54,13 @@ def test_a_fast_host_takes_most_misses_and_a_slow_one_none():
     assert 2 <= even.to_host <= 4 and even.ms < even.copy_ms
 
 
+def test_fp8_experts_copy_their_own_bytes_but_cost_the_cpu_their_bf16_size():
+    r = rates(0.2)
+    fp8 = split(6, 1, QWEN_BYTES // 2, r)  # as if the CPU read only fp8 bytes
+    dequantized = split(6, 1, QWEN_BYTES // 2, r, cpu_bytes=QWEN_BYTES)
+    assert dequantized.copy_ms == fp8.copy_ms and dequantized.to_host < fp8.to_host
+
+
 def test_host_rates_interpolate_by_tokens_scale_by_bytes_and_load_from_json(tmp_path):
     r = rates(0.1)
     assert r.cpu_ms(1) == pytest.approx(0.1) and r.cpu_ms(3) == pytest.approx(0.14)
