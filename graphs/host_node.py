@@ -31,6 +31,8 @@ Note [Host node]
     memory when done, and the stream waits for it with the driver's stream memory operations
     (``cuStreamWaitValue32``, then ``cuStreamWriteValue32`` resets it), so the driver's
     host-function thread is never blocked; both values are constants, so a graph replays it.
+    The worker's plain store of the flag follows its stores of the output in x86's store
+    order; elsewhere (aarch64) only the semaphores' barriers order them, so it is refused.
     Which is cheaper is measured on the GPU (``tools/host_rates.py``), not assumed.
 
     A work that raises must not leave the stream waiting: the worker posts ``done`` whatever
@@ -45,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +128,10 @@ class HostNode:
                  join_by: str = "host_function") -> None:
         if join_by not in JOINS:
             raise KernelError(f"a host node joins by one of {JOINS}, got {join_by!r}")
+        if join_by == "wait_value" and platform.machine() not in ("x86_64", "AMD64"):
+            raise KernelError(f"join_by='wait_value' orders the work's stores before the flag's "
+                              f"by x86's store order; on {platform.machine()} use "
+                              f"'host_function' (sem_post is a full barrier)")
         self.device = torch.empty(0, device=device).device if not isinstance(
             device, torch.device) else device
         self.work, self.fail, self.name = work, fail, name
