@@ -11,6 +11,8 @@ Note [Host rates]
       and AMX are there, is recorded);
     * the same two while the copy engines move pinned memory to the GPU at full rate (on a GPU
       machine: the copy and the CPU share the memory bus), and the copy's rate meanwhile;
+    * the expert on a host node's worker thread, alone and beside a thread busy in Python (as
+      vLLM's scheduler is): the worker takes the GIL between its torch ops;
     * the handoff of a host node (Note [Host node]) that does nothing: eager, and replayed in a
       CUDA graph, joined by a host function and by a flag the stream waits on.
 
@@ -105,6 +107,29 @@ class CopyLoad:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
+class BusyPython:
+    """A thread running Python bytecode (as vLLM's scheduler does between steps) while the
+    host measures: the host's worker then waits for the GIL between its torch ops."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        table: dict[int, int] = {}
+        while not self._stop.is_set():
+            for i in range(1000):
+                table[i] = table.get(i, 0) + 1
+
+    def __enter__(self) -> BusyPython:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def replayed_handoff_ms(join_by: str, repeats: int = 50) -> float:
     """A no-op host node's post and join captured in a CUDA graph, replayed: ms per replay."""
     from ringflow.graphs.host_node import HostNode
@@ -177,6 +202,12 @@ def main() -> int:
         rows.append(row)
     best = min(rows, key=lambda r: r["expert_ms_bfloat16"][1])
     torch.set_num_threads(best["threads"])
+    quiet = measure_expert_ms(stores["bfloat16"], threads=best["threads"])
+    with BusyPython():
+        busy = measure_expert_ms(stores["bfloat16"], threads=best["threads"])
+    beside_python = {"threads": best["threads"],
+                     "worker_ms_quiet": {t: round(ms, 4) for t, ms in quiet.items()},
+                     "worker_ms_busy_python": {t: round(ms, 4) for t, ms in busy.items()}}
     loaded = None
     if cuda:
         with CopyLoad(256) as copy:
@@ -198,7 +229,8 @@ def main() -> int:
     model_ms = (loaded or best)["expert_ms_bfloat16"]
     doc = records.record("tools/host_rates.py", host=info, shapes={
         "hidden": args.hidden, "inter": args.inter, "experts": args.experts,
-        "expert_bytes": expert_bytes}, sweep=rows, under_copy=loaded, handoff=handoff,
+        "expert_bytes": expert_bytes}, sweep=rows, beside_python=beside_python,
+        under_copy=loaded, handoff=handoff,
         model={"expert_ms": model_ms, "expert_bytes": expert_bytes["bfloat16"],
                "handoff_ms": handoff.get("replayed_ms", handoff["eager_ms"]),
                "threads": best["threads"],
@@ -213,6 +245,9 @@ def main() -> int:
         print(f"{r['threads']:>7} {r['read_gbps']:>9} " + " ".join(
             f"{r['expert_ms_bfloat16'][t]:>11}" for t in (1, 4, 16))
             + f" {r['expert_ms_float32'][1]:>11}")
+    print(f"on a worker thread ({best['threads']} threads), bf16 1 token: "
+          f"{beside_python['worker_ms_quiet'][1]} ms, beside a busy Python thread "
+          f"{beside_python['worker_ms_busy_python'][1]} ms")
     if loaded:
         print(f"under copy load ({loaded['threads']} threads): read {loaded['read_gbps']} GB/s, "
               f"bf16 1 token {loaded['expert_ms_bfloat16'][1]} ms; copy "
