@@ -59,11 +59,9 @@ class _HostWords:
     """A pinned host tensor as Triton sees a pointer: its device address and a word dtype."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        from ringflow.cudart import checked, runtime
+        from ringflow.cudart import device_address
         self.dtype = WORD
-        self._ptr = int(checked("cudaHostGetDevicePointer",
-                                runtime().cudaHostGetDevicePointer(t.data_ptr(), 0), KernelError,
-                                "the host experts must be pinned by CUDA (pin_memory())"))
+        self._ptr = device_address(t.data_ptr())
 
     def data_ptr(self) -> int:
         return self._ptr

@@ -1,64 +1,119 @@
 """The host's share of a MoE layer: the chosen experts it was handed, computed on the CPU from the
 host store where they lie (Note [Host split] in orchestrator/host_split.py).
 
-Runs on a host node's worker thread (graphs/host_node.py), never on a CUDA stream: plain torch
-CPU ops, which release the GIL while they compute. Each expert's rows are gathered and computed
-once for all the tokens that chose it (a decode step: one or a few rows), in the weights' dtype
-as the GPU kernel does (bf16 products summed in float32 by the CPU's GEMM, the activation
-rounded to the dtype between the two), and the tokens' weighted rows are summed in float32.
+Written in TorchScript's subset of Python: a host node's worker (graphs/host_node.py) runs it
+without Python's interpreter, so no other thread's Python holds it up (Note [Host node]).
+Each expert's rows are computed once for all the tokens that chose it (a decode step: one or a
+few rows), in the weights' dtype as the GPU kernel does (bf16 products summed in float32 by the
+CPU's GEMM, the activation rounded to the dtype between the two), and the tokens' weighted rows
+are summed in float32.
 """
 
 from __future__ import annotations
 
+from typing import Dict, List, Optional, Tuple
+
 import torch
 
 
-def expert_weight(w: torch.Tensor, e: int, scale: torch.Tensor | None,
+def expert_weight(w: torch.Tensor, e: int, scale: Optional[torch.Tensor],
                   dtype: torch.dtype) -> torch.Tensor:
     """Expert ``e`` of ``w`` in ``dtype``; fp8 weights times their scale (``scale`` [experts]
-    per tensor, or [experts, n/128, k/128] per 128x128 block, Note [fp8 experts])."""
+    or [experts, 1] per tensor, or [experts, n/b, k/b] per block, Note [fp8 experts])."""
     if scale is None:
         return w[e].to(dtype)
     s = scale[e].float()
     if s.dim() == 2:  # one scale per block: spread it over the block's rows and columns
-        n, k = w.shape[1:]
-        s = s.repeat_interleave(-(-n // s.shape[0]), 0)[:n].repeat_interleave(
-            -(-k // s.shape[1]), 1)[:, :k]
+        n, k = w.shape[1], w.shape[2]
+        s = s.repeat_interleave((n + s.shape[0] - 1) // s.shape[0], 0)[:n]
+        s = s.repeat_interleave((k + s.shape[1] - 1) // s.shape[1], 1)[:, :k]
     return (w[e].float() * s).to(dtype)
 
 
 def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, mine: torch.Tensor,
-                out: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> int:
+                out: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
+                w2_scale: Optional[torch.Tensor] = None) -> int:
     """Write into ``out`` [tokens, hidden] (float32) the sum over each token's choices whose
     expert ``mine`` [experts] (bool) marks of ``weight * w2[e] @ (silu(gate) * up)(w13[e] @
     x)``, zeros where a token has none; ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as
-    vLLM lays them out, fp8 ones with their scales (dequantized to bf16 here; the GPU kernel
-    also quantizes the activations, so fp8 agrees within its own rounding). All on the CPU.
-    Returns how many experts it computed."""
+    vLLM lays them out, fp8 ones with their scales (dequantized to ``hidden``'s dtype here;
+    the GPU kernel also quantizes the activations, so fp8 agrees within its own rounding). All
+    on the CPU. Returns how many experts it computed."""
     out.zero_()
     inter = w2.shape[2]
-    dtype = w13.dtype if w13_scale is None else hidden.dtype
-    mine_list = mine.tolist()
-    rows: dict[int, list[tuple[int, int]]] = {}  # expert -> its (token, choice) pairs
-    for t, choices in enumerate(topk_ids.tolist()):
-        for j, e in enumerate(choices):
+    dtype = hidden.dtype if w13_scale is not None else w13.dtype
+    mine_list: List[bool] = mine.tolist()
+    ids: List[List[int]] = topk_ids.tolist()
+    weights: List[List[float]] = topk_weights.float().tolist()
+    rows: Dict[int, List[Tuple[int, int]]] = {}  # expert -> its (token, choice) pairs
+    for t in range(len(ids)):
+        for j in range(len(ids[t])):
+            e = ids[t][j]
             if e >= 0 and mine_list[e]:
-                rows.setdefault(e, []).append((t, j))
-    if not rows:
-        return 0
-    weights = topk_weights.tolist()
-    linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
+                if e not in rows:
+                    empty: List[Tuple[int, int]] = []
+                    rows[e] = empty
+                rows[e].append((t, j))
     for e, pairs in rows.items():
         if len(pairs) == 1:  # a decode step's usual case: one token, a view of its row
-            (t, j), = pairs
-            x = hidden[t:t + 1]
+            x = hidden[pairs[0][0]:pairs[0][0] + 1]
         else:
-            x = hidden.index_select(0, torch.tensor([t for t, _ in pairs]))
-        h = linear(x.to(dtype), expert_weight(w13, e, w13_scale, dtype)).float()
-        y = linear((silu(h[:, :inter]) * h[:, inter:]).to(dtype),
-                   expert_weight(w2, e, w2_scale, dtype)).float()
-        for row, (t, j) in zip(y, pairs):
-            out[t].add_(row, alpha=weights[t][j])
+            x = hidden.index_select(0, torch.tensor([p[0] for p in pairs]))
+        h = torch.nn.functional.linear(x.to(dtype), expert_weight(w13, e, w13_scale, dtype))
+        h = h.float()
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(dtype)
+        y = torch.nn.functional.linear(act, expert_weight(w2, e, w2_scale, dtype)).float()
+        for i in range(len(pairs)):
+            t, j = pairs[i]
+            out[t].add_(y[i], alpha=weights[t][j])
     return len(rows)
+
+
+def serve_experts(flags: torch.Tensor, meta: torch.Tensor, rows: torch.Tensor,
+                  ids: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor,
+                  out: torch.Tensor, w13s: List[torch.Tensor], w2s: List[torch.Tensor],
+                  w13_scales: List[Optional[torch.Tensor]],
+                  w2_scales: List[Optional[torch.Tensor]], counts: torch.Tensor) -> int:
+    """A host node's loop (Note [Host node]) for the expert lane's host share (Note [Host
+    experts]): at each doorbell (``flags[0]`` set), the staged step (``meta``: its tokens and
+    its layer's position) from that layer's store, into ``out``; ``counts[position]`` gains
+    one run and the experts computed; then ``flags[1]`` says done. A negative doorbell ends
+    it. Returns the runs."""
+    runs = 0
+    while True:
+        go = int(flags[0])
+        if go == 0:
+            continue
+        flags[0] = 0
+        if go < 0:
+            break
+        t = min(max(int(meta[0]), 0), rows.shape[0])
+        p = min(max(int(meta[1]), 0), len(w13s) - 1)
+        n = moe_on_host(rows[:t], w13s[p], w2s[p], weights[:t], ids[:t], mine, out[:t],
+                        w13_scales[p], w2_scales[p])
+        counts[p, 0] += 1
+        counts[p, 1] += n
+        runs += 1
+        flags[1] = 1
+    return runs
+
+
+_scripted: dict = {}
+
+
+def scripted(name: str):
+    """``moe_on_host`` or ``serve_experts`` compiled by TorchScript once (about a second).
+
+    TorchScript is deprecated (torch 2.13 warns; ``torch.compile`` and ``torch.export`` do
+    not replace it here: their code runs under the GIL, or has no data-dependent loops). It
+    is what runs a loop of torch ops without Python in torch 2.11 to 2.13 (Note [Host node]);
+    the warning is silenced here, where it is a choice."""
+    if name not in _scripted:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=".*torch.jit.script.*")
+            _scripted[name] = torch.jit.script({"moe_on_host": moe_on_host,
+                                                "serve_experts": serve_experts}[name])
+    return _scripted[name]

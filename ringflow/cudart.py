@@ -43,6 +43,14 @@ def host_address(ptr: int) -> int:
     return int(attrs.hostPointer)
 
 
+def device_address(ptr: int) -> int:
+    """The device's address of pinned host memory at host address ``ptr`` (a pinned CPU
+    tensor's ``data_ptr()``), for the GPU to read or write it."""
+    rt = runtime()
+    return int(checked("cudaHostGetDevicePointer", rt.cudaHostGetDevicePointer(ptr, 0),
+                       KernelError, "the memory must be pinned by CUDA (pin_memory())"))
+
+
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """``cudaMemcpyAsync`` of ``nbytes`` from ``src`` to ``dst`` on ``stream`` (a handle), the
     direction read from the pointers (unified addressing): a copy engine's DMA between device

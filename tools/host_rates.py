@@ -11,10 +11,10 @@ Note [Host rates]
       and AMX are there, is recorded);
     * the same two while the copy engines move pinned memory to the GPU at full rate (on a GPU
       machine: the copy and the CPU share the memory bus), and the copy's rate meanwhile;
-    * the expert on a host node's worker thread, alone and beside a thread busy in Python (as
-      vLLM's scheduler is): the worker takes the GIL between its torch ops;
+    * the expert through the host share's worker, alone and beside a thread busy in Python (as
+      vLLM's scheduler is): the worker runs no Python, so it should not notice;
     * the handoff of a host node (Note [Host node]) that does nothing: eager, and replayed in a
-      CUDA graph, joined by a host function and by a flag the stream waits on.
+      CUDA graph (the doorbell the stream writes, the flag it waits on).
 
     Its ``model`` entry (bf16 expert times at the chosen thread count, under copy load where
     measured, and the replayed handoff) is what ``HostRates.load`` reads for ``ringflow
@@ -107,6 +107,37 @@ class CopyLoad:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
+def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int = 3) -> dict:
+    """One expert through the host share as a GPU step runs it: staged, rung and joined on a
+    CUDA stream (no Python polls), timed with CUDA events; ms per expert."""
+    from ringflow.integrations.torch.host_experts import HostExperts
+    w13 = store["w13"]
+    experts, width = w13.shape[0], w13.shape[2]
+    share = HostExperts({0: store}, width, 1, max(tokens), "cuda", w13.dtype, threads)
+    masks = torch.eye(experts, dtype=torch.bool, device="cuda")
+    out = {}
+    try:
+        for t in tokens:
+            rows = torch.randn(t, width, device="cuda").to(w13.dtype)
+            weights = torch.ones(t, 1, device="cuda")
+            ids = [torch.full((t, 1), e, device="cuda") for e in range(experts)]
+            samples = []
+            for r in range(repeats + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                picks = [(r * 16 + i) % experts for i in range(16)]
+                a.record()
+                for e in picks:
+                    share.launch(0, rows, weights, ids[e], masks[e])
+                    share.join(t)
+                b.record()
+                b.synchronize()
+                samples.append(a.elapsed_time(b) / len(picks))
+            out[t] = round(statistics.median(samples[1:]), 4)
+    finally:
+        share.close()
+    return out
+
+
 class BusyPython:
     """A thread running Python bytecode (as vLLM's scheduler does between steps) while the
     host measures: the host's worker then waits for the GIL between its torch ops."""
@@ -130,35 +161,40 @@ class BusyPython:
         self._thread.join()
 
 
-def replayed_handoff_ms(join_by: str, repeats: int = 50) -> float:
-    """A no-op host node's post and join captured in a CUDA graph, replayed: ms per replay."""
-    from ringflow.graphs.host_node import HostNode
-    node = HostNode(lambda: None, "cuda", "ringflow/experts/host/handoff", join_by=join_by)
+def replayed_handoff_ms(repeats: int = 50) -> float:
+    """A no-op host node's doorbell and wait captured in a CUDA graph, replayed: ms per
+    replay (against a graph without them, measured the same way)."""
+    from ringflow.graphs.host_node import HostNode, idle_loop
+    node = HostNode(idle_loop(), (), "cuda", "ringflow/experts/host/handoff")
     try:
-        stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
         marker = torch.zeros(1, device="cuda")
-        with torch.cuda.stream(stream):
-            marker.add_(1)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, stream=stream):
-                marker.add_(1)
-                node.post()
-                node.join()
-                marker.add_(1)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+        graphs = {}
+        for name, with_node in (("bare", False), ("node", True)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, stream=stream):
+                    marker.add_(1)
+                    if with_node:
+                        node.post()
+                        node.join()
+                    marker.add_(1)
+            graphs[name] = graph
+        times = {}
+        for name, graph in graphs.items():
             graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        if node.runs < repeats + 1:
-            raise RuntimeError(f"the replayed graph ran the host node {node.runs} times for "
-                               f"{repeats + 1} replays")
-        return statistics.median(times)
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(repeats):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                b.synchronize()
+                samples.append(a.elapsed_time(b))
+            times[name] = statistics.median(samples)
+        return times["node"] - times["bare"]
     finally:
         node.close()
 
@@ -198,16 +234,23 @@ def main() -> int:
         row = {"threads": threads, "read_gbps": round(read_gbps(buf, threads, 3), 2)}
         for name, store in stores.items():
             row[f"expert_ms_{name}"] = {t: round(ms, 4) for t, ms in
-                                        measure_expert_ms(store).items()}
+                                        measure_expert_ms(store, threads=threads).items()}
         rows.append(row)
     best = min(rows, key=lambda r: r["expert_ms_bfloat16"][1])
     torch.set_num_threads(best["threads"])
     quiet = measure_expert_ms(stores["bfloat16"], threads=best["threads"])
-    with BusyPython():
+    with BusyPython():  # the worker runs no Python: it should not notice
         busy = measure_expert_ms(stores["bfloat16"], threads=best["threads"])
     beside_python = {"threads": best["threads"],
                      "worker_ms_quiet": {t: round(ms, 4) for t, ms in quiet.items()},
-                     "worker_ms_busy_python": {t: round(ms, 4) for t, ms in busy.items()}}
+                     "worker_ms_busy_python": {t: round(ms, 4) for t, ms in busy.items()},
+                     "note": "worker_ms_*: staged and joined from Python on the CPU (the "
+                             "caller's polls wait for the GIL beside the busy thread)"}
+    if cuda:  # as a GPU step runs it: no Python between the stream and the worker
+        beside_python["stream_ms_quiet"] = stream_expert_ms(stores["bfloat16"], best["threads"])
+        with BusyPython():
+            beside_python["stream_ms_busy_python"] = stream_expert_ms(stores["bfloat16"],
+                                                                      best["threads"])
     loaded = None
     if cuda:
         with CopyLoad(256) as copy:
@@ -220,12 +263,9 @@ def main() -> int:
             time.sleep(1.0)
         loaded["copy_gbps_alone"] = round(alone.gbps, 2)
     handoff = {"eager_ms": round(measure_handoff_ms("cuda" if cuda else "cpu"), 4),
-               "where": "cuda stream" if cuda else "cpu only: the semaphores' round trip"}
-    if cuda:  # Note [Host node]: the join by a host function, or by a flag the stream waits on
-        handoff["replayed_ms"] = round(replayed_handoff_ms("host_function"), 4)
-        handoff["wait_value_eager_ms"] = round(measure_handoff_ms("cuda",
-                                                                  join_by="wait_value"), 4)
-        handoff["wait_value_replayed_ms"] = round(replayed_handoff_ms("wait_value"), 4)
+               "where": "cuda stream" if cuda else "cpu only: Python's writes and polls of the flags"}
+    if cuda:  # Note [Host node]: the doorbell and the wait, inside a replayed graph
+        handoff["replayed_ms"] = round(replayed_handoff_ms(), 4)
     model_ms = (loaded or best)["expert_ms_bfloat16"]
     doc = records.record("tools/host_rates.py", host=info, shapes={
         "hidden": args.hidden, "inter": args.inter, "experts": args.experts,
@@ -245,9 +285,12 @@ def main() -> int:
         print(f"{r['threads']:>7} {r['read_gbps']:>9} " + " ".join(
             f"{r['expert_ms_bfloat16'][t]:>11}" for t in (1, 4, 16))
             + f" {r['expert_ms_float32'][1]:>11}")
-    print(f"on a worker thread ({best['threads']} threads), bf16 1 token: "
+    print(f"through the host share's worker ({best['threads']} threads), bf16 1 token: "
           f"{beside_python['worker_ms_quiet'][1]} ms, beside a busy Python thread "
-          f"{beside_python['worker_ms_busy_python'][1]} ms")
+          f"{beside_python['worker_ms_busy_python'][1]} ms (joined from Python)")
+    if cuda:
+        print(f"  joined on a CUDA stream: {beside_python['stream_ms_quiet'][1]} ms, beside a "
+              f"busy Python thread {beside_python['stream_ms_busy_python'][1]} ms")
     if loaded:
         print(f"under copy load ({loaded['threads']} threads): read {loaded['read_gbps']} GB/s, "
               f"bf16 1 token {loaded['expert_ms_bfloat16'][1]} ms; copy "

@@ -9,15 +9,17 @@ Note [Host experts]
        sized for ``max_tokens`` tokens (small device-to-host copies, stream-ordered). The
        cache marks them before it installs the step's other misses, so staging and the
        host's work overlap the copies, not just the GPU's MoE;
-    2. the host node is posted (Note [Host node]); its worker computes the marked experts'
-       rows from that layer's host store with ``kernels/host_moe.moe_on_host`` into a pinned
-       float32 output, while the stream goes on with the installs and the GPU's pass;
+    2. the stream rings the host node's doorbell (Note [Host node]); its worker (compiled
+       ``kernels/host_moe.serve_experts``) computes the marked experts' rows from that
+       layer's host store into a pinned float32 output, while the stream goes on with the
+       installs and the GPU's pass;
     3. ``join``: the stream waits for the worker, copies the output to the device and the
        lane adds it to the GPU's sum (``sum``), in float32, cast once.
 
     One worker and one set of buffers serve every chosen layer: the layers run one after
     another on one stream, so a layer's ``stage`` follows the previous layer's ``join``, and
-    one thread keeps its CPU thread pool warm from layer to layer. The token count and the
+    one thread keeps its CPU thread pool warm from layer to layer. The worker counts, per
+    layer, its runs and the experts it computed (``counts``), replays included. The token count and the
     layer travel with the rows (copied from a device table of both, a fixed address per step
     shape and layer, so a replayed graph stages its own), and the worker computes only those
     rows, from that layer's store. The host store is read where it lies: pinned host tensors,
@@ -37,9 +39,8 @@ from collections.abc import Mapping
 import torch
 
 from ringflow.errors import ConfigError, KernelError
-from ringflow.graphs import nvtx_ranges
-from ringflow.graphs.host_node import HostNode
-from ringflow.kernels.host_moe import moe_on_host
+from ringflow.graphs.host_node import HostNode, idle_loop
+from ringflow.kernels.host_moe import scripted
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
 
@@ -76,7 +77,7 @@ class HostExperts:
 
     def __init__(self, stores: Mapping[int, Mapping[str, torch.Tensor]], hidden: int,
                  top_k: int, max_tokens: int, device: torch.device | str, dtype: torch.dtype,
-                 threads: int = 0, join_by: str = "host_function") -> None:
+                 threads: int = 0) -> None:
         if max_tokens < 1:
             raise ConfigError(f"the host share needs max_tokens >= 1, got {max_tokens}")
         if not stores:
@@ -98,20 +99,22 @@ class HostExperts:
         self.ids = buffer(max_tokens, top_k, dtype=torch.int64)
         self.weights = buffer(max_tokens, top_k)
         self.mine = buffer(self.experts, dtype=torch.bool)
-        self.meta = buffer(2, dtype=torch.int64)  # the step's tokens, its layer
+        self.meta = buffer(2, dtype=torch.int64)  # the step's tokens, its layer's position
         self.out = buffer(max_tokens, hidden).fill_(float("nan"))
-        # (tokens, layer) for every step size and layer: one row is staged per step
-        self._metas = torch.tensor([[[t, layer] for t in range(max_tokens + 1)]
-                                    for layer in self.layers], device=self.device)
+        # (tokens, position) for every step size and layer: one row is staged per step
+        self._metas = torch.tensor([[[t, p] for t in range(max_tokens + 1)]
+                                    for p in range(len(self.layers))], device=self.device)
         self._out = torch.full((max_tokens, hidden), float("nan"), device=self.device)
-        self.computed = dict.fromkeys(self.layers, 0)  # experts computed, by the worker
-        self.runs = dict.fromkeys(self.layers, 0)
-        self.busy_s = dict.fromkeys(self.layers, 0.0)
-        self._ranges = {layer: nvtx_ranges.handle(f"ringflow/experts/host/L{layer}")
-                        for layer in self.layers}
-        self.node = HostNode(self._work, self.device, "ringflow/experts/host",
-                             fail=lambda: self.out.fill_(float("nan")), threads=threads,
-                             join_by=join_by)
+        self.counts = torch.zeros(len(self.layers), 2, dtype=torch.int64)  # runs, experts
+        stores = list(self.stores.values())
+        self.node = HostNode(
+            scripted("serve_experts"),
+            (self.meta, self.rows, self.ids, self.weights, self.mine, self.out,
+             [s["w13"] for s in stores], [s["w2"] for s in stores],
+             [s.get("w13_scale") for s in stores], [s.get("w2_scale") for s in stores],
+             self.counts),
+            self.device, "ringflow/experts/host", fail=lambda: self.out.fill_(float("nan")),
+            threads=threads)
         self.stream_name = "host"
 
     @property
@@ -120,25 +123,10 @@ class HostExperts:
         host memory)."""
         return sum(t.numel() * t.element_size() for t in (self._out, self._metas))
 
-    def _work(self) -> None:
-        t, layer = self.meta.tolist()
-        if not 0 <= t <= self.max_tokens or layer not in self.stores:
-            raise KernelError(f"the host was staged {t} tokens of layer {layer}; it holds "
-                              f"{self.max_tokens} tokens of layers {self.layers}")
-        store = self.stores[layer]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            self.computed[layer] += nvtx_ranges.call(
-                self._ranges[layer], moe_on_host, self.rows[:t], store["w13"], store["w2"],
-                self.weights[:t], self.ids[:t], self.mine, self.out[:t],
-                store.get("w13_scale"), store.get("w2_scale"))
-        self.busy_s[layer] += time.perf_counter() - start
-        self.runs[layer] += 1
-
     def launch(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, mine: torch.Tensor, trace: list | None = None) -> None:
-        """Stage layer ``layer``'s step and post the host node (steps 1 and 2), on the current
-        stream."""
+        """Stage layer ``layer``'s step and ring the host's doorbell (steps 1 and 2), on the
+        current stream."""
         t = x.shape[0]
         if t > self.max_tokens:
             raise KernelError(f"a step of {t} tokens is larger than the host share's "
@@ -169,11 +157,10 @@ class HostExperts:
         self.node.close()
 
     def describe(self, layer: int) -> dict:
-        """Layer ``layer``'s share of the host's work: its runs, experts and time."""
-        runs, busy = self.runs[layer], self.busy_s[layer]
-        return {"max_tokens": self.max_tokens, "computed": self.computed[layer], "runs": runs,
-                "busy_ms": round(1e3 * busy, 3),
-                "mean_ms": round(1e3 * busy / runs, 4) if runs else None,
+        """Layer ``layer``'s share of the host's work: its runs and the experts it computed
+        (counted by the worker, replays included)."""
+        runs, computed = self.counts[self.layers.index(layer)].tolist()
+        return {"max_tokens": self.max_tokens, "computed": computed, "runs": runs,
                 "error": repr(self.node.error) if self.node.error is not None else None}
 
 
@@ -184,58 +171,48 @@ def _stream(device: torch.device) -> object:
 def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
                       repeats: int = 3, hidden_dtype: torch.dtype | None = None,
                       threads: int = 0) -> dict[int, float]:
-    """Milliseconds the host takes for one expert of ``host`` (a layer's store) with ``t``
-    tokens, for each ``t`` of ``tokens``: ``moe_on_host`` as a step runs it, each run on
-    another expert (so its weights come from memory, not the CPU's caches), the median of
-    ``repeats`` rounds over the layer's experts (at most 16 per round). With ``threads``, on
-    a worker thread of its own with that many CPU threads, as the host share runs (the
-    caller's thread keeps its own)."""
-    if threads:
-        result: dict = {}
-        node = HostNode(lambda: result.update(ms=measure_expert_ms(
-            host, tokens, repeats, hidden_dtype)), "cpu", "ringflow/experts/host/measure",
-            threads=threads)
-        try:
-            node.post()
-            node.join()
-        finally:
-            node.close()
-        if node.error is not None:
-            raise node.error
-        return result["ms"]
+    """Milliseconds the host share takes for one expert of ``host`` (a layer's store) with
+    ``t`` tokens, for each ``t`` of ``tokens``: a step staged, rung and joined through the
+    host share's own worker with ``threads`` CPU threads (0: torch's default), on the CPU's
+    side (so with the handoff's few microseconds of polling), each run on another expert (so
+    its weights come from memory, not the CPU's caches); the median of ``repeats`` rounds
+    over the layer's experts (at most 16 per round)."""
     import statistics
     store = host_store(host)
     w13 = store["w13"]
     experts, width = w13.shape[0], w13.shape[2]
     dtype = hidden_dtype or (w13.dtype if "w13_scale" not in store else torch.bfloat16)
+    share = HostExperts({0: store}, width, 1, max(tokens), "cpu", dtype, threads)
     g = torch.Generator().manual_seed(0)
     out: dict[int, float] = {}
     order = torch.randperm(experts, generator=g).tolist()
     masks = torch.eye(experts, dtype=torch.bool)
-    for t in tokens:
-        rows = torch.randn(t, width, generator=g).to(dtype)
-        weights = torch.ones(t, 1)
-        result = torch.empty(t, width)
-        rounds = []
-        for _ in range(repeats):
-            picks = order[:min(16, experts)]
-            order = order[len(picks):] + picks
-            ids = [torch.full((t, 1), e) for e in picks]
-            start = time.perf_counter()
-            for e, chose in zip(picks, ids):
-                moe_on_host(rows, w13, store["w2"], weights, chose, masks[e], result,
-                            store.get("w13_scale"), store.get("w2_scale"))
-            rounds.append(1e3 * (time.perf_counter() - start) / len(picks))
-        out[t] = statistics.median(rounds)
+    try:
+        for t in tokens:
+            rows = torch.randn(t, width, generator=g).to(dtype)
+            weights = torch.ones(t, 1)
+            rounds = []
+            for _ in range(repeats):
+                picks = order[:min(16, experts)]
+                order = order[len(picks):] + picks
+                ids = [torch.full((t, 1), e) for e in picks]
+                start = time.perf_counter()
+                for e, chose in zip(picks, ids):
+                    share.launch(0, rows, weights, chose, masks[e])
+                    share.join(t)
+                rounds.append(1e3 * (time.perf_counter() - start) / len(picks))
+            out[t] = statistics.median(rounds)
+    finally:
+        share.close()
     return out
 
 
-def measure_handoff_ms(device: torch.device | str, repeats: int = 20,
-                       join_by: str = "host_function") -> float:
-    """Milliseconds a host node with no work adds to a stream (post, the worker's wake-up and
-    its done, the join): timed with CUDA events on a GPU, on the host's clock on the CPU."""
+def measure_handoff_ms(device: torch.device | str, repeats: int = 20) -> float:
+    """Milliseconds a host node with no work adds to a stream (the doorbell, the worker's
+    poll and its done, the join): timed with CUDA events on a GPU, on the host's clock on the
+    CPU."""
     import statistics
-    node = HostNode(lambda: None, device, "ringflow/experts/host/handoff", join_by=join_by)
+    node = HostNode(idle_loop(), (), device, "ringflow/experts/host/handoff")
     try:
         times = []
         for _ in range(repeats + 3):

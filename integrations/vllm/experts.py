@@ -427,13 +427,13 @@ def _dump(lane: ExpertLane, base: str) -> None:
             "why": policy.why,
             "nodes": ["stage: the step's rows, choices and the host's experts to pinned memory "
                       "(device-to-host, vLLM's stream)",
-                      "host node post: cuLaunchHostFunc(sem_post) wakes the lane's worker "
-                      "thread (ringflow/experts/host/L<layer>), before the step's other "
+                      "doorbell: cuStreamWriteValue32 wakes the lane's worker (a TorchScript "
+                      "loop on a thread of its own, no Python), before the step's other "
                       "misses are installed",
                       "the installs and the GPU's pass over the slots; meanwhile the worker "
                       "computes its experts from host memory into pinned float32 rows",
-                      "host node join: cuLaunchHostFunc(sem_wait): the stream waits for the "
-                      "worker",
+                      "join: cuStreamWaitValue32: the stream waits for the worker's done "
+                      "flag, then resets it",
                       "sum: the host's rows to the device and into the layer's sum"]}
     try:
         path = dumps.write_json(f"{stem}.experts.json", doc)

@@ -5,7 +5,7 @@ all-copy to all-CPU against the float64 MoE, and the proof with its mutants."""
 from __future__ import annotations
 
 import json
-import threading
+import time
 
 import pytest
 import torch
@@ -124,65 +124,83 @@ def test_the_host_moe_dequantizes_fp8_experts_with_their_scales(blocks):
 
 # the host node (Note [Host node])
 
-def test_the_host_node_runs_its_work_on_its_own_thread_between_post_and_join():
-    seen = []
-    node = HostNode(lambda: seen.append(threading.get_ident()), "cpu", "ringflow/test/host")
+def doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+            runs: torch.Tensor) -> int:
+    """A host node's loop (Note [Host node]'s protocol): ``dst = 2 * src`` at each doorbell."""
+    n = 0
+    while True:
+        go = int(flags[0])
+        if go == 0:
+            continue
+        flags[0] = 0
+        if go < 0:
+            break
+        torch.mul(src, 2, out=dst)
+        runs += 1
+        n += 1
+        flags[1] = 1
+    return n
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_the_host_node_runs_its_loop_without_python_between_post_and_join():
+    """The compiled loop on a thread of its own: each post and join computes the staged
+    input once (output poisoned before), and while it polls, Python's other threads run (it
+    holds no GIL)."""
+    src, dst, runs = torch.zeros(8), torch.empty(8), torch.zeros((), dtype=torch.int64)
+    node = HostNode(torch.jit.script(doubler), (src, dst, runs), "cpu", "ringflow/test/host")
     try:
-        for _ in range(3):
+        for i in range(4):
+            src.copy_(torch.arange(8.0) + i)
+            dst.fill_(float("nan"))
             node.post()
             node.join()
-        assert len(seen) == 3 and threading.get_ident() not in seen
-        assert node.describe()["runs"] == 3
+            assert torch.equal(dst, 2 * (torch.arange(8.0) + i))
+        assert int(runs) == 4
+        start, spins = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.1:  # the worker polls meanwhile
+            spins += 1
+        assert spins > 10_000
     finally:
         node.close()
+    assert not node._thread.is_alive()
     with pytest.raises(KernelError, match="closed"):
         node.post()
 
 
-def test_a_work_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog):
-    out = torch.zeros(2)
+def test_a_loop_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog):
+    src, dst, runs = torch.zeros(8), torch.zeros(8), torch.zeros((), dtype=torch.int64)
 
-    def work():
+    def broken(flags, src, dst, runs):  # the doorbell taken, then the work fails
+        while int(flags[0]) == 0:
+            time.sleep(0)
+        flags[0] = 0
         raise RuntimeError("boom")
 
-    node = HostNode(work, "cpu", "ringflow/test/host", fail=lambda: out.fill_(float("nan")))
+    node = HostNode(broken, (src, dst, runs), "cpu", "ringflow/test/host",
+                    fail=lambda: dst.fill_(float("nan")))
     try:
         node.post()
-        node.join()  # does not hang: the worker posts done whatever happens
-        assert out.isnan().all() and "boom" in caplog.text
+        node.join()  # does not hang: the failed run still says done
+        assert dst.isnan().all() and "boom" in caplog.text
         with pytest.raises(KernelError, match="raised on the host"):
             node.post()
     finally:
-        node.close()
+        node._stopping = True  # the loop is waiting again: let it go
+        node.flags[0] = -1
 
 
-def test_the_host_work_runs_in_its_nvtx_range_on_the_worker_thread(monkeypatch):
-    from ringflow.graphs import nvtx_ranges
+def test_the_worker_computes_with_the_threads_it_was_given():
+    seen = []
 
-    class Recorder:
-        name, pushed = "test", []
+    def record(flags):
+        seen.append(torch.get_num_threads())
+        while int(flags[0]) >= 0:
+            time.sleep(0)
 
-        def handle(self, message):
-            return message
-
-        def push(self, h):
-            self.pushed.append((h, threading.get_ident()))
-
-        def pop(self):
-            pass
-
-    monkeypatch.setattr(nvtx_ranges, "backend", Recorder())
-    lane, cache, host, *_ = lane_with_host(slots=2 * K, share=1.0)
-    try:
-        ids, weights = routing(1, 1)
-        lane.forward(0, torch.randn(1, H), weights, ids)
-        pushed = nvtx_ranges.backend.pushed
-        worker = [t for h, t in pushed if h == "ringflow/experts/host/L0"]
-        assert len(worker) == 1 and worker[0] == host.node._thread.ident
-        assert ("ringflow/experts/host/L0", threading.get_ident()) not in pushed
-        assert ("ringflow/experts/stage/L0", threading.get_ident()) in pushed
-    finally:
-        lane.close()
+    node = HostNode(record, (), "cpu", "ringflow/test/host", threads=1)
+    node.close()
+    assert seen == [1]
 
 
 # the lane with a host share, against the float64 MoE
@@ -217,7 +235,7 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
             if share:  # staged and posted before the copies, so the host overlaps them
                 assert kinds.index("stage") < kinds.index("install") < kinds.index("sum")
         handed = int(cache.host_computed)
-        assert handed == host.computed[0]
+        assert handed == host.describe(0)["computed"]
         [row] = lane.report()
         assert row["host_computed"] == handed and row["host"]["computed"] == handed
         assert row["host"]["runs"] == (8 if share else 0) and row["host"]["shares"][1] == share
@@ -293,15 +311,17 @@ def test_a_lane_whose_join_is_dropped_reads_a_poisoned_output_and_fails_the_proo
     """The mutant ``host-join-dropped`` at run time: the host's worker is held until the step
     has read its output, which is the poison, and the step's trace fails the proof."""
     lane, cache, host, w13, w2 = lane_with_host(slots=2 * K, share=1.0)
-    gate = threading.Event()
-    work = host.node.work
-    host.node.work = lambda: (gate.wait(5), work())
+    ring = host.node.post
+
+    def held_post():  # the doorbell rings only when the test lets it
+        monkeypatch.setattr(host.node, "pending", True, raising=False)
 
     def join_without_waiting(tokens, trace=None):
         if trace is not None:
             trace.append(ExpertOp("sum", "cpu"))
         return host._out[:tokens].copy_(host.out[:tokens])
 
+    monkeypatch.setattr(host.node, "post", held_post)
     monkeypatch.setattr(host, "join", join_without_waiting)
     try:
         ids, weights = routing(5, 1)
@@ -311,8 +331,8 @@ def test_a_lane_whose_join_is_dropped_reads_a_poisoned_output_and_fails_the_proo
         with pytest.raises(HazardError, match="no join"):
             check_expert_step({}, set(ids.flatten().tolist()), cache.trace, cache.slots)
     finally:
-        gate.set()
-        host.node.join()
+        ring()  # let the held step run, and wait for it before closing
+        HostNode.join(host.node)
         lane.close()
 
 
@@ -347,18 +367,18 @@ def _gpu():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("join_by", ["host_function", "wait_value"])
-def test_a_replayed_graph_runs_the_host_node_at_every_replay(join_by):
-    """D2H of a device tensor, the host doubles it, H2D back, all captured once and replayed
-    with new inputs: each replay's output is its own input doubled (poisoned before), and the
-    worker ran once per replay, with no Python on the driver's thread."""
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_replayed_graph_rings_the_host_node_at_every_replay():
+    """D2H of a device tensor, the host doubles it, H2D back, all captured once (the doorbell
+    and the wait as memory-operation nodes) and replayed with new inputs: each replay's
+    output is its own input doubled (poisoned before), and the worker ran once per replay."""
     dev = _gpu()
     src = torch.zeros(64, device=dev)
     staged = torch.empty(64).pin_memory()
     answer = torch.empty(64).pin_memory()
     out = torch.empty(64, device=dev)
-    node = HostNode(lambda: torch.mul(staged, 2, out=answer), dev, "ringflow/test/host",
-                    join_by=join_by)
+    runs = torch.zeros((), dtype=torch.int64)
+    node = HostNode(torch.jit.script(doubler), (staged, answer, runs), dev, "ringflow/test/host")
     try:
         def step():
             staged.copy_(src, non_blocking=True)
@@ -376,7 +396,7 @@ def test_a_replayed_graph_runs_the_host_node_at_every_replay(join_by):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        runs = node.runs
+        before = int(runs)
         for i in range(5):
             values = torch.randn(64, generator=torch.Generator().manual_seed(i))
             src.copy_(values)
@@ -385,7 +405,7 @@ def test_a_replayed_graph_runs_the_host_node_at_every_replay(join_by):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out.cpu(), 2 * values)
-        assert node.runs == runs + 5
+        assert int(runs) == before + 5
     finally:
         torch.cuda.synchronize()
         node.close()
@@ -424,7 +444,7 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             forward()
-        runs = host.runs[0]
+        runs = host.describe(0)["runs"]
         g = torch.Generator().manual_seed(4)
         for s in range(6):
             ids, w = routing(70 + s, 2)
@@ -438,7 +458,7 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
             torch.cuda.synchronize()
             torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
                                        rtol=1e-4, atol=1e-4)
-        assert host.runs[0] == runs + 6 and int(cache.host_computed) > 0
+        assert host.describe(0)["runs"] == runs + 6 and int(cache.host_computed) > 0
     finally:
         torch.cuda.synchronize()
         lane.close()
@@ -456,20 +476,3 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     with caplog.at_level("INFO", logger="ringflow"):
         assert host_shares(auto, {0: cache}, {0: object()}, None) == (None, None)
     assert "already compute on the CPU" in caplog.text
-
-
-def test_a_host_node_joins_by_a_known_way():
-    with pytest.raises(KernelError, match="joins by one of"):
-        HostNode(lambda: None, "cpu", "ringflow/test/host", join_by="doorbell")
-
-
-def test_the_worker_computes_with_the_threads_it_was_given():
-    seen = []
-    node = HostNode(lambda: seen.append(torch.get_num_threads()), "cpu", "ringflow/test/host",
-                    threads=1)
-    try:
-        node.post()
-        node.join()
-        assert seen == [1]
-    finally:
-        node.close()
