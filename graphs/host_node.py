@@ -18,14 +18,17 @@ Note [Host node]
     captured graph replays the node as it is (memory-operation nodes), each replay waking the
     worker once.
 
-    **Why the worker is TorchScript, not Python.** A Python thread computing with torch's CPU
-    ops takes the GIL between every two ops. Beside a thread that runs Python (vLLM's
-    scheduler and model runner, which prepare the next step while the GPU runs this one) it
+    **Why the worker is one TorchScript call, not Python.** A Python thread computing with
+    torch's CPU ops takes the GIL between every two ops. Beside a thread that runs Python
+    (vLLM's scheduler and model runner prepare the next step while the GPU runs this one) it
     waits up to the interpreter's switch interval (5 ms) at every op: on this project's CPU
-    machine 320 small ops took 0.59 ms alone and 370 ms beside a busy Python thread. The
-    worker's loop (``serve``, a TorchScript function polling ``flags``) is entered once from
-    a thread of its own and never returns to Python until it is stopped: TorchScript runs it
-    with the GIL released. It polls, so it keeps one CPU busy while the engine runs. CUDA
+    machine 320 small ops took 0.59 ms alone and 1,696 ms beside a busy Python thread; the
+    same loop compiled by TorchScript and called once took 0.46 ms and 16 ms, the GIL taken
+    only at the call and its return (``tools/host_worker_gil.py``,
+    ``profiles/results/host-worker-gil-cpu.json``). So the worker's loop (``serve``, a
+    TorchScript function polling ``flags``) is entered once from a thread of its own and
+    returns to Python only when it is stopped: no step waits for the GIL. It polls, so it
+    keeps one CPU busy while the engine runs. CUDA
     host functions (``cuLaunchHostFunc``) were the first design: their driver thread must not
     call CUDA and should not take the GIL (cuda-python's own ``cudaLaunchHostFunc`` wraps
     the function in a trampoline that takes the GIL and frees its record after the first
