@@ -35,9 +35,9 @@ Note [Host node]
     call, which a graph would replay), and a worker woken by them still needs Python.
 
     A loop that raises (TorchScript cannot catch) returns to the thread's Python, which logs
-    it once, marks the output bad (``fail``: NaN), sets ``flags[1]`` so the stream does not
-    wait for good, and enters the loop again; the next ``post()`` from Python raises the
-    error. Under a replayed graph no Python runs to raise: that step's rows are NaN. On the
+    it once and from then on answers every doorbell itself with a bad output (``fail``: NaN)
+    and ``flags[1]``, so no stream waits for good; the next ``post()`` from Python raises the
+    error. Under a replayed graph no Python runs to raise: those steps' rows are NaN. On the
     CPU (a device without streams) ``post`` writes the doorbell and ``join`` polls the flag
     from Python: the same worker, under test in CI.
 """
@@ -109,19 +109,30 @@ class HostNode:
     def _run(self) -> None:
         if self.threads:  # torch's CPU threads are per thread: these are this worker's
             torch.set_num_threads(self.threads)
+        try:
+            self.serve(self.flags, *self.args)
+            return
+        except BaseException as exc:  # noqa: BLE001: the stream must not wait for good
+            self.error = exc
+            log.error("%s raised on the host; its output is marked bad (NaN) from now on and "
+                      "the next eager step stops: %r", self.name, exc)
+        self._answer_bad()
+
+    def _answer_bad(self) -> None:
+        """After the loop raised: answer every doorbell with a bad output, so that no stream
+        (a replayed graph included) waits for good, until stopped."""
+        self.fail()
+        self.flags[DONE] = 1  # the run that raised
         while not self._stopping:
-            try:
-                self.serve(self.flags, *self.args)
+            go = int(self.flags[GO])
+            if go == 0:
+                time.sleep(1e-4)
+                continue
+            self.flags[GO] = 0
+            if go < 0:
                 return
-            except BaseException as exc:  # noqa: BLE001: the stream must not wait for good
-                if self.error is None:
-                    log.error("%s raised on the host; its output is marked bad (NaN) and the "
-                              "next eager step stops: %r", self.name, exc)
-                self.error = exc
-                try:
-                    self.fail()
-                finally:
-                    self.flags[DONE] = 1
+            self.fail()
+            self.flags[DONE] = 1
 
     def _memop(self, name: str, offset: int, value: int, flags: int) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream

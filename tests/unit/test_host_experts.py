@@ -185,9 +185,13 @@ def test_a_loop_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog)
         assert dst.isnan().all() and "boom" in caplog.text
         with pytest.raises(KernelError, match="raised on the host"):
             node.post()
+        dst.zero_()
+        node.flags[0] = 1  # a replayed graph's doorbell: answered, bad, without Python's post
+        HostNode.join(node)
+        assert dst.isnan().all()
     finally:
-        node._stopping = True  # the loop is waiting again: let it go
-        node.flags[0] = -1
+        node.close()
+    assert not node._thread.is_alive()
 
 
 def test_the_worker_computes_with_the_threads_it_was_given():
