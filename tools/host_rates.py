@@ -263,7 +263,8 @@ def main() -> int:
             time.sleep(1.0)
         loaded["copy_gbps_alone"] = round(alone.gbps, 2)
     handoff = {"eager_ms": round(measure_handoff_ms("cuda" if cuda else "cpu"), 4),
-               "where": "cuda stream" if cuda else "cpu only: Python's writes and polls of the flags"}
+               "where": ("cuda stream" if cuda
+                         else "cpu only: Python's writes and polls of the flags")}
     if cuda:  # Note [Host node]: the doorbell and the wait, inside a replayed graph
         handoff["replayed_ms"] = round(replayed_handoff_ms(), 4)
     model_ms = (loaded or best)["expert_ms_bfloat16"]

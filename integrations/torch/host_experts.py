@@ -19,16 +19,16 @@ Note [Host experts]
     One worker and one set of buffers serve every chosen layer: the layers run one after
     another on one stream, so a layer's ``stage`` follows the previous layer's ``join``, and
     one thread keeps its CPU thread pool warm from layer to layer. The worker counts, per
-    layer, its runs and the experts it computed (``counts``), replays included. The token count and the
-    layer travel with the rows (copied from a device table of both, a fixed address per step
-    shape and layer, so a replayed graph stages its own), and the worker computes only those
-    rows, from that layer's store. The host store is read where it lies: pinned host tensors,
-    or the host memory behind a CUDA view of pinned memory (vLLM's UVA offloader), which the
-    CPU reads at the same address.
+    layer, its runs and the experts it computed (``counts``), replays included. The token
+    count and the layer travel with the rows (copied from a device table of both, a fixed
+    address per step shape and layer, so a replayed graph stages its own), and the worker
+    computes only those rows, from that layer's store. The host store is read where it lies:
+    pinned host tensors, or the host memory behind a CUDA view of pinned memory (vLLM's UVA
+    offloader), which the CPU reads at the same address.
 
-    A worker that raises logs once, marks its output NaN and makes the next eager step raise
-    (Note [Host node]); under a replayed CUDA graph no Python runs to raise, so the rows it
-    returns are NaN and the report names the error.
+    A worker that raises logs once, marks its outputs NaN from then on and makes the next
+    eager step raise (Note [Host node]); under a replayed CUDA graph no Python runs to raise,
+    so the rows it returns are NaN and the report names the error.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The experts section's host share in vLLM's worker: the host's rates, the share per step size,
-one HostExperts per chosen layer, and the start-up line that says what was decided and why
-(Note [Host split], Note [Host experts])."""
+the lane's HostExperts over the chosen layers, and the start-up line that says what was decided
+and why (Note [Host split], Note [Host experts])."""
 
 from __future__ import annotations
 
