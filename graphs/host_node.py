@@ -180,7 +180,8 @@ class HostNode:
 
 def idle(flags: torch.Tensor) -> int:
     """A host node's loop that does nothing at each doorbell (the handoff alone); the
-    protocol of Note [Host node]."""
+    protocol of Note [Host node], which each loop spells out (TorchScript passes no function
+    to a function: ``kernels/host_moe.serve_experts`` is the other)."""
     runs = 0
     while True:
         go = int(flags[0])

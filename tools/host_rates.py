@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from ringflow.bench import records  # noqa: E402
 from ringflow.integrations.torch.host_experts import (  # noqa: E402
     measure_expert_ms, measure_handoff_ms)
+from ringflow.testing.busy_python import BusyPython  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -136,29 +137,6 @@ def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int 
     finally:
         share.close()
     return out
-
-
-class BusyPython:
-    """A thread running Python bytecode (as vLLM's scheduler does between steps) while the
-    host measures: the host's worker then waits for the GIL between its torch ops."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-
-    def _run(self) -> None:
-        table: dict[int, int] = {}
-        while not self._stop.is_set():
-            for i in range(1000):
-                table[i] = table.get(i, 0) + 1
-
-    def __enter__(self) -> BusyPython:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def replayed_handoff_ms(repeats: int = 50) -> float:

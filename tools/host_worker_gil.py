@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from ringflow.bench import records  # noqa: E402
+from ringflow.testing.busy_python import BusyPython  # noqa: E402
 
 
 def rounds(x: torch.Tensor, ws: list[torch.Tensor], iterations: int) -> torch.Tensor:
@@ -37,29 +38,6 @@ def rounds(x: torch.Tensor, ws: list[torch.Tensor], iterations: int) -> torch.Te
         for w in ws:
             x = torch.nn.functional.linear(x, w).tanh()
     return x
-
-
-class Busy:
-    """A thread running Python bytecode until stopped."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-
-    def _run(self) -> None:
-        table: dict[int, int] = {}
-        while not self._stop.is_set():
-            for i in range(1000):
-                table[i] = table.get(i, 0) + 1
-
-    def __enter__(self) -> Busy:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def on_worker(fn, repeats: int) -> float:
@@ -96,7 +74,7 @@ def main() -> int:
     table = {}
     for name, fn in ways.items():
         alone = on_worker(fn, args.repeats)
-        with Busy():
+        with BusyPython():
             busy = on_worker(fn, args.repeats)
         table[name] = {"alone_ms": round(alone, 3), "beside_busy_python_ms": round(busy, 3),
                        "slowdown": round(busy / alone, 1)}

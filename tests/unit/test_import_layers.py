@@ -61,7 +61,8 @@ LAYERS = {
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement
     **dict.fromkeys([f"ringflow.testing{m}" for m in (
-        "", ".tracing", ".races", ".models", ".spawn", ".dcp", ".tiny_models")], "testing"),
+        "", ".tracing", ".races", ".models", ".spawn", ".dcp", ".tiny_models",
+        ".busy_python")], "testing"),
     **dict.fromkeys([f"ringflow.bench{m}" for m in (
         "", ".names", ".records", ".workload", ".hand_ring", ".timeline", ".scenarios", ".tune",
         ".dcp")],
