@@ -122,6 +122,31 @@ def test_the_host_moe_dequantizes_fp8_experts_with_their_scales(blocks):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
+def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
+    """fp8 experts and their scales through the host share's compiled worker (what a step
+    runs), for several layers' stores: each layer's rows from its own store."""
+    stores = {3: fp8_experts("cpu", blocks), 7: fp8_experts("cpu", not blocks)}
+    host = HostExperts(stores, H, K, 4, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(12)
+    try:
+        for s, layer in enumerate([3, 7, 7, 3]):
+            ids, weights = routing(80 + s, 1 + s)
+            hidden = torch.randn(1 + s, H, generator=g)
+            mine = torch.rand(E + 1, generator=g) < 0.6
+            host.out.fill_(float("nan"))
+            host.launch(layer, hidden, weights, ids, mine)
+            got = host.join(1 + s)
+            store = stores[layer]
+            keep = mine[:E][ids]
+            want = moe_ref(hidden, dequantized(store, "w13"), dequantized(store, "w2"),
+                           torch.where(keep, weights, 0), ids)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert host.describe(3)["runs"] == 2 and host.describe(7)["runs"] == 2
+    finally:
+        host.close()
+
+
 # the host node (Note [Host node])
 
 def doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
