@@ -22,10 +22,10 @@ Note [Host node]
     torch's CPU ops takes the GIL between every two ops. Beside a thread that runs Python
     (vLLM's scheduler and model runner prepare the next step while the GPU runs this one) it
     waits up to the interpreter's switch interval (5 ms) at every op: on this project's CPU
-    machine 320 small ops took 0.59 ms alone and 1,696 ms beside a busy Python thread; the
-    same loop compiled by TorchScript and called once took 0.46 ms and 16 ms, the GIL taken
-    only at the call and its return (``tools/host_worker_gil.py``,
-    ``profiles/results/host-worker-gil-cpu.json``). So the worker's loop (``serve``, a
+    machine 320 small ops took 1.1 ms alone and 2,135 ms beside a busy Python thread (two
+    other runs: 1,696 and 1,993 ms); the same loop compiled by TorchScript and called once
+    took 0.46 ms and 16 ms, the GIL taken only at the call and its return
+    (``tools/host_worker_gil.py``, ``profiles/results/host-worker-gil-cpu.json``). So the worker's loop (``serve``, a
     TorchScript function polling ``flags``) is entered once from a thread of its own and
     returns to Python only when it is stopped: no step waits for the GIL. It polls, so it
     keeps one CPU busy while the engine runs. CUDA
