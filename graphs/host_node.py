@@ -176,35 +176,3 @@ class HostNode:
         self._stopping = True
         self.flags[GO] = -1
         self._thread.join(timeout=5)
-
-
-def idle(flags: torch.Tensor) -> int:
-    """A host node's loop that does nothing at each doorbell (the handoff alone); the
-    protocol of Note [Host node], which each loop spells out (TorchScript passes no function
-    to a function: ``kernels/host_moe.serve_experts`` is the other)."""
-    runs = 0
-    while True:
-        go = int(flags[0])
-        if go == 0:
-            continue
-        flags[0] = 0
-        if go < 0:
-            break
-        runs += 1
-        flags[1] = 1
-    return runs
-
-
-_idle = None
-
-
-def idle_loop():
-    """:func:`idle`, compiled by TorchScript once."""
-    global _idle
-    if _idle is None:
-        import warnings
-        with warnings.catch_warnings():  # deprecated, and chosen: kernels/host_moe.scripted
-            warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                    message=".*torch.jit.script.*")
-            _idle = torch.jit.script(idle)
-    return _idle

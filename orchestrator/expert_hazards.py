@@ -137,20 +137,13 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
     cpu: list[int] = []  # the host's computes so far
     summed: set[int] = set()  # those a sum read after
 
-    def unordered(i: int, after: set[int], s: int, first: list[int]) -> None:
+    def unordered(i: int, after: set[int], first: list[int], what: str,
+                  kind: str = "cross-stream") -> None:
         late = [j for j in first if j not in after]
         if late:
-            raise HazardError("cross-stream", f"operation {i} ({ops[i].kind}, stream "
-                              f"{ops[i].stream}) touches slot {s} with no event after "
-                              f"operation(s) {late} on stream(s) "
+            raise HazardError(kind, f"operation {i} ({ops[i].kind}, stream {ops[i].stream}) "
+                              f"{what} with no event after operation(s) {late} on stream(s) "
                               f"{sorted({str(ops[j].stream) for j in late})}", [*late, i])
-
-    def unordered_host(i: int, after: set[int], first: list[int], what: str) -> None:
-        late = [j for j in first if j not in after]
-        if late:
-            raise HazardError("cross-stream", f"operation {i} ({ops[i].kind}, stream "
-                              f"{ops[i].stream}) {what} with no event after operation(s) "
-                              f"{late}", [*late, i])
 
     for i, op in enumerate(ops):
         after = order.before(i, op)
@@ -169,8 +162,8 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                     raise HazardError("cross-stream", f"install {i} (stream {op.stream}) writes "
                                       f"slot {s} with no event after the previous steps' reads "
                                       f"on the lane's stream {lane}", [i])
-                unordered(i, after, s, [*readers.get(s, ()), *([writer[s]] if s in writer
-                                                               else ())])
+                unordered(i, after, [*readers.get(s, ()), *([writer[s]] if s in writer
+                                                            else ())], f"touches slot {s}")
                 writer[s], readers[s] = i, []
             held.update({s: e for e, s in op.pairs})
         elif op.kind in ("stage", "sum") and op.stream != lane:
@@ -178,28 +171,24 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                               f"the lane's ({lane}): the steps before and after order only "
                               f"the lane's stream", [i])
         elif op.kind == "stage":
-            unordered_host(i, after, cpu, "rewrites the host's inputs")
+            unordered(i, after, cpu, "rewrites the host's inputs")
             staged = i
         elif op.kind == "sum":
-            late = [j for j in cpu if j not in after]
-            if late:
-                raise HazardError("unjoined-host", f"sum {i} (stream {op.stream}) reads the "
-                                  f"host's output with no join after its compute(s) {late}",
-                                  [*late, i])
+            unordered(i, after, cpu, "reads the host's output (no join)", "unjoined-host")
             summed.update(cpu)
         elif op.kind in ("read", "host", "cpu"):
             if op.kind == "cpu":
                 if staged is None:
                     raise HazardError("cross-stream", f"host compute {i} reads inputs that no "
                                       f"stage wrote this step", [i])
-                unordered_host(i, after, [staged], "reads the staged inputs")
+                unordered(i, after, [staged], "reads the staged inputs")
                 cpu.append(i)
             for e, s in op.pairs:
                 if op.kind == "read":
                     if held.get(s) != e:
                         raise HazardError("read-before-write", f"pass {i} reads expert {e} from "
                                           f"slot {s}, which holds {held.get(s, 'nothing')}", [i])
-                    unordered(i, after, s, [writer[s]] if s in writer else [])
+                    unordered(i, after, [writer[s]] if s in writer else [], f"touches slot {s}")
                     readers.setdefault(s, []).append(i)
                 if e in read:
                     raise HazardError("incomplete", f"expert {e} is read by operations "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringflow.errors import ConfigError
-from ringflow.orchestrator.expert_model import fetch_ms
+from ringflow.orchestrator.expert_model import expected_distinct, fetch_ms
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ class HostRates:
         counts (and beyond them, along the last two), scaled to ``expert_bytes`` (the MLP of
         a few tokens reads its weights once: its time follows their bytes)."""
         points = sorted(self.expert_ms.items())
-        if len(points) == 1 or tokens <= points[0][0]:
-            ms = points[0][1] if tokens <= points[0][0] else points[0][1] * tokens / points[0][0]
+        if tokens <= points[0][0]:
+            ms = points[0][1]
+        elif len(points) == 1:
+            ms = points[0][1] * tokens / points[0][0]
         else:
             (t0, m0), (t1, m1) = next(((a, b) for a, b in zip(points, points[1:])
                                        if tokens <= b[0]), points[-2:])
@@ -100,6 +102,11 @@ class Split:
         """How many times faster the layer gets its experts than by copying them all."""
         return self.copy_ms / self.ms if self.ms > 0 else 1.0
 
+    @property
+    def share(self) -> float:
+        """The share of the misses the device sends to the CPU: 0 where it gains nothing."""
+        return self.to_host / self.misses if self.ms < self.copy_ms else 0.0
+
 
 def split(misses: int, tokens_per_expert: float, expert_bytes: int,
           rates: HostRates, cpu_bytes: int | None = None) -> Split:
@@ -111,25 +118,14 @@ def split(misses: int, tokens_per_expert: float, expert_bytes: int,
     if misses < 0:
         raise ConfigError(f"misses must be >= 0, got {misses}")
     per_expert = rates.cpu_ms(tokens_per_expert, cpu_bytes or expert_bytes)
-    best = None
-    for k in range(misses + 1):
-        cpu = rates.handoff_ms + k * per_expert if k else 0.0
+    copy_all = fetch_ms(misses, expert_bytes)
+    best = Split(misses, 0, copy_all, copy_all, 0.0)
+    for k in range(1, misses + 1):
+        cpu = rates.handoff_ms + k * per_expert
         ms = max(cpu, fetch_ms(misses - k, expert_bytes))
-        if best is None or ms < best.ms:
-            best = Split(misses, k, ms, fetch_ms(misses, expert_bytes), cpu)
+        if ms < best.ms:
+            best = Split(misses, k, ms, copy_all, cpu)
     return best
-
-
-def host_share(misses: float, tokens_per_expert: float, expert_bytes: int,
-               rates: HostRates) -> float:
-    """The share of a step's misses the device sends to the CPU for a step expected to miss
-    ``misses`` experts per layer (Note [Host split]): the best split's share, 0 where the CPU
-    gains nothing."""
-    whole = max(0, round(misses))
-    if whole == 0:
-        return 0.0
-    best = split(whole, tokens_per_expert, expert_bytes, rates)
-    return best.to_host / whole if best.ms < best.copy_ms else 0.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +154,6 @@ def host_policy(rates: HostRates, *, experts: int, top_k: int, slots: int, exper
     experts``: the hard case) split by :func:`split`; ``forced`` gives every such step that
     share instead (a profile's number). Shapes whose steps need more experts than the slots
     hold get none (one pass only)."""
-    from ringflow.orchestrator.expert_model import expected_distinct
     shares, predicted = {}, {}
     for t in range(1, max_tokens + 1):
         if min(experts, t * top_k) > slots:
@@ -171,7 +166,7 @@ def host_policy(rates: HostRates, *, experts: int, top_k: int, slots: int, exper
         best = split(max(1, round(misses)), t * top_k / distinct, expert_bytes, rates,
                      cpu_bytes)
         predicted[t] = best
-        shares[t] = best.to_host / best.misses if best.ms < best.copy_ms else 0.0
+        shares[t] = best.share
     why = (f"forced to {forced} by the profile" if forced is not None else
            f"from {rates.source}: " + ", ".join(
                f"{t} token{'s' if t > 1 else ''}: {b.to_host} of {b.misses} misses on the CPU, "

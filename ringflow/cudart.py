@@ -23,22 +23,25 @@ def checked(name: str, result, error: type[Exception], hint: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def in_host_memory(ptr: int) -> bool:
-    """Whether ``ptr`` (a CUDA tensor's ``data_ptr()``, say) addresses pinned host memory that
-    the GPU reads across the host link, as vLLM's UVA offloader leaves its parameters."""
+def _pinned_host(ptr: int):
+    """``ptr``'s pointer attributes if it addresses pinned host memory, else None."""
     rt = runtime()
     attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), KernelError,
                     "the pointer is not one CUDA knows")
-    return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost
+    return attrs if attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost else None
+
+
+def in_host_memory(ptr: int) -> bool:
+    """Whether ``ptr`` (a CUDA tensor's ``data_ptr()``, say) addresses pinned host memory that
+    the GPU reads across the host link, as vLLM's UVA offloader leaves its parameters."""
+    return _pinned_host(ptr) is not None
 
 
 def host_address(ptr: int) -> int:
     """The host's address of the pinned host memory a CUDA pointer ``ptr`` addresses (the same
     number under unified addressing), for reading it on the CPU."""
-    rt = runtime()
-    attrs = checked("cudaPointerGetAttributes", rt.cudaPointerGetAttributes(ptr), KernelError,
-                    "the pointer is not one CUDA knows")
-    if attrs.type != rt.cudaMemoryType.cudaMemoryTypeHost:
+    attrs = _pinned_host(ptr)
+    if attrs is None:
         raise KernelError(f"pointer {ptr:#x} is not pinned host memory")
     return int(attrs.hostPointer)
 

@@ -13,8 +13,8 @@ Note [Host rates]
       machine: the copy and the CPU share the memory bus), and the copy's rate meanwhile;
     * the expert through the host share's worker, alone and beside a thread busy in Python (as
       vLLM's scheduler is): the worker runs no Python, so it should not notice;
-    * the handoff of a host node (Note [Host node]) that does nothing: eager, and replayed in a
-      CUDA graph (the doorbell the stream writes, the flag it waits on).
+    * the handoff of a step that hands the host nothing (its staging, the doorbell the stream
+      writes, the flag it waits on, the copy back): eager, and replayed in a CUDA graph.
 
     Its ``model`` entry (bf16 expert times at the chosen thread count, under copy load where
     measured, and the replayed handoff) is what ``HostRates.load`` reads for ``ringflow
@@ -139,11 +139,16 @@ def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int 
     return out
 
 
-def replayed_handoff_ms(repeats: int = 50) -> float:
-    """A no-op host node's doorbell and wait captured in a CUDA graph, replayed: ms per
-    replay (against a graph without them, measured the same way)."""
-    from ringflow.graphs.host_node import HostNode, idle_loop
-    node = HostNode(idle_loop(), (), "cuda", "ringflow/experts/host/handoff")
+def replayed_handoff_ms(store: dict, repeats: int = 50) -> float:
+    """The host share of a step that hands the host nothing (staging, doorbell, wait, copy
+    back) captured in a CUDA graph, replayed: ms per replay against a graph without it."""
+    from ringflow.integrations.torch.host_experts import HostExperts
+    width = store["w13"].shape[2]
+    share = HostExperts({0: store}, width, 1, 1, "cuda", store["w13"].dtype)
+    x = torch.empty(0, width, dtype=store["w13"].dtype, device="cuda")
+    weights = torch.empty(0, 1, device="cuda")
+    ids = torch.empty(0, 1, dtype=torch.int64, device="cuda")
+    mine = torch.zeros(share.experts, dtype=torch.bool, device="cuda")
     try:
         stream = torch.cuda.Stream()
         marker = torch.zeros(1, device="cuda")
@@ -155,8 +160,8 @@ def replayed_handoff_ms(repeats: int = 50) -> float:
                 with torch.cuda.graph(graph, stream=stream):
                     marker.add_(1)
                     if with_node:
-                        node.post()
-                        node.join()
+                        share.launch(0, x, weights, ids, mine)
+                        share.join(0)
                     marker.add_(1)
             graphs[name] = graph
         times = {}
@@ -174,7 +179,7 @@ def replayed_handoff_ms(repeats: int = 50) -> float:
             times[name] = statistics.median(samples)
         return times["node"] - times["bare"]
     finally:
-        node.close()
+        share.close()
 
 
 def main() -> int:
@@ -240,11 +245,12 @@ def main() -> int:
         with CopyLoad(256) as alone:
             time.sleep(1.0)
         loaded["copy_gbps_alone"] = round(alone.gbps, 2)
-    handoff = {"eager_ms": round(measure_handoff_ms("cuda" if cuda else "cpu"), 4),
+    handoff = {"eager_ms": round(measure_handoff_ms(stores["bfloat16"],
+                                                    "cuda" if cuda else "cpu"), 4),
                "where": ("cuda stream" if cuda
                          else "cpu only: Python's writes and polls of the flags")}
     if cuda:  # Note [Host node]: the doorbell and the wait, inside a replayed graph
-        handoff["replayed_ms"] = round(replayed_handoff_ms(), 4)
+        handoff["replayed_ms"] = round(replayed_handoff_ms(stores["bfloat16"]), 4)
     model_ms = (loaded or best)["expert_ms_bfloat16"]
     doc = records.record("tools/host_rates.py", host=info, shapes={
         "hidden": args.hidden, "inter": args.inter, "experts": args.experts,

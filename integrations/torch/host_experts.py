@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from ringflow.errors import ConfigError, KernelError
-from ringflow.graphs.host_node import HostNode, idle_loop
+from ringflow.graphs.host_node import HostNode
 from ringflow.kernels.host_moe import scripted
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
@@ -88,6 +88,7 @@ class HostExperts:
             raise ConfigError(f"the host share's layers must have one expert count: {counts}")
         self.experts = next(iter(counts.values()))
         self.layers = tuple(self.stores)
+        self._position = {layer: p for p, layer in enumerate(self.layers)}
         self.device = torch.empty(0, device=device).device
         self.max_tokens = max_tokens
         pin = self.device.type == "cuda"
@@ -132,7 +133,7 @@ class HostExperts:
             raise KernelError(f"a step of {t} tokens is larger than the host share's "
                               f"{self.max_tokens}")
         lane = _stream(self.device)
-        for dst, src in ((self.meta, self._metas[self.layers.index(layer), t]),
+        for dst, src in ((self.meta, self._metas[self._position[layer], t]),
                          (self.rows[:t], x), (self.ids[:t], topk_ids),
                          (self.weights[:t], topk_weights), (self.mine, mine[:self.experts])):
             dst.copy_(src, non_blocking=True)
@@ -159,7 +160,7 @@ class HostExperts:
     def describe(self, layer: int) -> dict:
         """Layer ``layer``'s share of the host's work: its runs and the experts it computed
         (counted by the worker, replays included)."""
-        runs, computed = self.counts[self.layers.index(layer)].tolist()
+        runs, computed = self.counts[self._position[layer]].tolist()
         return {"max_tokens": self.max_tokens, "computed": computed, "runs": runs,
                 "error": repr(self.node.error) if self.node.error is not None else None}
 
@@ -207,28 +208,36 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
     return out
 
 
-def measure_handoff_ms(device: torch.device | str, repeats: int = 20) -> float:
-    """Milliseconds a host node with no work adds to a stream (the doorbell, the worker's
-    poll and its done, the join): timed with CUDA events on a GPU, on the host's clock on the
-    CPU."""
+def measure_handoff_ms(host: Mapping[str, torch.Tensor], device: torch.device | str,
+                       repeats: int = 20) -> float:
+    """Milliseconds the host share adds to a stream for a step that hands the host nothing
+    (its staging, the doorbell, the worker's poll and done, the join, the copy back), over a
+    layer's store ``host``: timed with CUDA events on a GPU, on the host's clock on the CPU."""
     import statistics
-    node = HostNode(idle_loop(), (), device, "ringflow/experts/host/handoff")
+    store = host_store(host)
+    width = store["w13"].shape[2]
+    dtype = store["w13"].dtype if "w13_scale" not in store else torch.bfloat16
+    share = HostExperts({0: store}, width, 1, 1, device, dtype)
+    x = torch.empty(0, width, dtype=dtype, device=share.device)
+    weights = torch.empty(0, 1, device=share.device)
+    ids = torch.empty(0, 1, dtype=torch.int64, device=share.device)
+    mine = torch.zeros(share.experts, dtype=torch.bool, device=share.device)
     try:
         times = []
         for _ in range(repeats + 3):
-            if node.device.type == "cuda":
+            if share.device.type == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                node.post()
-                node.join()
+                share.launch(0, x, weights, ids, mine)
+                share.join(0)
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b))
             else:
                 start = time.perf_counter()
-                node.post()
-                node.join()
+                share.launch(0, x, weights, ids, mine)
+                share.join(0)
                 times.append(1e3 * (time.perf_counter() - start))
         return statistics.median(times[3:])
     finally:
-        node.close()
+        share.close()

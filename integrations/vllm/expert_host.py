@@ -38,7 +38,7 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
             cpu_bytes = 2 * sum(first.host[n][0].numel() for n in ("w13", "w2"))
     else:  # on a worker thread with the share's threads, as the steps will run
         rates = HostRates(measure_expert_ms(first.host, threads=threads), expert_bytes,
-                          measure_handoff_ms(first.device), threads,
+                          measure_handoff_ms(first.host, first.device), threads,
                           source=f"measured at start-up on layer {min(caches)}'s experts with "
                                  f"{threads} threads")
     forced = spec.host_share if isinstance(spec.host_share, float) else None

@@ -19,7 +19,7 @@ from ringflow.kernels.host_moe import moe_on_host
 from ringflow.kernels.reference import moe_ref
 from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step
 from ringflow.orchestrator.expert_model import fetch_ms
-from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy, host_share, split
+from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy, split
 
 from tests.unit.test_expert_cache import E, H, K, dequantized, experts, fp8_experts, routing
 
@@ -49,7 +49,7 @@ def test_a_fast_host_takes_most_misses_and_a_slow_one_none():
     fast, slow = split(6, 1, QWEN_BYTES, rates(0.02)), split(6, 1, QWEN_BYTES, rates(5.0))
     assert fast.to_host >= 5 and fast.gain > 2
     assert slow.to_host == 0 and slow.gain == 1
-    assert host_share(6, 1, QWEN_BYTES, rates(5.0)) == 0
+    assert slow.share == 0
     even = split(6, 1, QWEN_BYTES, rates(0.2))  # as fast as the copy: about half each
     assert 2 <= even.to_host <= 4 and even.ms < even.copy_ms
 
