@@ -5,8 +5,9 @@ Written in TorchScript's subset of Python: a host node's worker (graphs/host_nod
 without Python's interpreter, so no other thread's Python holds it up (Note [Host node]).
 Each expert's rows are computed once for all the tokens that chose it (a decode step: one or a
 few rows), in the weights' dtype as the GPU kernel does (bf16 products summed in float32 by the
-CPU's GEMM, the activation rounded to the dtype between the two), and the tokens' weighted rows
-are summed in float32.
+CPU's GEMM, the activation rounded to the dtype between the two), and each (token, choice) row,
+times its router weight, is written in the dtype at its own place: the lane sums the host's rows
+with the GPU's in one sum, as the resident layer sums its rows (Note [Host experts]).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, mine: torch.Tensor,
                 out: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
                 w2_scale: Optional[torch.Tensor] = None) -> int:
-    """Write into ``out`` [tokens, hidden] (float32) the sum over each token's choices whose
-    expert ``mine`` [experts] (bool) marks of ``weight * w2[e] @ (silu(gate) * up)(w13[e] @
-    x)``, zeros where a token has none; ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as
-    vLLM lays them out, fp8 ones with their scales (dequantized to ``hidden``'s dtype here;
-    the GPU kernel also quantizes the activations, so fp8 agrees within its own rounding). All
-    on the CPU. Returns how many experts it computed."""
+    """Write into ``out`` [tokens, top_k, hidden] (the model's dtype) each token's choice
+    ``weight * w2[e] @ (silu(gate) * up)(w13[e] @ x)`` where ``mine`` [experts] (bool) marks
+    its expert, zeros at every other choice: the rows the GPU kernel would have summed, for
+    the GPU's sum. ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as vLLM lays them out,
+    fp8 ones with their scales (dequantized to ``hidden``'s dtype here; the GPU kernel also
+    quantizes the activations, so fp8 agrees within its own rounding). All on the CPU.
+    Returns how many experts it computed."""
     out.zero_()
     inter = w2.shape[2]
     dtype = hidden.dtype if w13_scale is not None else w13.dtype
@@ -66,7 +68,7 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = torch.nn.functional.linear(act, expert_weight(w2, e, w2_scale, dtype)).float()
         for i in range(len(pairs)):
             t, j = pairs[i]
-            out[t].add_(y[i], alpha=weights[t][j])
+            out[t, j] = y[i] * weights[t][j]
     return len(rows)
 
 

@@ -109,32 +109,49 @@ class CopyLoad:
 
 
 def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int = 3) -> dict:
-    """One expert through the host share as a GPU step runs it: staged, rung and joined on a
-    CUDA stream (no Python polls), timed with CUDA events; ms per expert."""
+    """One expert through the host share as vLLM's FULL decode graph runs it: 32 steps of one
+    expert each (each on another expert, so its bytes come from DRAM) staged, rung and joined
+    on a CUDA stream, captured once into a CUDA graph and replayed (one Python call per
+    replay, so a thread busy in Python beside it holds up only that call), timed with CUDA
+    events; ms per expert."""
     from ringflow.integrations.torch.host_experts import HostExperts
     w13 = store["w13"]
     experts, width = w13.shape[0], w13.shape[2]
     share = HostExperts({0: store}, width, 1, max(tokens), "cuda", w13.dtype, threads)
     masks = torch.eye(experts, dtype=torch.bool, device="cuda")
+    picks = list(range(min(32, experts)))
     out = {}
     try:
         for t in tokens:
             rows = torch.randn(t, width, device="cuda").to(w13.dtype)
             weights = torch.ones(t, 1, device="cuda")
-            ids = [torch.full((t, 1), e, device="cuda") for e in range(experts)]
-            samples = []
-            for r in range(repeats + 1):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                picks = [(r * 16 + i) % experts for i in range(16)]
-                a.record()
+            ids = [torch.full((t, 1), e, device="cuda") for e in picks]
+
+            def steps():
                 for e in picks:
                     share.launch(0, rows, weights, ids[e], masks[e])
                     share.join(t)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                steps()  # once eagerly: the worker's threads and the copies warm
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                steps()
+            samples = []
+            for _ in range(repeats + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
                 b.record()
                 b.synchronize()
                 samples.append(a.elapsed_time(b) / len(picks))
             out[t] = round(statistics.median(samples[1:]), 4)
+            del graph
     finally:
+        torch.cuda.synchronize()
         share.close()
     return out
 
@@ -274,7 +291,7 @@ def main() -> int:
           f"{beside_python['worker_ms_quiet'][1]} ms, beside a busy Python thread "
           f"{beside_python['worker_ms_busy_python'][1]} ms (joined from Python)")
     if cuda:
-        print(f"  joined on a CUDA stream: {beside_python['stream_ms_quiet'][1]} ms, beside a "
+        print(f"  replayed in a CUDA graph: {beside_python['stream_ms_quiet'][1]} ms, beside a "
               f"busy Python thread {beside_python['stream_ms_busy_python'][1]} ms")
     if loaded:
         print(f"under copy load ({loaded['threads']} threads): read {loaded['read_gbps']} GB/s, "

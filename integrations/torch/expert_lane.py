@@ -21,7 +21,8 @@ Note [Expert lane modes]
     Both modes compute with the caller's ``compute`` (Note [Same bits as resident] for vLLM's
     kernel on a GPU): ``compute(x, weights, topk_weights, topk_ids, expert_map, last)`` with
     ``expert_map`` None where ``weights`` hold every expert at its own index (a ring buffer)
-    and the step's sum returned when ``last``.
+    and the step's sum returned when ``last``; a step with a host share adds ``host_rows``,
+    called at the sum for the host's rows (Note [Host experts], step 3).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from ringflow.kernels.moe import moe_from_slots
 
 log = logging.getLogger("ringflow")
 
-#: (x, weights, topk_weights, topk_ids, expert_map or None, last[, partial]) -> the step's sum
-#: when last; ``partial``: some chosen experts are computed elsewhere (the host's share)
+#: (x, weights, topk_weights, topk_ids, expert_map or None, last[, host_rows]) -> the step's
+#: sum when last; ``host_rows()``: the rows [tokens, top_k, hidden] of the choices computed
+#: elsewhere (the host's share, zeros at the others), joined when called: call it at the sum
 Compute = Callable[..., "torch.Tensor | None"]
 
 
@@ -58,7 +60,7 @@ class TorchCompute:
     def __call__(self, x: torch.Tensor, weights: Mapping[str, torch.Tensor],
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_map: torch.Tensor | None, last: bool = True,
-                 partial: bool = False) -> torch.Tensor | None:
+                 host_rows: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         if expert_map is None:  # every expert at its own index
             expert_map = torch.arange(weights["w13"].shape[0], device=x.device)
         part = moe_from_slots(x, weights["w13"], weights["w2"], topk_weights, topk_ids,
@@ -66,6 +68,8 @@ class TorchCompute:
         self._acc = part if self._acc is None else self._acc.add_(part)
         if not last:
             return None
+        if host_rows is not None:
+            self._acc.add_(host_rows().float().sum(1))
         out, self._acc = self._acc.to(x.dtype), None
         return out
 
@@ -153,22 +157,20 @@ class ExpertLane:
         host = self.host
         share = (self.host_policy.share(x.shape[0]) if host is not None and layer in host.layers
                  and passes == 1 and x.shape[0] <= host.max_tokens else 0.0)
-        on_split = None
+        on_split, extra = None, ()
         if share:  # Note [Host experts], steps 1 and 2: before the other misses are installed
             def on_split():
                 nvtx_ranges.call(ranges["stage"], host.launch, layer, x, topk_weights, topk_ids,
                                  cache.host_mine, cache.trace)
+            extra = (lambda: host.join(x.shape[0], cache.trace),)  # step 3, at the sum
         maps = cache.serve(topk_ids, share, on_split)
-        partial = (True,) if share else ()  # some chosen experts are the host's
         out = None
         for p in range(passes):
             weights, expert_map = nvtx_ranges.call(ranges["fetch"], next, maps)
             if p == 0 and ahead is not None:
                 nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
             out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
-                                   expert_map, p == passes - 1, *partial)
-        if share:  # step 3: the host's rows join the sum
-            out = (out.float() + host.join(x.shape[0], cache.trace)).to(x.dtype)
+                                   expert_map, p == passes - 1, *extra)
         return out
 
     @property
@@ -191,7 +193,7 @@ class ExpertLane:
         (one host sync per layer)."""
         ring = self.ring.describe() if self.ring is not None else None
         return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
-                 "ring": ring, **({"host": self._host_report(i)} if self.host is not None
+                 "ring": ring, **({"host_share": self._host_report(i)} if self.host is not None
                                   and i in self.host.layers else {})}
                 for i, cache in self.caches.items()]
 

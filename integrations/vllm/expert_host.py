@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.host_experts import (HostExperts, measure_expert_ms,
                                                       measure_handoff_ms)
+from ringflow.orchestrator.expert_model import fetch_ms
 from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
 
 log = logging.getLogger("ringflow")
@@ -48,9 +50,10 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
     if policy.max_tokens == 0:
         if forced is None:
             log.info("experts.host_share: auto: the host's rates predict no gain for steps of "
-                     "up to %d tokens (%s; one expert of %d tokens takes %.3f ms on the CPU, "
-                     "the handoff %.3f ms); every miss is copied", spec.host_tokens,
-                     rates.source, 1, rates.cpu_ms(1, expert_bytes), rates.handoff_ms)
+                     "up to %d tokens (%s; one expert for one token takes %.3f ms on the CPU "
+                     "against %.3f ms to copy it, the handoff %.3f ms); every miss is copied",
+                     spec.host_tokens, rates.source, rates.cpu_ms(1, expert_bytes),
+                     fetch_ms(1, expert_bytes), rates.handoff_ms)
         return None, None
     model = getattr(vllm_config, "model_config", None)
     dtype = getattr(model, "dtype", None)
@@ -67,10 +70,21 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
 
 
 def _share_of_cpus(vllm_config) -> int:
-    """The CPUs this worker may run on, divided among the GPU workers of this host (each rank
-    of tensor or pipeline parallelism runs its own host share)."""
-    usable = len(os.sched_getaffinity(0))
+    """The cores (not hyper-threads) this worker may run on, divided among the GPU workers of
+    this host (each rank of tensor or pipeline parallelism runs its own host share), less one
+    for the engine's own thread. On the H200 machine an expert took 0.25 ms with 8 threads and
+    0.34 ms with all 16 (tools/host_rates.py): a GEMV's threads wait for the slowest, and a
+    thread sharing its core waits longest."""
+    usable = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for cpu in usable:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+                      .read_text().strip())
+        except OSError:  # no topology: every CPU a core
+            cores = set(usable)
+            break
     parallel = getattr(vllm_config, "parallel_config", None)
     world = getattr(parallel, "world_size", 1) or 1
     local = max(1, min(world, torch.cuda.device_count() or 1))
-    return max(1, usable // local)
+    return max(1, len(cores) // local - 1)

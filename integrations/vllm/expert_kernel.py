@@ -67,7 +67,7 @@ Note [fp8 experts]
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -88,6 +88,7 @@ class ResidentKernel:
         self._acc: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
         self._last = False
+        self._host_rows: Callable[[], torch.Tensor] | None = None
 
     def _impl(self):
         kernel = self.experts.quant_method.moe_kernel
@@ -131,22 +132,27 @@ class ResidentKernel:
     def __call__(self, x: torch.Tensor, weights: Mapping[str, torch.Tensor],
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  expert_map: torch.Tensor | None, last: bool = True,
-                 partial: bool = False) -> torch.Tensor | None:
+                 host_rows: Callable[[], torch.Tensor] | None = None
+                 ) -> torch.Tensor | None:
         """One pass (the lane's ``Compute``, Note [Expert lane modes]): the rows of the choices
         ``expert_map`` names, with ``weights["w13"]``/``["w2"]`` (None: every expert at its own
         index, the resident layout); the tokens' sums when ``last`` (every earlier pass of the
-        step applied), else None. ``partial``: some chosen experts are the host's (Note [Host
-        experts]): the map stays, so the kernel skips their choices through it, and the pass's
-        rows are masked (without a map a choice of -1 is skipped only in the kernel's
-        small-step row assignment)."""
+        step applied), else None. ``host_rows``: some chosen experts are the host's (Note [Host
+        experts], a step of one pass): the map stays, so the kernel skips their choices
+        through it (without a map a choice of -1 is skipped only in the kernel's small-step
+        row assignment), and at the sum the host's rows take their choices' places among the
+        kernel's, summed once with them by vLLM's ``moe_sum``."""
         from vllm.model_executor.layers.fused_moe import override_config
         w13, w2 = weights["w13"], weights["w2"]
         if w13.shape[1:] != self.w13_shape[1:] or w2.shape[1:] != self.w2_shape[1:]:
             raise KernelError(f"expert weights {tuple(w13.shape)}/{tuple(w2.shape)} do not "
                               f"match the layer's {tuple(self.w13_shape)}/{tuple(self.w2_shape)}")
+        if host_rows is not None and (expert_map is None or not last or self._acc is not None):
+            raise KernelError("the host's rows join a step of one pass over the slots (Note "
+                              "[Host experts]); this step has no map or more passes")
         impl = self._impl()
         impl.fused_experts.quant_config = self._scaled(weights)
-        if last and self._acc is None and expert_map is not None and not partial:
+        if last and self._acc is None and expert_map is not None and host_rows is None:
             # the step's only pass: every choice is in a slot. Name the slots as the choices
             # and pass no map, so the kernel assigns rows as it does for the resident layer
             # a choice of -1 stays -1, as the resident kernel skips it: indexing the map with
@@ -155,7 +161,7 @@ class ResidentKernel:
             topk_ids = torch.where(chosen >= 0, expert_map[chosen.clamp(min=0)], -1).to(
                 topk_ids.dtype)
             expert_map = None
-        self._last = last
+        self._last, self._host_rows = last, host_rows
         self._mask = (None if expert_map is None else
                       (topk_ids >= 0) & (expert_map[topk_ids.long().clamp(min=0)] >= 0))
         try:
@@ -167,7 +173,7 @@ class ResidentKernel:
                                              else expert_map.to(torch.int32)),
                                  apply_router_weight_on_input=False)
         finally:
-            self._mask = None
+            self._mask = self._host_rows = None
         if not last:
             return None
         self._acc = None
@@ -178,8 +184,9 @@ class ResidentKernel:
         (those its map names; the others are zeros or never written), sum after the last."""
         if self._mask is None:
             kept = rows
-        elif self._acc is None:
-            kept = torch.where(self._mask.unsqueeze(-1), rows, 0)
+        elif self._acc is None:  # the host's rows, where it has them, are the other choices'
+            kept = torch.where(self._mask.unsqueeze(-1), rows,
+                               0 if self._host_rows is None else self._host_rows())
         else:
             kept = torch.where(self._mask.unsqueeze(-1), rows, self._acc)
         if not self._last:

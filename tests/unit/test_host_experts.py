@@ -100,12 +100,18 @@ def test_the_host_moe_computes_only_its_experts(dtype):
         ids, weights = routing(40 + s, 1 + s)
         hidden = torch.randn(1 + s, H, generator=g).to(dtype)
         mine = torch.rand(E, generator=g) < 0.5
-        out = torch.full((1 + s, H), float("nan"))  # poisoned: every row must be written
+        out = torch.full((1 + s, K, H), float("nan"), dtype=dtype)  # poisoned: all written
         count = moe_on_host(hidden, w13, w2, weights, ids, mine, out)
         keep = mine[ids]
         want = moe_ref(hidden, w13, w2, torch.where(keep, weights, 0), ids)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(out.double().sum(1), want, rtol=tol, atol=tol)
+        assert (out[~keep] == 0).all()  # the GPU's choices: zeros, so one sum takes both
+        for t, j in keep.nonzero().tolist():  # each of its own rows alone: the expert's
+            one = torch.zeros_like(weights)
+            one[t, j] = weights[t, j]
+            torch.testing.assert_close(out[t, j].double(),
+                                       moe_ref(hidden, w13, w2, one, ids)[t], rtol=tol, atol=tol)
         assert count == len(set(ids[keep].tolist()))
 
 
@@ -115,10 +121,10 @@ def test_the_host_moe_dequantizes_fp8_experts_with_their_scales(blocks):
     w13, w2 = dequantized(host, "w13"), dequantized(host, "w2")
     ids, weights = routing(9, 3)
     hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(9))
-    out = torch.empty(3, H)
+    out = torch.empty(3, K, H)
     moe_on_host(hidden, host["w13"], host["w2"], weights, ids, torch.ones(E, dtype=torch.bool),
                 out, host["w13_scale"], host["w2_scale"])
-    torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+    torch.testing.assert_close(out.double().sum(1), moe_ref(hidden, w13, w2, weights, ids),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -141,7 +147,7 @@ def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
             keep = mine[:E][ids]
             want = moe_ref(hidden, dequantized(store, "w13"), dequantized(store, "w2"),
                            torch.where(keep, weights, 0), ids)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.double().sum(1), want, rtol=1e-5, atol=1e-5)
         assert host.describe(3)["runs"] == 2 and host.describe(7)["runs"] == 2
     finally:
         host.close()
@@ -266,8 +272,9 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
         handed = int(cache.host_computed)
         assert handed == host.describe(0)["computed"]
         [row] = lane.report()
-        assert row["host_computed"] == handed and row["host"]["computed"] == handed
-        assert row["host"]["runs"] == (8 if share else 0) and row["host"]["shares"][1] == share
+        assert row["host_computed"] == handed and row["host_share"]["computed"] == handed
+        report = row["host_share"]
+        assert report["runs"] == (8 if share else 0) and report["shares"][1] == share
         assert (handed == 0) == (share == 0) and (share < 1 or int(cache.misses) == handed)
     finally:
         lane.close()

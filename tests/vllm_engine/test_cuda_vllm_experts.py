@@ -132,9 +132,12 @@ HOST_LANES = {
     "host-all": {"slots": 32, "layer_buffers": 0, "host_share": 1.0},
     "host-auto": {"slots": 32, "layer_buffers": 0, "host_share": "auto"},
 }
-#: the CPU computes its experts' rows in bf16 GEMMs summed in float32, and its rows join the
-#: GPU's sum in float32 (one rounding more than the resident layer's): the top-5 logprob gap
-#: to all-resident allowed up to and with the first differing token
+#: the CPU computes its experts' rows with its own GEMMs (their products summed in another
+#: order, and each row rounded to bf16 before its router weight, where vLLM's kernel rounds
+#: once after), and vLLM's moe_sum sums them with the GPU's rows once (Note [Host experts]):
+#: the top-5 logprob gap to all-resident allowed up to and with the first differing token
+#: (the first design, a float32 sum of the host's rows added to the GPU's, measured 0.03-0.54
+#: on the H200)
 HOST_GAP = 0.1
 
 
@@ -299,14 +302,16 @@ def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(runs, mode,
     assert len(said) == 1, got["log"]
     layers = got["experts"]
     if name == "host-auto" and "predict no gain" in said[0]:
-        assert all("host" not in layer for layer in layers)  # off, and said why
+        # off, and said why: the test model's experts (intermediate 96) copy in microseconds
+        assert all("host_share" not in layer and layer["host_computed"] == 0
+                   for layer in layers)
         assert got["tokens"] == want["tokens"]
         return
     gap, diverged = gap_until_divergence(got, want)
     assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
     decode_steps = 4 * 11  # 4 prompts, 12 tokens each: the first from the prefill
     for layer in layers:
-        host = layer["host"]
+        host = layer["host_share"]
         # a run at every decode step; experts at most steps (a step whose experts all hit
         # hands none)
         assert host["runs"] >= decode_steps and host["computed"] >= decode_steps // 2, host
