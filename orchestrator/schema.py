@@ -321,9 +321,10 @@ FIELDS: dict[str, ProfileField] = {
                                        nullable=True, words="a path to a JSON file"),
     "experts.host_threads": _integer("CPU threads the host share's worker computes with "
                                      "(its own; vLLM's threads are left as they are); 0: the "
-                                     "cores the process may run on, divided among the GPU "
-                                     "workers of the host, less one for the engine's thread",
-                                     0, 4096, 0),
+                                     "fastest, measured at start-up, of the CPUs the process "
+                                     "may run on divided among the host's GPU workers less "
+                                     "one, half that and a quarter (with host_rates: the "
+                                     "file's)", 0, 4096, 0),
 }
 
 

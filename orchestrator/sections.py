@@ -202,7 +202,7 @@ class ExpertsSpec:
     host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
     host_tokens: int = 8  # the host share serves steps of at most this many tokens
     host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
-    host_threads: int = 0  # the host share's CPU threads; 0: its share of the cores, less one
+    host_threads: int = 0  # the host share's CPU threads; 0: the fastest measured
 
     def slots_for(self, experts: int, top_k: int) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token

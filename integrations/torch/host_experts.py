@@ -217,6 +217,17 @@ def measure_expert_ms(host: Mapping[str, torch.Tensor], tokens=(1, 2, 4, 8, 16),
     return out
 
 
+def fastest_threads(host: Mapping[str, torch.Tensor], counts) -> tuple[int, dict[int, float]]:
+    """Of the thread counts ``counts``, the one with which the host share's worker computes an
+    expert of ``host`` for one token fastest (the fewest on a tie), and its times by tokens
+    (``measure_expert_ms``). More threads are not always faster: on the H200 machine's 16
+    cores an expert took 0.25 ms with 8 threads and 0.34 ms with 16 (tools/host_rates.py),
+    each of a GEMV's few ops waiting for its slowest thread."""
+    measured = {n: measure_expert_ms(host, threads=n) for n in sorted(set(counts))}
+    best = min(measured, key=lambda n: (measured[n][1], n))
+    return best, measured[best]
+
+
 def measure_handoff_ms(host: Mapping[str, torch.Tensor], device: torch.device | str,
                        repeats: int = 20) -> float:
     """Milliseconds the host share adds to a stream for a step that hands the host nothing

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import torch
 
 from ringflow.integrations.torch.expert_cache import ExpertCache
-from ringflow.integrations.torch.host_experts import (HostExperts, measure_expert_ms,
+from ringflow.integrations.torch.host_experts import (HostExperts, fastest_threads,
                                                       measure_handoff_ms)
 from ringflow.orchestrator.expert_model import fetch_ms
 from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
@@ -30,19 +29,25 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
         log.info("experts.host_share: %s asked, but the experts already compute on the CPU "
                  "(vLLM's CPU build): the host share is off", spec.host_share)
         return None, None
-    threads = spec.host_threads or _share_of_cpus(vllm_config)
     experts = modules[min(modules)]
     expert_bytes = first.bytes // first.slots
     cpu_bytes = None
     if spec.host_rates:
         rates = HostRates.load(spec.host_rates)
+        threads = spec.host_threads or rates.threads or _share_of_cpus(vllm_config)
         if "w13_scale" in first.host:  # the CPU dequantizes fp8: its time is bf16-sized
             cpu_bytes = 2 * sum(first.host[n][0].numel() for n in ("w13", "w2"))
     else:  # on a worker thread with the share's threads, as the steps will run
-        rates = HostRates(measure_expert_ms(first.host, threads=threads), expert_bytes,
-                          measure_handoff_ms(first.host, first.device), threads,
-                          source=f"measured at start-up on layer {min(caches)}'s experts with "
-                                 f"{threads} threads")
+        cap = _share_of_cpus(vllm_config)
+        counts = [spec.host_threads] if spec.host_threads else [cap, max(1, cap // 2),
+                                                                 max(1, cap // 4)]
+        threads, expert_ms = fastest_threads(first.host, counts)
+        tried = sorted(set(counts))
+        rates = HostRates(expert_ms, expert_bytes, measure_handoff_ms(first.host, first.device),
+                          threads, source=f"measured at start-up on layer {min(caches)}'s "
+                                          f"experts with {threads} threads" + (
+                                              f" (the fastest of {tried})"
+                                              if len(tried) > 1 else ""))
     forced = spec.host_share if isinstance(spec.host_share, float) else None
     policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=first.slots,
                          expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced,
@@ -70,21 +75,11 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
 
 
 def _share_of_cpus(vllm_config) -> int:
-    """The cores (not hyper-threads) this worker may run on, divided among the GPU workers of
-    this host (each rank of tensor or pipeline parallelism runs its own host share), less one
-    for the engine's own thread. On the H200 machine an expert took 0.25 ms with 8 threads and
-    0.34 ms with all 16 (tools/host_rates.py): a GEMV's threads wait for the slowest, and a
-    thread sharing its core waits longest."""
-    usable = sorted(os.sched_getaffinity(0))
-    cores = set()
-    for cpu in usable:
-        try:
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-                      .read_text().strip())
-        except OSError:  # no topology: every CPU a core
-            cores = set(usable)
-            break
+    """The CPUs this worker may run on, divided among the GPU workers of this host (each rank
+    of tensor or pipeline parallelism runs its own host share), less one for the engine's own
+    thread: the most threads the share is given."""
+    usable = len(os.sched_getaffinity(0))
     parallel = getattr(vllm_config, "parallel_config", None)
     world = getattr(parallel, "world_size", 1) or 1
     local = max(1, min(world, torch.cuda.device_count() or 1))
-    return max(1, len(cores) // local - 1)
+    return max(1, usable // local - 1)

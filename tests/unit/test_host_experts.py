@@ -14,7 +14,7 @@ from ringflow.errors import ConfigError, HazardError, KernelError
 from ringflow.graphs.host_node import HostNode
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
-from ringflow.integrations.torch.host_experts import HostExperts
+from ringflow.integrations.torch.host_experts import HostExperts, fastest_threads
 from ringflow.kernels.host_moe import moe_on_host
 from ringflow.kernels.reference import moe_ref
 from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step
@@ -151,6 +151,15 @@ def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
         assert host.describe(3)["runs"] == 2 and host.describe(7)["runs"] == 2
     finally:
         host.close()
+
+
+def test_the_fastest_thread_count_is_measured_through_the_worker():
+    """``host_threads: 0``: the count the worker computes one token's expert fastest with,
+    the fewest on a tie; its times are that count's."""
+    w13, w2 = experts(dtype=torch.bfloat16)
+    threads, ms = fastest_threads({"w13": w13, "w2": w2}, [2, 1, 2])
+    assert threads in (1, 2) and set(ms) == {1, 2, 4, 8, 16}
+    assert all(t > 0 for t in ms.values())
 
 
 # the host node (Note [Host node])

@@ -78,6 +78,15 @@ def mode_cases(mode):
     return cases
 
 
+def _die_with_parent() -> None:
+    """In the engine's child process: killed when the pytest that started it dies. A device
+    call's ``timeout`` kills pytest; its engines (their host workers polling) would otherwise
+    run on and load the machine that later calls measure on (seen on the H200)."""
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run(cases, tag, timeout=1500, env=None):
     """Start one process running ``cases`` in order (tests/helpers/vllm_e2e.py); logs under $OUT."""
     work = OUT / "vllm" / tag
@@ -88,7 +97,8 @@ def run(cases, tag, timeout=1500, env=None):
     with open(work / "log.txt", "w") as log:  # the child keeps its own handle
         proc = subprocess.Popen([sys.executable, str(HERE.parent / "helpers" / "vllm_e2e.py"),
                                  str(work / "cases.json"), str(work / "results.json")],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
     return proc, work, timeout
 
 
