@@ -24,7 +24,9 @@ Note [Host experts]
        order by the CPU's GEMM).
 
     One worker and one set of buffers serve every chosen layer: the layers run one after
-    another on one stream, so a layer's ``stage`` follows the previous layer's ``join``, and
+    another on one stream, so a layer's ``stage`` follows the previous layer's ``join`` (a
+    launch before the last one's join, or a join without its launch, whose wait no run would
+    ever answer, raises instead of reaching the stream), and
     one thread keeps its CPU thread pool warm from layer to layer. The worker counts, per
     layer, its runs and the experts it computed (``counts``), replays included. The token
     count and the layer travel with the rows (copied from a device table of both, a fixed
@@ -125,6 +127,7 @@ class HostExperts:
             self.device, "ringflow/experts/host", fail=lambda: self.out.fill_(float("nan")),
             threads=threads)
         self.stream_name = "host"
+        self._launched: int | None = None  # the layer launched and not yet joined
 
     @property
     def bytes(self) -> int:
@@ -136,6 +139,10 @@ class HostExperts:
                topk_ids: torch.Tensor, mine: torch.Tensor, trace: list | None = None) -> None:
         """Stage layer ``layer``'s step and ring the host's doorbell (steps 1 and 2), on the
         current stream."""
+        if self._launched is not None:
+            raise KernelError(f"layer {layer}'s host share was launched before layer "
+                              f"{self._launched}'s was joined: the worker has one set of "
+                              f"buffers, so each launch needs its join first")
         t = x.shape[0]
         if t > self.max_tokens:
             raise KernelError(f"a step of {t} tokens is larger than the host share's "
@@ -148,6 +155,7 @@ class HostExperts:
         if trace is not None:
             trace.append(ExpertOp("stage", lane))
         self.node.post()
+        self._launched = layer
         if trace is not None:
             picked = mine[:self.experts].nonzero().flatten().tolist()
             trace += [ExpertOp("wait", self.stream_name, on=lane),
@@ -156,7 +164,12 @@ class HostExperts:
     def join(self, tokens: int, trace: list | None = None) -> torch.Tensor:
         """The host's rows [tokens, top_k, hidden] on the device, each choice's row times its
         weight, zeros at the choices it was not handed; read after the worker finished (step
-        3), on the current stream."""
+        3), on the current stream. Once per launch: a second join would wait for a run that
+        never comes (the stream for good), so it is refused."""
+        if self._launched is None:
+            raise KernelError("the host share was joined without a launch: its stream would "
+                              "wait for the worker for good")
+        self._launched = None
         self.node.join()
         if trace is not None:
             lane = _stream(self.device)

@@ -162,6 +162,27 @@ def test_the_fastest_thread_count_is_measured_through_the_worker():
     assert all(t > 0 for t in ms.values())
 
 
+def test_a_join_without_its_launch_is_refused_not_left_to_wait():
+    """One join per launch: a second join (or a launch before the last one's join) would leave
+    the stream waiting for a run that never comes; both raise instead."""
+    w13, w2 = experts()
+    host = HostExperts({0: {"w13": w13, "w2": w2}}, H, K, 2, "cpu", torch.float32)
+    ids, weights = routing(3, 1)
+    hidden = torch.randn(1, H)
+    mine = torch.ones(E, dtype=torch.bool)
+    try:
+        with pytest.raises(KernelError, match="without a launch"):
+            host.join(1)
+        host.launch(0, hidden, weights, ids, mine)
+        with pytest.raises(KernelError, match="before layer 0's was joined"):
+            host.launch(0, hidden, weights, ids, mine)
+        host.join(1)
+        with pytest.raises(KernelError, match="without a launch"):
+            host.join(1)
+    finally:
+        host.close()
+
+
 # the host node (Note [Host node])
 
 def doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
