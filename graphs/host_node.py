@@ -171,8 +171,12 @@ class HostNode:
         post this node again."""
         if self._stopping:
             return
-        if self.device.type == "cuda":  # a doorbell still queued on a stream rings after
-            torch.cuda.synchronize(self.device)  # the stop: let it ring first
-        self._stopping = True
-        self.flags[GO] = -1
-        self._thread.join(timeout=5)
+        try:
+            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)  # a doorbell still queued on a stream
+                # rings after the stop: let it ring first (not while a graph is captured: a
+                # finalizer may close a dropped lane then, and a sync would end the capture)
+        finally:
+            self._stopping = True
+            self.flags[GO] = -1
+            self._thread.join(timeout=5)
