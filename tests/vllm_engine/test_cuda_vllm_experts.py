@@ -142,11 +142,14 @@ HOST_GAP = 0.1
 
 
 def host_cases(mode):
+    """The host lanes and their own all-resident control, in one process per mode (so that
+    ``pytest -k host`` starts only these two)."""
     base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True}
-    return [{"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
-             "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
-                                                            if k != "slots"})}
-            for name, section in HOST_LANES.items()]
+    return [{"name": f"{mode}/host-resident", **base, "engine": {"moe_backend": "triton"}}] + [
+        {"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
+         "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
+                                                        if k != "slots"})}
+        for name, section in HOST_LANES.items()]
 
 
 REFUSALS = [
@@ -162,9 +165,13 @@ REFUSALS = [
 def runs():
     started = [run(mode_cases(mode), f"experts-{mode}", env=V1) for mode in MODES]
     started += [run(fp8_cases(mode), f"experts-fp8-{mode}", env=V1) for mode in MODES]
-    started += [run(host_cases(mode), f"experts-host-{mode}", env=V1) for mode in MODES]
     started.append(run(REFUSALS, "experts-refusals", env=V1))
     return collect(started)
+
+
+@pytest.fixture(scope="module")
+def host_runs():
+    return collect([run(host_cases(mode), f"experts-host-{mode}", env=V1) for mode in MODES])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -288,14 +295,14 @@ def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(HOST_LANES))
-def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(runs, mode, name):
+def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(host_runs, mode, name):
     """A decode step hands its share of each layer's misses to the host's CPU (Note [Host
     experts]), inside vLLM's FULL decode graphs in the default mode: the tokens and top-5
     logprobs stay within HOST_GAP of all-resident vLLM (one request at a time, seeded weights
     of real scale), every layer's host computed experts at every decode step (counted by its
     worker, so replays count too), and the start-up line says the share and why."""
     section = HOST_LANES[name]
-    want, got = runs[f"{mode}/resident"], runs[f"{mode}/{name}"]
+    want, got = host_runs[f"{mode}/host-resident"], host_runs[f"{mode}/{name}"]
     for r in (want, got):
         assert "error" not in r, r["error"]
     said = [line for line in got["log"] if line.startswith("experts.host_share")]
@@ -317,5 +324,5 @@ def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(runs, mode,
         assert host["runs"] >= decode_steps and host["computed"] >= decode_steps // 2, host
         assert layer["host_computed"] == host["computed"]
     if section["host_share"] == 1.0:  # every decode miss on the CPU: more than at half
-        half = runs[f"{mode}/host-half"]["experts"]
+        half = host_runs[f"{mode}/host-half"]["experts"]
         assert sum(l["host_computed"] for l in layers) > sum(l["host_computed"] for l in half)
