@@ -317,7 +317,8 @@ FIELDS: dict[str, ProfileField] = {
                                     "every miss", 1, 256, 8),
     "experts.host_rates": ProfileField("the host's rates as tools/host_rates.py wrote them, for "
                                        "host_share: auto; omitted: measured at start-up on the "
-                                       "first chosen layer's experts", "str", None,
+                                       "first chosen layer's experts, beside host-to-device "
+                                       "copies", "str", None,
                                        nullable=True, words="a path to a JSON file"),
     "experts.host_threads": _integer("CPU threads the host share's worker computes with "
                                      "(its own; vLLM's threads are left as they are); 0: the "

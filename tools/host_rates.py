@@ -29,7 +29,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 
 from ringflow.bench import records  # noqa: E402
 from ringflow.integrations.torch.host_experts import (  # noqa: E402
-    measure_expert_ms, measure_handoff_ms)
+    CopyLoad, measure_expert_ms, measure_handoff_ms)
 from ringflow.testing.busy_python import BusyPython  # noqa: E402
 
 
@@ -73,39 +72,6 @@ def read_gbps(buf: torch.Tensor, threads: int, repeats: int) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - start)
     return buf.numel() * buf.element_size() / best / 1e9
-
-
-class CopyLoad:
-    """Pinned host-to-device copies in a loop on a side stream, while the host measures."""
-
-    def __init__(self, mib: int) -> None:
-        self.src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
-        self.dst = torch.empty_like(self.src, device="cuda")
-        self.stream = torch.cuda.Stream()
-        self.bytes, self.seconds, self._stop = 0, 0.0, threading.Event()
-
-    def _run(self) -> None:
-        with torch.cuda.stream(self.stream):
-            start = time.perf_counter()
-            while not self._stop.is_set():
-                self.dst.copy_(self.src, non_blocking=True)
-                self.stream.synchronize()
-                self.bytes += self.src.numel()
-            self.seconds = time.perf_counter() - start
-
-    def __enter__(self) -> CopyLoad:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int = 3) -> dict:
@@ -253,13 +219,13 @@ def main() -> int:
                                                                       best["threads"])
     loaded = None
     if cuda:
-        with CopyLoad(256) as copy:
+        with CopyLoad("cuda", 256) as copy:
             loaded = {"threads": best["threads"],
                       "read_gbps": round(read_gbps(buf, best["threads"], 3), 2),
                       "expert_ms_bfloat16": {t: round(ms, 4) for t, ms in measure_expert_ms(
                           stores["bfloat16"]).items()}}
         loaded["copy_gbps_meanwhile"] = round(copy.gbps, 2)
-        with CopyLoad(256) as alone:
+        with CopyLoad("cuda", 256) as alone:
             time.sleep(1.0)
         loaded["copy_gbps_alone"] = round(alone.gbps, 2)
     handoff = {"eager_ms": round(measure_handoff_ms(stores["bfloat16"],

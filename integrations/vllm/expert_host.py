@@ -10,7 +10,7 @@ import os
 import torch
 
 from ringflow.integrations.torch.expert_cache import ExpertCache
-from ringflow.integrations.torch.host_experts import (HostExperts, fastest_threads,
+from ringflow.integrations.torch.host_experts import (CopyLoad, HostExperts, fastest_threads,
                                                       measure_handoff_ms)
 from ringflow.orchestrator.expert_model import fetch_ms
 from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
@@ -41,13 +41,14 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
         cap = _share_of_cpus(vllm_config)
         counts = [spec.host_threads] if spec.host_threads else [cap, max(1, cap // 2),
                                                                  max(1, cap // 4)]
-        threads, expert_ms = fastest_threads(first.host, counts)
+        with CopyLoad(first.device, 64):  # the bus as a step has it: the copies run too
+            threads, expert_ms = fastest_threads(first.host, counts)
         tried = sorted(set(counts))
         rates = HostRates(expert_ms, expert_bytes, measure_handoff_ms(first.host, first.device),
-                          threads, source=f"measured at start-up on layer {min(caches)}'s "
-                                          f"experts with {threads} threads" + (
-                                              f" (the fastest of {tried})"
-                                              if len(tried) > 1 else ""))
+                          threads, source=f"measured at start-up beside host-to-device copies "
+                                          f"on layer {min(caches)}'s experts with {threads} "
+                                          f"threads" + (f" (the fastest of {tried})"
+                                                        if len(tried) > 1 else ""))
     forced = spec.host_share if isinstance(spec.host_share, float) else None
     policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=first.slots,
                          expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced,
