@@ -542,3 +542,64 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     with caplog.at_level("INFO", logger="ringflow"):
         assert host_shares(auto, {0: cache}, {0: object()}, None) == (None, None)
     assert "already compute on the CPU" in caplog.text
+
+
+def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkeypatch):
+    """ResidentKernel with a host share (Note [Host experts], step 3), over a stand-in for
+    vLLM's modular kernel: the rows of the choices its map skips (never written: NaN here)
+    are the host's, the host is joined once, at the sum, and the one ``moe_sum`` sums them
+    with the kernel's own; a step without a map cannot take host rows."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from ringflow.integrations.vllm.expert_kernel import ResidentKernel
+    sums = []
+
+    class Experts:  # vLLM's TritonExperts, as far as the lane touches it
+        quant_config = SimpleNamespace(config_name=lambda dtype: None)
+        block_shape = None
+
+        def moe_sum(self, rows, out):
+            sums.append(rows.clone())
+            out.copy_(rows.sum(1))
+
+    class Impl:  # its modular kernel: the rows of the choices the map names, then moe_sum
+        def __init__(self):
+            self.fused_experts = Experts()
+
+        def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                  global_num_experts, expert_map, apply_router_weight_on_input):
+            slot = expert_map[topk_ids.long()]
+            rows = torch.full((*topk_ids.shape, hidden_states.shape[1]), float("nan"))
+            for t, j in (slot >= 0).nonzero().tolist():
+                rows[t, j] = topk_weights[t, j] * hidden_states[t] * w1[slot[t, j], 0, 0]
+            out = torch.empty_like(hidden_states)
+            self.fused_experts.moe_sum(rows, out)
+            return out
+
+    layer = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(
+        impl=Impl())), top_k=3, activation="silu", global_num_experts=6)
+    kernel = ResidentKernel(layer, (torch.Size((6, 4, 5)), torch.Size((6, 5, 2))))
+    monkeypatch.setattr(kernel, "config", lambda tokens, dtype: {})
+    w13, w2 = torch.rand(2, 4, 5) + 1, torch.rand(2, 5, 2)  # slots 0, 1: experts 0 and 2
+    expert_map = torch.tensor([0, -1, 1, -1, -1, -1])  # experts 1 and 3: the host's
+    ids = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    weights = torch.rand(2, 3)
+    x = torch.randn(2, 5)
+    host = torch.zeros(2, 3, 5)
+    for t, j in ((0, 1), (1, 0), (1, 2)):
+        host[t, j] = torch.randn(5)
+    joined = []
+
+    def host_rows():
+        joined.append(len(sums))  # the kernel's sum has not run yet
+        return host
+
+    out = kernel(x, {"w13": w13, "w2": w2}, weights, ids, expert_map, True, host_rows)
+    want = host.sum(1).clone()
+    for t, j in ((0, 0), (0, 2), (1, 1)):
+        want[t] += weights[t, j] * x[t] * w13[expert_map[ids[t, j]], 0, 0]
+    assert joined == [0] and len(sums) == 1
+    torch.testing.assert_close(out, want)
+    with pytest.raises(KernelError, match="one pass over the slots"):
+        kernel(x, {"w13": w13, "w2": w2}, weights, ids, None, True, host_rows)
