@@ -41,7 +41,7 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
         cap = _share_of_cpus(vllm_config)
         counts = [spec.host_threads] if spec.host_threads else [cap, max(1, cap // 2),
                                                                  max(1, cap // 4)]
-        with CopyLoad(first.device, 64):  # the bus as a step has it: the copies run too
+        with CopyLoad(first.device, 16):  # the bus as a step has it: the copies run too
             threads, expert_ms = fastest_threads(first.host, counts)
         tried = sorted(set(counts))
         rates = HostRates(expert_ms, expert_bytes, measure_handoff_ms(first.host, first.device),
