@@ -74,6 +74,26 @@ def read_gbps(buf: torch.Tensor, threads: int, repeats: int) -> float:
     return buf.numel() * buf.element_size() / best / 1e9
 
 
+def thread_count(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def replay_ms(graph, repeats: int) -> float:
+    """Milliseconds of one replay of ``graph``: the median of ``repeats`` replays timed with
+    CUDA events, after one untimed."""
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    return statistics.median(samples)
+
+
 def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int = 3) -> dict:
     """One expert through the host share as vLLM's FULL decode graph runs it: 32 steps of one
     expert each (each on another expert, so its bytes come from DRAM) staged, rung and joined
@@ -106,15 +126,7 @@ def stream_expert_ms(store: dict, threads: int, tokens=(1, 4, 16), repeats: int 
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 steps()
-            samples = []
-            for _ in range(repeats + 1):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b) / len(picks))
-            out[t] = round(statistics.median(samples[1:]), 4)
+            out[t] = round(replay_ms(graph, repeats) / len(picks), 4)
             del graph
     finally:
         torch.cuda.synchronize()
@@ -147,20 +159,7 @@ def replayed_handoff_ms(store: dict, repeats: int = 50) -> float:
                         share.join(0)
                     marker.add_(1)
             graphs[name] = graph
-        times = {}
-        for name, graph in graphs.items():
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(repeats):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b))
-            times[name] = statistics.median(samples)
-        return times["node"] - times["bare"]
+        return replay_ms(graphs["node"], repeats) - replay_ms(graphs["bare"], repeats)
     finally:
         share.close()
 
@@ -253,14 +252,14 @@ def main() -> int:
         print(f"{r['threads']:>7} {r['read_gbps']:>9} " + " ".join(
             f"{r['expert_ms_bfloat16'][t]:>11}" for t in (1, 4, 16))
             + f" {r['expert_ms_float32'][1]:>11}")
-    print(f"through the host share's worker ({best['threads']} threads), bf16 1 token: "
+    print(f"through the host share's worker ({thread_count(best['threads'])}), bf16 1 token: "
           f"{beside_python['worker_ms_quiet'][1]} ms, beside a busy Python thread "
           f"{beside_python['worker_ms_busy_python'][1]} ms (joined from Python)")
     if cuda:
         print(f"  replayed in a CUDA graph: {beside_python['stream_ms_quiet'][1]} ms, beside a "
               f"busy Python thread {beside_python['stream_ms_busy_python'][1]} ms")
     if loaded:
-        print(f"under copy load ({loaded['threads']} threads): read {loaded['read_gbps']} GB/s, "
+        print(f"under copy load ({thread_count(loaded['threads'])}): read {loaded['read_gbps']} GB/s, "
               f"bf16 1 token {loaded['expert_ms_bfloat16'][1]} ms; copy "
               f"{loaded['copy_gbps_meanwhile']} GB/s meanwhile, {loaded['copy_gbps_alone']} "
               f"alone")
