@@ -26,8 +26,14 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
   reads them across the host link every step), the rest resident;
-* ``vllm-prefetch``: vLLM's prefetch offloader on every layer's experts, as many layers ahead
-  as the device memory holds; it makes its dummy weights on the CPU (minutes for 8 layers);
+* ``vllm-prefetch``: vLLM's prefetch offloader in the layout that fills the same device memory
+  and gives each layer its own weights (``prefetch_layout``): every layer's experts, as many
+  layers ahead as the memory holds, where the layer count is a multiple of that (8 layers: 4
+  ahead); else every other layer, one ahead (4 layers: 2 resident, 1 buffer). vLLM gives
+  offloaded layer ``i`` the buffer ``i % step`` and refills it for layer ``(i + step) % n``,
+  so with ``n`` not a multiple of ``step`` (4 layers, 3 ahead, what this bench ran before)
+  a copy lands in the buffer of a layer still to run (``tools/vllm_prefetch_slots.py``). It
+  makes its dummy weights on the CPU (minutes for 8 layers);
 * ``ringflow-layers``: ringflow's whole-layer weight streaming (``offload``), every layer
   through a ring of two.
 
@@ -86,6 +92,28 @@ def device_layers(layers: int) -> float:
     return layers * SLOTS / 128 + RING
 
 
+def prefetch_layout(layers: int, memory: float) -> tuple[int, int, int]:
+    """vLLM's prefetch offloader's ``(offload_group_size, offload_num_in_group,
+    offload_prefetch_step)`` that keeps at most ``memory`` layers of experts on the device
+    (resident layers and buffers) with every offloaded layer's buffer its own until it ran
+    (offloaded count a multiple of the step): the most memory, then the most layers offloaded."""
+    best = None
+    for group in range(1, layers + 1):
+        for num in range(1, group + 1):
+            offloaded = sum(1 for i in range(layers) if i % group >= group - num)
+            for step in range(1, offloaded + 1):
+                used = layers - offloaded + step
+                if offloaded % step or used > memory:
+                    continue
+                key = (used, offloaded, -group)
+                if best is None or key > best[0]:
+                    best = (key, (group, num, step))
+    if best is None:
+        raise SystemExit(f"experts_bench: no prefetch layout of {layers} layers fits "
+                         f"{memory} layers of device memory")
+    return best[1]
+
+
 def configs(layers: int) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     layer_gib = 128 * EXPERT_BYTES / 2**30
@@ -97,7 +125,7 @@ def configs(layers: int) -> dict[str, dict]:
         return {"ringflow": {"name": name, "experts": {"layers": "all", "slots": SLOTS,
                                                        "layer_buffers": RING, **more}}}
 
-    ahead = max(1, round(device_layers(layers)))
+    group, num, ahead = prefetch_layout(layers, device_layers(layers))
     return {
         "resident": {"moe_backend": "triton"},
         "ringflow": {**lane, "additional_config": experts("experts-bench")},
@@ -110,7 +138,7 @@ def configs(layers: int) -> dict[str, dict]:
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
                      "cpu_offload_gb": math.ceil((layers - device_layers(layers)) * layer_gib)},
         "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
-                          "offload_group_size": 1, "offload_num_in_group": 1,
+                          "offload_group_size": group, "offload_num_in_group": num,
                           "offload_prefetch_step": ahead, "offload_params": {"experts"}},
         "ringflow-layers": {"moe_backend": "triton", "additional_config": {"ringflow": {
             "name": "experts-bench-layers", "offload": {
@@ -251,6 +279,10 @@ def main() -> int:
                              layers=args.layers, rounds=rounds, slots_per_layer=SLOTS,
                              max_num_batched_tokens=step_tokens,
                              ring_layers=RING, device_layers_of_experts=device_layers(args.layers),
+                             prefetch_layout=dict(zip(
+                                 ("offload_group_size", "offload_num_in_group",
+                                  "offload_prefetch_step"),
+                                 prefetch_layout(args.layers, device_layers(args.layers)))),
                              model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
                                            "token" if ROUTINGS[k] else "greedy: the same "

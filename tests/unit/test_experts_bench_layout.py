@@ -1,0 +1,67 @@
+"""The experts bench's layout of vLLM's prefetch offloader: every offloaded layer reads its own
+weights, under vLLM 0.26's buffer rule (tools/vllm_prefetch_slots.py checks the rule itself on a
+GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("experts_bench", ROOT / "tools/experts_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wrong_reads(layers: int, group: int, num: int, step: int, passes: int = 3) -> list[int]:
+    """The offloaded layers that read another layer's weights, replaying vLLM's
+    ``PrefetchOffloader``: offloaded layer ``k`` (in order) owns buffer ``k % step``, the first
+    ``step`` are copied at start-up, and after ``k`` runs ``(k + step) % n`` is copied into its
+    buffer (one copy stream: in issue order)."""
+    offloaded = [i for i in range(layers) if i % group >= group - num]
+    n = len(offloaded)
+    held = {}
+    for k in range(min(step, n)):
+        held[k % step] = k
+    wrong = set()
+    for _ in range(passes):
+        for k in range(n):
+            if held.get(k % step) != k:
+                wrong.add(offloaded[k])
+            nxt = (k + step) % n
+            held[nxt % step] = nxt
+    return sorted(wrong)
+
+
+def test_the_replay_finds_the_layout_the_bench_ran_before():
+    # 4 layers, 3 ahead: layer 0's refill lands in layer 3's buffer before layer 3 runs
+    assert wrong_reads(4, 1, 1, 3) == [3]
+    assert wrong_reads(8, 1, 1, 4) == []
+
+
+@pytest.mark.parametrize("layers", [2, 3, 4, 5, 6, 8, 12, 16])
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_prefetch_layout_fills_the_memory_and_gives_each_layer_its_weights(layers, share):
+    bench = _bench()
+    memory = layers * share + 2 if layers * share + 2 < layers else layers - 1
+    group, num, step = bench.prefetch_layout(layers, memory)
+    offloaded = sum(1 for i in range(layers) if i % group >= group - num)
+    assert offloaded >= 1 and layers - offloaded + step <= memory
+    assert wrong_reads(layers, group, num, step) == []
+    # nothing that fits uses more memory
+    for g in range(1, layers + 1):
+        for n in range(1, g + 1):
+            k = sum(1 for i in range(layers) if i % g >= g - n)
+            for s in range(1, k + 1):
+                if not wrong_reads(layers, g, n, s) and layers - k + s <= memory:
+                    assert layers - k + s <= layers - offloaded + step
+
+
+def test_the_bench_gives_four_layers_two_resident_and_one_buffer():
+    assert _bench().prefetch_layout(4, 3.0) == (2, 1, 1)
