@@ -296,6 +296,11 @@ FIELDS: dict[str, ProfileField] = {
                                      "from host memory (false: every expert from host memory, "
                                      "the lane before this; Note [Ring fills from the slots])",
                                      True),
+    "experts.lend_slots": _flag("with ring_from_slots, a large step's tail lends the slots of "
+                                "the layers it carried into the ring to the next layer, whose "
+                                "missing experts it copies there while the GPU is idle; the "
+                                "next large step takes them from there (Note [Ring lends the "
+                                "carried layers' slots])", True),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

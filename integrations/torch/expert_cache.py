@@ -299,6 +299,15 @@ class ExpertCache:
         """slot → expert it holds (a host sync): where a step's trace starts."""
         return {s: e for s, e in enumerate(self.expert_in[:self.slots].tolist()) if e >= 0}
 
+    def lend(self) -> None:
+        """Empty every slot, its weights left as they are, stream-ordered like a step: the
+        layer ring writes another layer's experts there (Note [Ring lends the carried layers'
+        slots]), and the next steps install over them as over empty slots."""
+        self.slot_of.fill_(-1)
+        self.expert_in.fill_(-1)
+        self.last_used.fill_(-1)
+        self.predicted.zero_()
+
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
         Stream-ordered like a step; the next step fetches what it needs."""

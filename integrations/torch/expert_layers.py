@@ -78,6 +78,41 @@ Note [Ring fills from the slots]
 
     The buffer ends up holding every expert at its own index, bytes as the host's: the
     layer's compute cannot tell where a row came from.
+
+Note [Ring lends the carried layers' slots]
+    A large step's tail fills the ring's buffers with the next step's first positions (0 and
+    1 of a ring of two), from their slots and from host memory. From then on those layers'
+    slot caches hold nothing the next large step needs: the buffers hold the same experts.
+    The first position not carried (2) is then filled only when position 0's buffer retires,
+    in the next step, with the copy engines' time of its missing experts on the step's path.
+    vLLM's prefetch offloader spends the idle time between steps on every buffer it has; the
+    lane's slots are a quarter of its device memory in the H200 bench, and the carried
+    layers' quarter sat idle.
+
+    So, with ``lend_slots``, the tail lends the carried positions' slots to the first position
+    not carried (``_stage_next``), on the compute stream after the carried fills' slot rows
+    were copied (step 2 of Note [Ring fills from the slots]):
+
+    1. each lending cache empties its tables (``ExpertCache.lend``: every slot -1, nothing
+       poisoned), so a decode step in between finds nothing there and installs over them;
+    2. the target position's experts its own slots do not hold are copied from host memory
+       into the lent slots, in expert order, as many as they hold (runs of consecutive
+       experts, DMA);
+    3. the next large step reads every cache's table at its start (step 1 of Note [Ring
+       fills from the slots]). A lent slot whose entry is still -1 was written by nothing
+       since (every install sets it to an expert; only ``forget`` sets -1 again, and it drops
+       the stage), so the target's fill copies those staged experts from the lent slots into
+       its buffer on the compute stream, beside the ones its own slots hold, and only the
+       rest from host memory. A staged row whose slot a decode step took is copied from the
+       host as before.
+
+    Every write to and read of a lent slot is on the compute stream (the staging, the
+    lenders' installs, the fill's copy), so stream order keeps them apart, as for the slot
+    rows of step 2. Back to back (chunked prefill, copy-bound) the host link carries as many
+    bytes per step as before: the lenders' next fills find their slots empty and copy those
+    experts from the host, and the target copies as many fewer. After an idle gap (a prompt
+    arriving at a quiet server) the staging ran in the gap. A decode step right after a
+    large step misses more in the lent layers (their caches start empty).
 """
 
 from __future__ import annotations
@@ -102,12 +137,14 @@ class ExpertLayerRing:
     ``hosts`` (per chosen layer: parameter name → tensor [experts, ...], all layers of one
     layout) from host memory, on ``stream`` (None on the CPU: copies in line), and from the
     slots of ``caches`` (per chosen layer, its ``ExpertCache`` over the same host tensors;
-    None: host memory only). See Note [Expert layer ring] and Note [Ring fills from the
-    slots]."""
+    None: host memory only), the carried positions' slots lent to the next one when
+    ``lend_slots``. See Note [Expert layer ring], Note [Ring fills from the slots] and Note
+    [Ring lends the carried layers' slots]."""
 
     def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
                  device: torch.device | str, stream: torch.cuda.Stream | None = None,
-                 poison_reads: bool = False, caches: Sequence | None = None) -> None:
+                 poison_reads: bool = False, caches: Sequence | None = None,
+                 lend_slots: bool = True) -> None:
         if not hosts:
             raise ConfigError("an expert layer ring needs at least one layer")
         layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
@@ -171,6 +208,12 @@ class ExpertLayerRing:
         self.fills = 0
         self.rows_from_slots = 0  # experts filled from a slot cache (Note [Ring fills from the slots])
         self.rows_from_host = 0
+        self.rows_staged = 0  # experts staged in lent slots (Note [Ring lends the carried ...])
+        self.rows_from_lent = 0  # of which a fill took from there
+        self.lend_slots = lend_slots and caches is not None
+        #: the staged experts: (the step that staged them, target position, [(lending
+        #: position, slot, expert)]), or None
+        self._stage: tuple[int, int, list[tuple[int, int, int]]] | None = None
         #: this step's slot tables (Note [Ring fills from the slots]): per position the slots
         #: holding an expert first, their experts, how many; the host's view read at first use
         self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
@@ -180,12 +223,17 @@ class ExpertLayerRing:
             self._held_copy = torch.empty((len(caches), caches[0].slots), dtype=torch.int64,
                                           pin_memory=pinned)
             self._held_event = torch.cuda.Event() if cuda else None
+        self._tables: list[list[int]] | None = None  # the host's view of the slot tables
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
 
     @staticmethod
     def _describe(host: Mapping[str, torch.Tensor]) -> str:
         return ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in host.items())
+
+    @property
+    def _experts(self) -> int:
+        return next(iter(self.hosts[0].values())).shape[0]
 
     @property
     def layers(self) -> int:
@@ -247,6 +295,8 @@ class ExpertLayerRing:
         if position == self.layers - 1:
             self._next -= self.layers  # what was filled past the end is the next step's
         self._fill_ahead()
+        if position == self.layers - 1 and self.lend_slots:
+            self._stage_next()
 
     def forget(self) -> None:
         """The host copies changed: nothing filled or carried is current. The next fills' host
@@ -255,11 +305,12 @@ class ExpertLayerRing:
         slots])."""
         self.abandon()
         self._next = 0
-        self._held = self._held_host = None
+        self._held = self._held_host = self._tables = None
+        self._stage = None  # the caches forgot too: a -1 entry no longer means untouched
 
     def _read_slot_tables(self) -> None:
         """Step 1 of Note [Ring fills from the slots], issued on the compute stream."""
-        self._held = self._held_host = None
+        self._held = self._held_host = self._tables = None
         if self.caches is None:
             return
         held = []
@@ -279,8 +330,53 @@ class ExpertLayerRing:
         if self._held_host is None:
             if self._held_event is not None:
                 self._held_event.synchronize()
-            self._held_host = [[e for e in row if e >= 0] for row in self._held_copy.tolist()]
+            self._tables = self._held_copy.tolist()
+            self._held_host = [[e for e in row if e >= 0] for row in self._tables]
         return self._held_host[position]
+
+    def _stage_next(self) -> None:
+        """Steps 1 and 2 of Note [Ring lends the carried layers' slots], in a large step's
+        tail after its fills ahead, on the compute stream."""
+        self._stage = None
+        target = self._next  # the next step's first position not carried
+        if self._held is None or not 0 < target < self.layers or self.pool.free_count:
+            return
+        lenders = [p for p in range(target) if (LANE, p) in self.pool.carried]
+        held = set(self._held_experts(target))
+        wanted = iter(e for e in range(self._experts) if e not in held)
+        staged = [(p, slot, e) for p in lenders for slot, e in
+                  zip(range(self.caches[p].slots), wanted)]
+        if not staged:
+            return
+        compute = self._current()
+        for p in lenders:
+            self.caches[p].lend()
+        host = self.hosts[target]
+        for p, slot, e, n in _pair_runs(staged):
+            for name, dst in self.caches[p].weights.items():
+                if compute is None:
+                    dst[slot:slot + n].copy_(host[name][e:e + n])
+                    continue
+                row = dst[0].numel() * dst.element_size()
+                copy_async(dst.data_ptr() + slot * row, host[name].data_ptr() + e * row,
+                           n * row, compute.cuda_stream)
+        self.rows_staged += len(staged)
+        self._stage = (self.steps, target, staged)
+
+    def _staged(self, position: int, held: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Step 3 of Note [Ring lends the carried layers' slots]: the staged experts of
+        ``position`` whose lent slot nothing wrote since (its table entry, read at this step's
+        start, still -1) and that its own slots do not hold; the stage is used once."""
+        if self._stage is None or self._stage[1] != position or self._stage[0] >= self.steps:
+            return []
+        _, _, staged = self._stage
+        self._stage = None
+        self._held_experts(position)  # the tables' host view
+        if self._tables is None:
+            return []
+        mine = set(held)
+        return [(p, slot, e) for p, slot, e in staged
+                if self._tables[p][slot] == -1 and e not in mine]
 
     def abandon(self) -> None:
         """Drop every fill issued ahead (a step that stopped half-way, or a new step that does
@@ -332,15 +428,19 @@ class ExpertLayerRing:
     def _fill(self, position: int, lease) -> None:
         views, host, slot = self.views[lease.slot], self.hosts[position], lease.slot
         held = self._held_experts(position)
+        staged = self._staged(position, held)
         compute = self._current()
-        if held:  # Note [Ring fills from the slots], step 2: on the compute stream
+        if held or staged:  # Note [Ring fills from the slots], step 2: on the compute stream
             if compute is not None:  # a fill of this buffer never read may still be copying
                 compute.wait_event(self._ready[slot])
             self._op("wait", "compute", on=("ready", slot))
             cache, (slots, experts, count) = self.caches[position], self._held[position]
             for name, v in views.items():
-                fetch_experts(cache.weights[name], v, slots, experts, count,
-                              programs=_DEVICE_PROGRAMS)
+                if held:
+                    fetch_experts(cache.weights[name], v, slots, experts, count,
+                                  programs=_DEVICE_PROGRAMS)
+                for p, first, e, n in _pair_runs(staged):  # lent slots: device to device
+                    v[e:e + n].copy_(self.caches[p].weights[name][first:first + n])
             self._op("fill", "compute", pairs=((position, slot),))
             if compute is not None:
                 self._retire[slot].record(compute)
@@ -352,10 +452,11 @@ class ExpertLayerRing:
         self._op("fill", "copy", pairs=((position, slot),))
         self._op("record", "copy", on=("ready", slot))
         self.fills += 1
-        experts = next(iter(views.values())).shape[0]
-        runs = _runs(held, experts)
+        taken = [*held, *(e for _, _, e in staged)]
+        runs = _runs(taken, self._experts)
         self.rows_from_slots += len(held)
-        self.rows_from_host += experts - len(held)
+        self.rows_from_lent += len(staged)
+        self.rows_from_host += self._experts - len(taken)
         if self.stream is None:  # the CPU: in line, in issue order
             for name, v in views.items():
                 for start, n in runs:
@@ -385,7 +486,9 @@ class ExpertLayerRing:
     def describe(self) -> dict:
         return {"layers": self.layers, "buffers": self.buffers, "layer_bytes": self.layer_bytes,
                 "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills,
-                "rows_from_slots": self.rows_from_slots, "rows_from_host": self.rows_from_host}
+                "rows_from_slots": self.rows_from_slots, "rows_from_host": self.rows_from_host,
+                "lend_slots": self.lend_slots, "rows_staged": self.rows_staged,
+                "rows_from_lent": self.rows_from_lent}
 
 
 def _runs(held: Sequence[int], experts: int) -> list[tuple[int, int]]:
@@ -398,3 +501,16 @@ def _runs(held: Sequence[int], experts: int) -> list[tuple[int, int]]:
             runs.append((start, e - start))
             start = None
     return runs
+
+
+def _pair_runs(staged: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(position, first slot, first expert, count) of each run of ``staged`` (position, slot,
+    expert) triples whose slots and experts both go up by one in one position's slots."""
+    runs: list[list[int]] = []
+    for p, slot, e in staged:
+        if runs and runs[-1][0] == p and runs[-1][1] + runs[-1][3] == slot \
+                and runs[-1][2] + runs[-1][3] == e:
+            runs[-1][3] += 1
+        else:
+            runs.append([p, slot, e, 1])
+    return [tuple(r) for r in runs]

@@ -218,7 +218,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
         ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
                                device, stream, poison_reads=envs.flag("RINGFLOW_POISON"),
                                caches=([caches[i] for i in sorted(caches)]
-                                       if spec.ring_from_slots else None))
+                                       if spec.ring_from_slots else None),
+                               lend_slots=spec.lend_slots)
     ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
     on_host, policy = host_shares(spec, caches, modules, vllm_config)
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules, on_host,
@@ -253,7 +254,9 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
              (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "
               + (("the experts its slots hold copied from them, the rest ahead on a copy "
-                  "engine" if spec.ring_from_slots else "copied ahead on a copy engine")
+                  "engine" + ("; each large step's tail lends the carried layers' slots to the "
+                              "next layer's missing experts" if ring.lend_slots else "")
+                  if spec.ring_from_slots else "copied ahead on a copy engine")
                  if device.type == "cuda" else
                  "copied in line (a CPU has no copy engine)")
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))

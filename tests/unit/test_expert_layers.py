@@ -323,13 +323,15 @@ def test_the_gpu_race_catches_a_refill_before_the_retire(monkeypatch):
     assert wrong > 0
 
 
-@pytest.mark.parametrize("from_slots", [False, True])
+@pytest.mark.parametrize("from_slots,lend", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots):
+def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots, lend):
     """A ring over fp8 experts with their scales (Note [fp8 experts]): every buffer a large
     step reads holds its layer's fp8 weights and scales, byte for byte, for two steps (the
     second's first layers carried), with a third of each layer taken from its cache's slots
-    (Note [Ring fills from the slots]) or all from host memory."""
+    (Note [Ring fills from the slots]) or all from host memory, and with the carried layers'
+    slots lent to the third layer in the first step's tail (Note [Ring lends the carried
+    layers' slots])."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     hosts = []
@@ -345,7 +347,7 @@ def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots):
         caches = [ExpertCache(host, 4, device) for host in hosts]
         for i, cache in enumerate(caches):  # each cache holds 4 experts of its layer
             cache.prefetch(torch.tensor([[i, i + 3], [i + 5, i + 7]], device=device))
-    ring = ExpertLayerRing(hosts, 2, device, stream, caches=caches)
+    ring = ExpertLayerRing(hosts, 2, device, stream, caches=caches, lend_slots=lend)
     for _ in range(2):
         for position, host in enumerate(hosts):
             views = ring.begin(position)
@@ -353,4 +355,9 @@ def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots):
                 assert torch.equal(views[name].cpu().view(torch.uint8), t.cpu().view(torch.uint8))
             ring.end(position)
     assert ring.carried_steps == 1
-    assert ring.rows_from_slots == (4 * ring.fills if from_slots else 0)
+    assert ring.fills == 10  # 4 + 2 carried, then 2 + 2 carried
+    # lent: the carried layers' caches are empty after the first tail, so their second fills
+    # take nothing from their slots, and layer 2's second fill takes their 8 staged experts
+    assert ring.rows_from_slots == (0 if not from_slots else 32 if lend else 40)
+    assert ring.rows_from_lent == (8 if lend else 0)
+    assert ring.rows_from_slots + ring.rows_from_lent + ring.rows_from_host == E * ring.fills
