@@ -25,16 +25,19 @@ def _prefetcher(stack, depth, *, verify=True, poison=True, capacity=None, mib=64
     return pf
 
 
-def _next_step_matches_inline(stack, pf, seed=1):
+def _next_step_matches_inline(stack, pf, seed=1, exact=True):
     """One more step with ``pf``, against a twin of ``stack`` (same caches, table, lengths)
-    that gathers inline."""
+    that gathers inline: bit for bit, or (``exact`` False: ``pf``'s slots hold more rows than
+    the inline context, so the attention's matmuls run over a longer, masked dimension, which
+    the CPU's BLAS may block and round otherwise: 1.2e-7 on one machine) within 1e-6."""
     inline = PagedAttentionStack(stack.layers)
     inline.caches = [c.clone() for c in stack.caches]
     inline.block_table = stack.block_table.clone()
     inline.context_lens = stack.context_lens.clone()
     for s in (stack, inline):
         s.refill(seed)
-    return torch.equal(stack.step(pf), inline.step())
+    got, want = stack.step(pf), inline.step()
+    return torch.equal(got, want) if exact else torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
 def _twin(seed=0, **kw):
@@ -383,7 +386,7 @@ def test_a_workspace_resize_retires_the_step_and_replans_over_the_new_ring():
         real_begin(layer, sources)
         seen.append(pf.gathered(layer).data_ptr())
     pf.begin = begin
-    assert _next_step_matches_inline(stack, pf)
+    assert _next_step_matches_inline(stack, pf, exact=False)  # slots of 2x the rows now
     assert all(new_span[0] <= p < new_span[1] for p in seen)
     assert pf.capacity_tokens == 2 * stack.capacity and not pf.verification.mismatches
 
