@@ -300,7 +300,8 @@ FIELDS: dict[str, ProfileField] = {
                                 "the layers it carried into the ring to the next layer, whose "
                                 "missing experts it copies there while the GPU is idle; the "
                                 "next large step takes them from there (Note [Ring lends the "
-                                "carried layers' slots])", True),
+                                "carried layers' slots]); off by default: the step after a "
+                                "large one waits for that copy", False),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -198,7 +198,7 @@ class ExpertsSpec:
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
-    lend_slots: bool = True  # the tail lends the carried layers' slots (Note [Ring lends the ...])
+    lend_slots: bool = False  # the tail lends the carried layers' slots (Note [Ring lends the ...])
     auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
     host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
     host_tokens: int = 8  # the host share serves steps of at most this many tokens

@@ -16,9 +16,8 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
   there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
   cache, larger ones through the layer ring (Note [Expert lane modes]);
-* ``ringflow-no-lend``: the lane whose large steps' tails do not lend the carried layers'
-  slots to the next layer (``lend_slots: false``, Note [Ring lends the carried layers'
-  slots]): the lane before it;
+* ``ringflow-lend``: the lane whose large steps' tails lend the carried layers' slots to the
+  next layer (``lend_slots: true``, Note [Ring lends the carried layers' slots]);
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
@@ -86,7 +85,7 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots", "ringflow-no-lend", "ringflow-host-fills",
+LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-host-fills",
          "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
@@ -135,8 +134,8 @@ def configs(layers: int) -> dict[str, dict]:
         "ringflow": {**lane, "additional_config": experts("experts-bench")},
         "ringflow-slots": {**lane, "additional_config": experts("experts-bench-slots",
                                                                  layer_buffers=0)},
-        "ringflow-no-lend": {**lane, "additional_config": experts("experts-bench-no-lend",
-                                                                   lend_slots=False)},
+        "ringflow-lend": {**lane, "additional_config": experts("experts-bench-lend",
+                                                                lend_slots=True)},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",

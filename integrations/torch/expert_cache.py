@@ -121,6 +121,9 @@ class ExpertCache:
         self.predicted = torch.zeros(e, dtype=torch.bool, device=dev)
         self.predictions = torch.zeros(3, dtype=torch.int64, device=dev)
         self.looked_ahead = False  # a Lookahead targets this cache: report its counters
+        #: counts lend() and forget(): a -1 table entry means "written by nothing since the
+        #: lend" only within one generation (Note [Ring lends the carried layers' slots])
+        self.generation = 0
         self._positions = torch.arange(s, device=dev)
         self._experts = torch.arange(e, device=dev)
         #: a list to append each step's operations to (ExpertOp, Note [Expert lane hazards]),
@@ -303,6 +306,7 @@ class ExpertCache:
         """Empty every slot, its weights left as they are, stream-ordered like a step: the
         layer ring writes another layer's experts there (Note [Ring lends the carried layers'
         slots]), and the next steps install over them as over empty slots."""
+        self.generation += 1
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)
         self.last_used.fill_(-1)
@@ -311,6 +315,7 @@ class ExpertCache:
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
         Stream-ordered like a step; the next step fetches what it needs."""
+        self.generation += 1
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)
         self.last_used.fill_(-1)

@@ -100,10 +100,10 @@ Note [Ring lends the carried layers' slots]
        experts, DMA);
     3. the next large step reads every cache's table at its start (step 1 of Note [Ring
        fills from the slots]). A lent slot whose entry is still -1 was written by nothing
-       since (every install sets it to an expert; only ``forget`` sets -1 again, and it drops
-       the stage), so the target's fill copies those staged experts from the lent slots into
-       its buffer on the compute stream, beside the ones its own slots hold, and only the
-       rest from host memory. A staged row whose slot a decode step took is copied from the
+       since (every install sets it to an expert; only ``forget`` and ``lend`` set -1 again,
+       and each counts a generation of the cache that the stage checks), so the target's
+       fill copies those staged experts from the lent slots into its buffer on the compute
+       stream, beside the ones its own slots hold, and only the rest from host memory. A staged row whose slot a decode step took is copied from the
        host as before.
 
     Every write to and read of a lent slot is on the compute stream (the staging, the
@@ -111,8 +111,16 @@ Note [Ring lends the carried layers' slots]
     rows of step 2. Back to back (chunked prefill, copy-bound) the host link carries as many
     bytes per step as before: the lenders' next fills find their slots empty and copy those
     experts from the host, and the target copies as many fewer. After an idle gap (a prompt
-    arriving at a quiet server) the staging ran in the gap. A decode step right after a
-    large step misses more in the lent layers (their caches start empty).
+    arriving at a quiet server) the staging ran in the gap.
+
+    What it costs, and why it is off by default: the staging is on the compute stream, so the
+    step after a large one (a decode step, at once, in a server) waits for it: a quarter of a
+    layer per lender, 600 MB and about 11 ms in the H200 bench's shape, longer while the
+    carried fills share the link. Its decode steps find the lent layers' caches empty, and
+    they install over the staged rows first (the lent slots are the least recently used), so
+    in the bench's order (decode between prompts) little survives. It gains where large steps
+    follow each other after a gap. Bit for bit all-resident on the H200 (engine tests, eager
+    and FULL_AND_PIECEWISE, bf16 and fp8); its speed is not measured yet.
 """
 
 from __future__ import annotations
@@ -144,7 +152,7 @@ class ExpertLayerRing:
     def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
                  device: torch.device | str, stream: torch.cuda.Stream | None = None,
                  poison_reads: bool = False, caches: Sequence | None = None,
-                 lend_slots: bool = True) -> None:
+                 lend_slots: bool = False) -> None:
         if not hosts:
             raise ConfigError("an expert layer ring needs at least one layer")
         layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
@@ -212,8 +220,8 @@ class ExpertLayerRing:
         self.rows_from_lent = 0  # of which a fill took from there
         self.lend_slots = lend_slots and caches is not None
         #: the staged experts: (the step that staged them, target position, [(lending
-        #: position, slot, expert)]), or None
-        self._stage: tuple[int, int, list[tuple[int, int, int]]] | None = None
+        #: position, slot, expert)], each lender's cache generation after its lend), or None
+        self._stage: tuple[int, int, list[tuple[int, int, int]], dict[int, int]] | None = None
         #: this step's slot tables (Note [Ring fills from the slots]): per position the slots
         #: holding an expert first, their experts, how many; the host's view read at first use
         self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
@@ -361,7 +369,8 @@ class ExpertLayerRing:
                 copy_async(dst.data_ptr() + slot * row, host[name].data_ptr() + e * row,
                            n * row, compute.cuda_stream)
         self.rows_staged += len(staged)
-        self._stage = (self.steps, target, staged)
+        self._stage = (self.steps, target, staged,
+                       {p: self.caches[p].generation for p in lenders})
 
     def _staged(self, position: int, held: Sequence[int]) -> list[tuple[int, int, int]]:
         """Step 3 of Note [Ring lends the carried layers' slots]: the staged experts of
@@ -369,8 +378,11 @@ class ExpertLayerRing:
         start, still -1) and that its own slots do not hold; the stage is used once."""
         if self._stage is None or self._stage[1] != position or self._stage[0] >= self.steps:
             return []
-        _, _, staged = self._stage
+        _, _, staged, generations = self._stage
         self._stage = None
+        # a lender that forgot (or lent again) since: its -1 entries say nothing
+        staged = [row for row in staged
+                  if self.caches[row[0]].generation == generations[row[0]]]
         self._held_experts(position)  # the tables' host view
         if self._tables is None:
             return []

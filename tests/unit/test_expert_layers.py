@@ -32,14 +32,15 @@ def routing(seed: int, tokens: int):
 
 
 def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="cpu",
-              stream=None, poison_reads=False, from_slots=True):
+              stream=None, poison_reads=False, from_slots=True, lend=True):
     hosts = {i: layer_experts(i) for i in LAYERS}
     if device != "cpu":
         hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
     caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items()}
     ring = (ExpertLayerRing([hosts[i] for i in LAYERS], buffers, device, stream,
                             poison_reads=poison_reads,
-                            caches=[caches[i] for i in LAYERS] if from_slots else None)
+                            caches=[caches[i] for i in LAYERS] if from_slots else None,
+                            lend_slots=lend)
             if buffers else None)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, ring, layer_tokens), hosts
 
@@ -59,9 +60,10 @@ def run_step(lane, hosts, tokens: int, seed: int, device="cpu"):
 SIZES = [8, 1, 2, 9, 12, 1, 6, 5, 7, 7, 1]  # >= 6 tokens: the ring; fewer: the slot cache
 
 
+@pytest.mark.parametrize("lend", [False, True])
 @pytest.mark.parametrize("buffers", [1, 2, 3, 4, 6])
-def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(buffers):
-    lane, hosts = make_lane(buffers)
+def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(buffers, lend):
+    lane, hosts = make_lane(buffers, lend=lend)
     for s, tokens in enumerate(SIZES):
         got, want = run_step(lane, hosts, tokens, s)
         for i in LAYERS:
@@ -72,10 +74,26 @@ def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(buffers):
     # every large step after the first starts with its first layer filled in the tail of the
     # step before it (decode steps in between leave the carried fills alone)
     assert ring.carried_steps == ring.steps - 1
-    if ring.buffers < len(LAYERS):  # 9 then 12 tokens: the second took what the first staged
-        assert 0 < ring.rows_from_lent <= ring.rows_staged  # (decode steps took some slots)
+    if lend and ring.buffers < len(LAYERS):  # 9 then 12 tokens: the second took what the
+        assert 0 < ring.rows_from_lent <= ring.rows_staged  # first staged (decode steps took
+    else:                                                   # some slots between others)
+        assert ring.rows_staged == ring.rows_from_lent == 0
     hits = sum(c.hits.item() + c.misses.item() for c in lane.caches.values())
     assert hits > 0  # the small steps went through the caches
+
+
+def test_a_lender_that_forgot_since_the_stage_lends_nothing():
+    """A lending cache that forgot (poisoned slots, entries -1 again) after the stage: the
+    next large step's fill must not take the staged rows from it (Note [Ring lends the carried
+    layers' slots]: the stage checks each lender's generation)."""
+    lane, hosts = make_lane(2, lend=True)
+    run_step(lane, hosts, 8, 0)  # the tail stages position 2's experts in 0's and 1's slots
+    assert lane.ring.rows_staged > 0
+    lane.caches[LAYERS[0]].forget()  # the cache alone, not the ring
+    got, want = run_step(lane, hosts, 8, 1)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    assert 0 < lane.ring.rows_from_lent  # the other lender's rows still served
 
 
 def test_the_ring_copies_whole_layers_in_order_and_the_traces_prove():
