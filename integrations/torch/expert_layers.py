@@ -103,8 +103,8 @@ Note [Ring lends the carried layers' slots]
        since (every install sets it to an expert; only ``forget`` and ``lend`` set -1 again,
        and each counts a generation of the cache that the stage checks), so the target's
        fill copies those staged experts from the lent slots into its buffer on the compute
-       stream, beside the ones its own slots hold, and only the rest from host memory. A staged row whose slot a decode step took is copied from the
-       host as before.
+       stream, beside the ones its own slots hold, and only the rest from host memory. A
+       staged row whose slot a decode step took is copied from the host as before.
 
     Every write to and read of a lent slot is on the compute stream (the staging, the
     lenders' installs, the fill's copy), so stream order keeps them apart, as for the slot
@@ -356,18 +356,12 @@ class ExpertLayerRing:
                   zip(range(self.caches[p].slots), wanted)]
         if not staged:
             return
-        compute = self._current()
         for p in lenders:
             self.caches[p].lend()
-        host = self.hosts[target]
+        host, compute = self.hosts[target], self._current()
         for p, slot, e, n in _pair_runs(staged):
             for name, dst in self.caches[p].weights.items():
-                if compute is None:
-                    dst[slot:slot + n].copy_(host[name][e:e + n])
-                    continue
-                row = dst[0].numel() * dst.element_size()
-                copy_async(dst.data_ptr() + slot * row, host[name].data_ptr() + e * row,
-                           n * row, compute.cuda_stream)
+                _copy_rows(dst, slot, host[name], e, n, compute)
         self.rows_staged += len(staged)
         self._stage = (self.steps, target, staged,
                        {p: self.caches[p].generation for p in lenders})
@@ -472,17 +466,15 @@ class ExpertLayerRing:
         if self.stream is None:  # the CPU: in line, in issue order
             for name, v in views.items():
                 for start, n in runs:
-                    v[start:start + n].copy_(host[name][start:start + n])
+                    _copy_rows(v, start, host[name], start, n, None)
             lease.mark_ready(None)
             return
         ready = self._ready[slot]
         if retired:
             self.stream.wait_event(self._retire[slot])  # its last reader (and slot rows) done
-        for name, v in views.items():  # a copy engine (DMA), not the SMs
-            row = v[0].numel() * v.element_size()
+        for name, v in views.items():
             for start, n in runs:
-                copy_async(v.data_ptr() + start * row, host[name].data_ptr() + start * row,
-                           n * row, self.stream.cuda_stream)
+                _copy_rows(v, start, host[name], start, n, self.stream)
         ready.record(self.stream)
         lease.mark_ready(ready)
 
@@ -513,6 +505,18 @@ def _runs(held: Sequence[int], experts: int) -> list[tuple[int, int]]:
             runs.append((start, e - start))
             start = None
     return runs
+
+
+def _copy_rows(dst: torch.Tensor, at: int, src: torch.Tensor, start: int, n: int,
+               stream: torch.cuda.Stream | None) -> None:
+    """Rows ``start..start+n`` of ``src`` into rows ``at..at+n`` of ``dst``: by a copy engine
+    (DMA, not the SMs) on ``stream``, or in line where there is none (the CPU)."""
+    if stream is None:
+        dst[at:at + n].copy_(src[start:start + n])
+        return
+    row = dst[0].numel() * dst.element_size()
+    copy_async(dst.data_ptr() + at * row, src.data_ptr() + start * row, n * row,
+               stream.cuda_stream)
 
 
 def _pair_runs(staged: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
