@@ -31,7 +31,7 @@ log = logging.getLogger("ringflow")
 #     switch), and a CUDA build of torch is left as it is.
 
 
-def _allow_amx() -> None:
+def allow_amx() -> None:
     """Note [AMX on vLLM's CPU build]."""
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -48,7 +48,7 @@ def register() -> None:
     never raises."""
     try:
         _ensure_log_handler()
-        _allow_amx()
+        allow_amx()
         from ringflow.integrations.vllm import compat
         from ringflow.integrations.vllm.state import STATE
         compat.install(STATE)

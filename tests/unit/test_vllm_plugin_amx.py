@@ -27,13 +27,13 @@ def amx(monkeypatch):
 
 def test_a_cpu_build_asks_for_the_tiles_where_the_cpu_has_them(amx, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    plugin._allow_amx()
+    plugin.allow_amx()
     assert amx == [True]
 
 
 def test_a_cuda_build_is_left_as_it_is(amx, monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    plugin._allow_amx()
+    plugin.allow_amx()
     assert amx == []
 
 
@@ -43,5 +43,5 @@ def test_a_refusal_says_what_will_fail_and_what_to_run(monkeypatch, caplog):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: False)
     with caplog.at_level(logging.WARNING, logger="ringflow"):
-        plugin._allow_amx()
+        plugin.allow_amx()
     assert "SIGILL" in caplog.text and "--dtype float32" in caplog.text
