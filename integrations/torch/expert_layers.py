@@ -225,13 +225,13 @@ class ExpertLayerRing:
         #: this step's slot tables (Note [Ring fills from the slots]): per position the slots
         #: holding an expert first, their experts, how many; the host's view read at first use
         self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-        self._held_host: list[list[int]] | None = None
         if caches is not None:
             pinned = cuda and torch.cuda.is_available()
             self._held_copy = torch.empty((len(caches), caches[0].slots), dtype=torch.int64,
                                           pin_memory=pinned)
             self._held_event = torch.cuda.Event() if cuda else None
-        self._tables: list[list[int]] | None = None  # the host's view of the slot tables
+        #: the host's view of the slot tables (slot -> expert or -1), read at first use
+        self._tables: list[list[int]] | None = None
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
 
@@ -313,12 +313,12 @@ class ExpertLayerRing:
         slots])."""
         self.abandon()
         self._next = 0
-        self._held = self._held_host = self._tables = None
+        self._held = self._tables = None
         self._stage = None  # the caches forgot too: a -1 entry no longer means untouched
 
     def _read_slot_tables(self) -> None:
         """Step 1 of Note [Ring fills from the slots], issued on the compute stream."""
-        self._held = self._held_host = self._tables = None
+        self._held = self._tables = None
         if self.caches is None:
             return
         held = []
@@ -335,12 +335,11 @@ class ExpertLayerRing:
         """The experts position's cache holds this step (the host's view, read once a step)."""
         if self._held is None:
             return []
-        if self._held_host is None:
+        if self._tables is None:
             if self._held_event is not None:
                 self._held_event.synchronize()
             self._tables = self._held_copy.tolist()
-            self._held_host = [[e for e in row if e >= 0] for row in self._tables]
-        return self._held_host[position]
+        return [e for e in self._tables[position] if e >= 0]
 
     def _stage_next(self) -> None:
         """Steps 1 and 2 of Note [Ring lends the carried layers' slots], in a large step's
