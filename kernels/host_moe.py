@@ -4,10 +4,25 @@ host store where they lie (Note [Host split] in orchestrator/host_split.py).
 Written in TorchScript's subset of Python: a host node's worker (graphs/host_node.py) runs it
 without Python's interpreter, so no other thread's Python holds it up (Note [Host node]).
 Each expert's rows are computed once for all the tokens that chose it (a decode step: one or a
-few rows), in the weights' dtype as the GPU kernel does (bf16 products summed in float32 by the
-CPU's GEMM, the activation rounded to the dtype between the two), and each (token, choice) row,
-times its router weight, is written in the dtype at its own place: the lane sums the host's rows
-with the GPU's in one sum, as the resident layer sums its rows (Note [Host experts]).
+few rows), rounded where vLLM's kernels round (Note [Host rows round as the kernel]), and each
+(token, choice) row is written in the dtype at its own place: the lane sums the host's rows with
+the GPU's in one sum, as the resident layer sums its rows (Note [Host experts]).
+
+Note [Host rows round as the kernel]
+    vLLM's bf16 MoE rounds a row three times: its first GEMM's float32 sums to bf16; the
+    activation (``silu_and_mul``: the SiLU computed in float32 and rounded to bf16, then times
+    the up half, rounded again); and its second GEMM's float32 sums times the router weight,
+    rounded once (the Triton kernel's ``MUL_ROUTED_WEIGHT``). The host rounds at the same
+    three places, so its rows differ from the GPU's only where the two GEMMs' float32 sums,
+    added in another order, fall on either side of a rounding boundary (a few elements in ten
+    thousand). Rounding the second GEMM's row to bf16 before the weight, as a bf16 GEMM
+    does, changed about a quarter of a 2048-wide row's elements by one bf16 ulp, and the
+    SiLU unrounded a few more: on the H200 test model, top-5 logprobs 0.29-0.54 away from
+    all-resident. So the second GEMM runs in float32 over the expert's weights widened
+    (exact). It costs: one token through an expert of Qwen3-30B-A3B's shape took 0.89-0.93
+    ms on this project's 2-core CPU machine where rounding first took 0.72-0.73 (1.25x;
+    the widening, 3 MiB a step, is most of it). The host's rates are measured through this
+    worker (Note [Host split]), so the split counts it.
 """
 
 from __future__ import annotations
@@ -38,9 +53,10 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Write into ``out`` [tokens, top_k, hidden] (the model's dtype) each token's choice
     ``weight * w2[e] @ (silu(gate) * up)(w13[e] @ x)`` where ``mine`` [experts] (bool) marks
     its expert, zeros at every other choice: the rows the GPU kernel would have summed, for
-    the GPU's sum. ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as vLLM lays them out,
-    fp8 ones with their scales (dequantized to ``hidden``'s dtype here; the GPU kernel also
-    quantizes the activations, so fp8 agrees within its own rounding). All on the CPU.
+    the GPU's sum, rounded as vLLM's kernel rounds (Note [Host rows round as the kernel]).
+    ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as vLLM lays them out, fp8 ones with
+    their scales (dequantized here; the GPU kernel also quantizes the activations, so fp8
+    agrees within its own rounding). All on the CPU.
     Returns how many experts it computed."""
     out.zero_()
     inter = w2.shape[2]
@@ -63,12 +79,12 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         else:
             x = hidden.index_select(0, torch.tensor([p[0] for p in pairs]))
         h = torch.nn.functional.linear(x.to(dtype), expert_weight(w13, e, w13_scale, dtype))
-        h = h.float()
-        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(dtype)
-        y = torch.nn.functional.linear(act, expert_weight(w2, e, w2_scale, dtype)).float()
+        act = torch.nn.functional.silu(h[:, :inter].float()).to(dtype) * h[:, inter:]
+        y = torch.nn.functional.linear(act.float(),
+                                       expert_weight(w2, e, w2_scale, torch.float32))
         for i in range(len(pairs)):
             t, j = pairs[i]
-            out[t, j] = y[i] * weights[t][j]
+            out[t, j] = y[i] * weights[t][j]  # float32, rounded once into ``out``'s dtype
     return len(rows)
 
 

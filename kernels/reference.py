@@ -108,3 +108,20 @@ def moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             h = w13[e] @ x[t]
             out[t] += w * (w2[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
     return out
+
+
+def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each (token, choice) row of a MoE [tokens, top_k, H] in the weights' dtype, rounded where
+    vLLM's kernels round (Note [Host rows round as the kernel] in kernels/host_moe.py), with
+    every GEMM's sum taken in float64 (so exactly rounded, where a GPU's float32 sums may land
+    on the other side of a boundary)."""
+    dtype, inter = w13.dtype, w2.shape[2]
+    out = torch.empty(*topk_ids.shape, hidden.shape[1], dtype=dtype)
+    for t in range(hidden.shape[0]):
+        for j, (w, e) in enumerate(zip(topk_weights[t].tolist(), topk_ids[t].tolist())):
+            h = (w13[e].double() @ hidden[t].to(dtype).double()).to(dtype)
+            act = torch.nn.functional.silu(h[:inter].float()).to(dtype) * h[inter:]
+            acc = (w2[e].double() @ act.double()).float()
+            out[t, j] = acc * torch.tensor(w, dtype=torch.float32)
+    return out

@@ -17,11 +17,10 @@ Note [Host experts]
     3. ``join``, called by the lane's compute at its sum (after the GPU's products): the
        stream waits for the worker and copies the rows to the device; the compute puts them
        at their choices among its own rows and sums each token's rows once (``sum``), as the
-       resident layer does. A separate float32 sum of the host's rows added to the GPU's
-       (the first design) rounded every output element otherwise than the resident layer:
-       on the H200 test model its top-5 logprobs were 0.03-0.54 away from all-resident's,
-       where one sum leaves only the rows' own rounding (a row's products summed in another
-       order by the CPU's GEMM).
+       resident layer does; the rows are rounded as the kernel rounds its own (Note [Host
+       rows round as the kernel] in kernels/host_moe.py). A separate float32 sum of the
+       host's rows added to the GPU's (the first design) rounded every output element
+       otherwise than the resident layer; one sum leaves only the rows' own rounding.
 
     One worker and one set of buffers serve every chosen layer: the layers run one after
     another on one stream, so a layer's ``stage`` follows the previous layer's ``join`` (a
