@@ -257,6 +257,10 @@ class SlotPool:
     def free_count(self) -> int:
         return len(self._free)
 
+    def is_free(self, slot: int) -> bool:
+        """Whether ``slot`` is leased by nobody (``acquire(slot)`` would take it)."""
+        return self._leases[slot] is None
+
     def leases(self) -> list[Lease]:
         """Leases currently out (not FREE)."""
         return [x for x in self._leases if x is not None]

@@ -302,6 +302,13 @@ FIELDS: dict[str, ProfileField] = {
                                 "next large step takes them from there (Note [Ring lends the "
                                 "carried layers' slots]); off by default: the step after a "
                                 "large one waits for that copy", False),
+    "experts.decode_from_ring": _flag("the layer ring holds its first layer_buffers chosen "
+                                      "layers whole between large steps and small steps "
+                                      "(decode) compute them from there; those layers get no "
+                                      "slots, the others the slots (Note [Small steps read the "
+                                      "held layers]); needs more chosen layers than "
+                                      "layer_buffers; off by default: not yet run on a GPU",
+                                      False),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

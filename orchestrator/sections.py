@@ -199,6 +199,7 @@ class ExpertsSpec:
     layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
     lend_slots: bool = False  # the tail lends the carried layers' slots (Note [Ring lends the ...])
+    decode_from_ring: bool = False  # small steps read the held layers (Note [Small steps read ...])
     auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
     host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
     host_tokens: int = 8  # the host share serves steps of at most this many tokens
@@ -223,6 +224,7 @@ class ExpertsSpec:
         out["layer_buffers"] = self.layer_buffers
         out["ring_from_slots"] = self.ring_from_slots
         out["lend_slots"] = self.lend_slots
+        out["decode_from_ring"] = self.decode_from_ring
         out["auto_percent"] = self.auto_percent
         out["host_share"] = self.host_share
         out["host_tokens"] = self.host_tokens
@@ -243,6 +245,7 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        layer_buffers=values["layer_buffers"],
                        ring_from_slots=values["ring_from_slots"],
                        lend_slots=values["lend_slots"],
+                       decode_from_ring=values["decode_from_ring"],
                        auto_percent=values["auto_percent"],
                        host_share=_host_share(values["host_share"], source),
                        host_tokens=values["host_tokens"], host_rates=values["host_rates"],

@@ -18,6 +18,9 @@ the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
   cache, larger ones through the layer ring (Note [Expert lane modes]);
 * ``ringflow-lend``: the lane whose large steps' tails lend the carried layers' slots to the
   next layer (``lend_slots: true``, Note [Ring lends the carried layers' slots]);
+* ``ringflow-held``: the lane whose ring holds its first two layers for decode steps too
+  (``decode_from_ring: true``, Note [Small steps read the held layers]): those layers have no
+  slots, the others ``held_slots(layers)`` each, the same device memory;
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
@@ -85,14 +88,20 @@ QWEN3_A3B = {
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-host-fills",
-         "ringflow-host")  # the expert lane's variants (worker_report rows)
+LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held",
+         "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
 def device_layers(layers: int) -> float:
     """Layers' worth of experts every peer keeps on the device: the lane's slots and ring."""
     return layers * SLOTS / 128 + RING
+
+
+def held_slots(layers: int) -> int:
+    """Slots per cached layer of ``ringflow-held``: the slots the held layers would have had,
+    spread over the others (rounded down: never more memory than the peers)."""
+    return layers * SLOTS // (layers - RING)
 
 
 def prefetch_layout(layers: int, memory: float) -> tuple[int, int, int]:
@@ -128,6 +137,9 @@ def configs(layers: int) -> dict[str, dict]:
         return {"ringflow": {"name": name, "experts": {"layers": "all", "slots": SLOTS,
                                                        "layer_buffers": RING, **more}}}
 
+    held = experts("experts-bench-held", decode_from_ring=True)
+    held["ringflow"]["experts"]["slots"] = held_slots(layers)
+
     group, num, ahead = prefetch_layout(layers, device_layers(layers))
     return {
         "resident": {"moe_backend": "triton"},
@@ -136,6 +148,7 @@ def configs(layers: int) -> dict[str, dict]:
                                                                  layer_buffers=0)},
         "ringflow-lend": {**lane, "additional_config": experts("experts-bench-lend",
                                                                 lend_slots=True)},
+        "ringflow-held": {**lane, "additional_config": held},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",

@@ -13,6 +13,10 @@ Note [Expert lane modes]
     The choice depends on the step's shape and on whether it is captured, so a replay repeats
     it.
 
+    With the ring holding its first layers (Note [Small steps read the held layers]), a
+    small step computes those from their buffers, every expert at its own index, and only the
+    other layers have slot caches.
+
     A decode step may hand part of each layer's misses to the host, which computes them on
     the CPU while the GPU copies and computes the rest (Note [Host split], Note [Host
     experts]): the share comes from ``host_policy`` by the step's token count, for steps of
@@ -86,23 +90,27 @@ class ExpertLane:
                  modules: Mapping[int, object] | None = None,
                  host: HostExperts | None = None,
                  host_policy: HostPolicy | None = None) -> None:
-        if set(computes) != set(caches):
-            raise ConfigError(f"one compute per cached layer: caches {sorted(caches)}, "
-                              f"computes {sorted(computes)}")
-        if ring is not None and ring.layers != len(caches):
+        layers = sorted(computes)
+        #: the ring's held layers (Note [Small steps read the held layers]): no cache
+        self.held = layers[:ring.held] if ring is not None else []
+        if set(caches) != set(layers) - set(self.held):
+            raise ConfigError(f"one compute per layer and a cache per layer the ring does not "
+                              f"hold: caches {sorted(caches)}, computes {layers}, held "
+                              f"{self.held}")
+        if ring is not None and ring.layers != len(layers):
             raise ConfigError(f"the layer ring holds {ring.layers} layers, the lane "
-                              f"{len(caches)}")
+                              f"{len(layers)}")
         if layer_tokens < 1:
             raise ConfigError(f"layer_tokens must be >= 1, got {layer_tokens}")
         self.caches = dict(sorted(caches.items()))
         self.computes = dict(computes)
         self.ring, self.layer_tokens = ring, layer_tokens
-        self.position = {layer: i for i, layer in enumerate(self.caches)}
+        self.position = {layer: i for i, layer in enumerate(layers)}
         self.ahead = dict(lookaheads or {})
         self.behind = {self._layer_of(la.target): la for la in self.ahead.values()}
         self._ranges = {layer: {kind: nvtx_ranges.handle(f"ringflow/experts/{kind}/L{layer}")
                                 for kind in ("fetch", "moe", "lookahead", "layer", "stage")}
-                        for layer in self.caches}
+                        for layer in layers}
         self.said_capture = False
         if (host is None) != (host_policy is None) or not set(
                 host.layers if host else ()) <= set(caches):
@@ -115,6 +123,13 @@ class ExpertLane:
         #: the engine's object per layer that this lane serves (vLLM's ``RoutedExperts``), for
         #: whoever must find a layer's lane (a reload); empty outside an engine
         self.modules = dict(modules or {})
+
+    def store(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s host store (parameter name -> [experts, ...]): its cache's, or
+        the ring's for a held layer."""
+        if layer in self.caches:
+            return self.caches[layer].host
+        return self.ring.hosts[self.position[layer]]
 
     def _layer_of(self, cache: ExpertCache) -> int:
         return next(i for i, c in self.caches.items() if c is cache)
@@ -152,7 +167,15 @@ class ExpertLane:
             finally:
                 self.ring.end(position)
             return out
-        cache, ahead = self.caches[layer], self.ahead.get(layer)
+        ahead = self.ahead.get(layer)
+        if layer not in self.caches:  # held in the ring (Note [Small steps read the held layers])
+            weights = nvtx_ranges.call(ranges["layer"], self.ring.read_held,
+                                       self.position[layer])
+            if ahead is not None:
+                nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
+            return nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
+                                    None, True)
+        cache = self.caches[layer]
         passes = cache.passes(*topk_ids.shape)
         host = self.host
         share = (self.host_policy.share(x.shape[0]) if host is not None and layer in host.layers
@@ -192,10 +215,12 @@ class ExpertLane:
         """Per chosen layer: its decoder index, the cache's layout and counters, and the ring's
         (one host sync per layer)."""
         ring = self.ring.describe() if self.ring is not None else None
-        return [{"layer": i, **cache.describe(), "layer_tokens": self.layer_tokens,
+        return [{"layer": i, **({"held_in_ring_buffer": self.position[i]} if i in self.held
+                                else self.caches[i].describe()),
+                 "layer_tokens": self.layer_tokens,
                  "ring": ring, **({"host_share": self._host_report(i)} if self.host is not None
                                   and i in self.host.layers else {})}
-                for i, cache in self.caches.items()]
+                for i in self.position]
 
     def _host_report(self, layer: int) -> dict:
         """A layer's host share: what its worker did, and per step size the share and what

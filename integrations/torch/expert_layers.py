@@ -121,6 +121,43 @@ Note [Ring lends the carried layers' slots]
     in the bench's order (decode between prompts) little survives. It gains where large steps
     follow each other after a gap. Bit for bit all-resident on the H200 (engine tests, eager
     and FULL_AND_PIECEWISE, bf16 and fp8); its speed is not measured yet.
+
+Note [Small steps read the held layers]
+    Between large steps the ring's buffers hold the next step's first positions whole
+    (carried, step 3 of Note [Expert layer ring]), and the decode steps in between read those
+    layers from their slot caches, which miss. At the H200 bench's memory (a ring of two and
+    a quarter of each layer in slots, 4 layers) that is about 24 experts copied per decode
+    step where vLLM's UVA offloader, with the same memory as whole layers, reads about 14:
+    the lane's batch-1 decode ran at 0.67x its speed. With uniform routing a layer's misses
+    fall with the share of its experts on the device, so the same memory serves decode best
+    as whole layers plus slots for the rest, not slots everywhere and buffers idle.
+
+    So, with ``hold`` (``experts.decode_from_ring``), positions ``0..buffers-1`` are held:
+    they have no slot cache (their share of the slots goes to the other layers), each lives in
+    buffer ``p`` (always the same one: a captured graph holds its address), and a small step
+    computes them from there (``read_held``) with every expert at its own index:
+
+    1. The ring carries them at its start, and again in every large step's tail as before
+       (fills from host memory: they have no slots to fill from). A forget, or a small step
+       that finds a large step stopped half-way, carries them again at once (not under a
+       capture: that raises).
+    2. A small step waits for the held buffer's ready event. It is an external event, so
+       under vLLM's FULL or piecewise capture the graph holds a wait node on its latest
+       record (the tail's fill, issued before the replay), where an ordinary event waited on
+       in a capture would be refused (recorded before the capture).
+    3. Small steps' reads record no retire event (a replay could not record one eagerly).
+       The next fill of a held buffer is ordered after them by the compute stream: a large
+       step reads position ``p`` before any fill rewrites buffer ``p`` (its retire event
+       covers the small steps before it), and a step that starts elsewhere, or a forget,
+       makes the copy stream wait for the compute stream first.
+
+    Cost: the first small step after a large one waits for the held fills (two layers from
+    host memory, about 45 ms at the H200's 55 GB/s for Qwen3-30B-A3B), once per large step;
+    each decode step then copies the misses of fewer layers. The large step's own copies do
+    not grow: the held layers' fills copy what their slots would have held, and the other
+    layers' fills take more from their bigger caches. With ``buffers < layers < 2 *
+    buffers`` a held layer whose buffer no other layer took in the step is copied again in the
+    tail all the same.
 """
 
 from __future__ import annotations
@@ -145,14 +182,16 @@ class ExpertLayerRing:
     ``hosts`` (per chosen layer: parameter name → tensor [experts, ...], all layers of one
     layout) from host memory, on ``stream`` (None on the CPU: copies in line), and from the
     slots of ``caches`` (per chosen layer, its ``ExpertCache`` over the same host tensors;
-    None: host memory only), the carried positions' slots lent to the next one when
-    ``lend_slots``. See Note [Expert layer ring], Note [Ring fills from the slots] and Note
-    [Ring lends the carried layers' slots]."""
+    None: host memory only; a None entry: that position has none), the carried positions'
+    slots lent to the next one when ``lend_slots``, the first ``buffers`` positions held in
+    their buffers between large steps for small steps to read when ``hold``. See Note [Expert
+    layer ring], Note [Ring fills from the slots], Note [Ring lends the carried layers' slots]
+    and Note [Small steps read the held layers]."""
 
     def __init__(self, hosts: Sequence[Mapping[str, torch.Tensor]], buffers: int,
                  device: torch.device | str, stream: torch.cuda.Stream | None = None,
                  poison_reads: bool = False, caches: Sequence | None = None,
-                 lend_slots: bool = False) -> None:
+                 lend_slots: bool = False, hold: bool = False) -> None:
         if not hosts:
             raise ConfigError("an expert layer ring needs at least one layer")
         layout = [(name, t.shape, t.dtype) for name, t in hosts[0].items()]
@@ -168,16 +207,23 @@ class ExpertLayerRing:
                 if not t.is_contiguous():
                     raise ConfigError(f"expert parameter {name} must be contiguous (one "
                                       f"expert after another) to be copied whole")
+        if hold and buffers >= len(hosts):
+            raise ConfigError(f"a ring that holds its first {buffers} layers for small steps "
+                              f"needs more layers than buffers, got {len(hosts)}: keep those "
+                              f"layers resident instead (no experts section for them)")
+        if hold and lend_slots:
+            raise ConfigError("lend_slots lends the carried layers' slots; with "
+                              "decode_from_ring those layers have none: choose one")
         if caches is not None:
             caches = list(caches)
             if len(caches) != len(hosts) or any(
-                    set(c.host) != set(h) or any(c.host[n] is not h[n] for n in h)
+                    c is not None and (set(c.host) != set(h)
+                                       or any(c.host[n] is not h[n] for n in h))
                     for c, h in zip(caches, hosts)):
                 raise ConfigError("an expert layer ring's caches are the chosen layers' own, "
-                                  "one per layer, over the ring's host tensors")
-            if len({c.slots for c in caches}) != 1:
-                raise ConfigError(f"an expert layer ring's caches have one slot count, got "
-                                  f"{sorted({c.slots for c in caches})}")
+                                  "one per layer (None: none), over the ring's host tensors")
+            if all(c is None for c in caches):
+                caches = None
         self.hosts = [dict(h) for h in hosts]
         self.caches = caches
         self.device = torch.empty(0, device=device).device
@@ -191,6 +237,9 @@ class ExpertLayerRing:
             end += -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
         self.layer_bytes = end
         buffers = min(buffers, len(hosts))  # more than the layers would carry one into itself
+        #: positions 0..held-1 live in buffers 0..held-1 between large steps (Note [Small
+        #: steps read the held layers])
+        self.held = buffers if hold else 0
         self.pool = SlotPool(LANE, (end,), torch.uint8, depth=buffers - 1,
                              workspace_bytes=buffers * end, device=self.device)
         self.views = [{name: slot[offsets[name]:offsets[name] + torch.Size(shape).numel()
@@ -204,7 +253,10 @@ class ExpertLayerRing:
         # again only after every wait on its previous record was issued (host order), so no
         # event is made per layer on the step's path
         cuda = self.device.type == "cuda"
-        self._ready = [torch.cuda.Event() if cuda else None for _ in range(self.pool.slots)]
+        # held buffers' ready events are waited on inside captured small steps: external
+        # ones, so a graph holds a wait on the event's latest record, not an edge
+        self._ready = [torch.cuda.Event(external=hold) if cuda else None
+                       for _ in range(self.pool.slots)]
         self._retire = [torch.cuda.Event() if cuda else None for _ in range(self.pool.slots)]
         #: per slot, whether a read since its last fill must be waited for before the next
         #: fill (False: never read, or ordered by stream order after an abandon)
@@ -227,13 +279,18 @@ class ExpertLayerRing:
         self._held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         if caches is not None:
             pinned = cuda and torch.cuda.is_available()
-            self._held_copy = torch.empty((len(caches), caches[0].slots), dtype=torch.int64,
-                                          pin_memory=pinned)
+            width = max(c.slots for c in caches if c is not None)
+            self._held_copy = torch.full((len(caches), width), -1, dtype=torch.int64,
+                                         pin_memory=pinned)
             self._held_event = torch.cuda.Event() if cuda else None
         #: the host's view of the slot tables (slot -> expert or -1), read at first use
         self._tables: list[list[int]] | None = None
         #: a list to append each operation to (ExpertOp, Note [Expert lane hazards]), or None
         self.trace: list[ExpertOp] | None = None
+        self.held_reads = 0  # small steps' reads of held layers, issued (replays not counted)
+        self.recarried = 0  # times the held layers were carried again outside a step's tail
+        if self.held:  # the held layers' first fills: before any step reads them
+            self._fill_ahead()
 
     @staticmethod
     def _describe(host: Mapping[str, torch.Tensor]) -> str:
@@ -273,6 +330,8 @@ class ExpertLayerRing:
             self._next = position
         if position == 0 or restart:  # a step starts: read what the slots hold now
             self._read_slot_tables()
+            if self.held:  # its fills rewrite held buffers small steps read
+                self._copy_after_compute()
         self._fill_ahead()
         lease = self.pool.carried.pop((LANE, position))
         compute = self._current()
@@ -315,6 +374,48 @@ class ExpertLayerRing:
         self._next = 0
         self._held = self._tables = None
         self._stage = None  # the caches forgot too: a -1 entry no longer means untouched
+        if self.held:
+            self._carry_held()
+
+    def read_held(self, position: int) -> dict[str, torch.Tensor]:
+        """A small step's read of held position ``position`` (Note [Small steps read the held
+        layers]): order the current stream after its fill and return its buffer's weights,
+        the same buffer at every call."""
+        if not 0 <= position < self.held:
+            raise KernelError(f"the expert layer ring holds positions 0..{self.held - 1} for "
+                              f"small steps, not {position}")
+        lease = self.pool.carried.get((LANE, position))
+        if lease is None or self._reading is not None:  # a large step stopped half-way
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise KernelError(f"held layer position {position} is not in its buffer (a "
+                                  f"large step stopped half-way) while a CUDA graph is being "
+                                  f"captured; run one step eagerly first")
+            self._carry_held()
+            lease = self.pool.carried[(LANE, position)]
+        compute = self._current()
+        if compute is not None:
+            compute.wait_event(lease.ready_event)
+        self._op("wait", "compute", on=("ready", lease.slot))
+        self._op("read", "compute", pairs=((position, lease.slot),))
+        self.held_reads += 1
+        return self.views[lease.slot]
+
+    def _carry_held(self) -> None:
+        """Fill the held positions again now, from host memory, after every read issued so
+        far (a forget, or a large step that stopped half-way)."""
+        self.abandon()
+        self._held = self._tables = None
+        self._next = 0
+        self._copy_after_compute()
+        self._fill_ahead()
+        self.recarried += 1
+
+    def _copy_after_compute(self) -> None:
+        """Order the copy stream's next fills after everything issued on the compute stream:
+        a small step's reads of a held buffer record no retire event."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._op("wait", "copy", on="compute")
 
     def _read_slot_tables(self) -> None:
         """Step 1 of Note [Ring fills from the slots], issued on the compute stream."""
@@ -323,17 +424,20 @@ class ExpertLayerRing:
             return
         held = []
         for p, cache in enumerate(self.caches):
+            if cache is None:  # a held position (Note [Small steps read the held layers])
+                held.append(None)
+                continue
             table = cache.expert_in[:cache.slots]
             slots = torch.argsort((table < 0).to(torch.int8), stable=True)  # held ones first
             held.append((slots, table[slots], (table >= 0).sum().reshape(1)))
-            self._held_copy[p].copy_(table, non_blocking=True)
+            self._held_copy[p, :cache.slots].copy_(table, non_blocking=True)
         if self._held_event is not None:
             self._held_event.record(self._current())
         self._held = held
 
     def _held_experts(self, position: int) -> list[int]:
         """The experts position's cache holds this step (the host's view, read once a step)."""
-        if self._held is None:
+        if self._held is None or self._held[position] is None:
             return []
         if self._tables is None:
             if self._held_event is not None:
@@ -407,7 +511,12 @@ class ExpertLayerRing:
             position = self._next % self.layers
             if position == 0 and self._next and (LANE, 0) in self.pool.carried:
                 break  # never two fills of one position at once
-            lease = self.pool.acquire(tag=position)
+            if position < self.held:  # its own buffer, whose address a graph may hold
+                if not self.pool.is_free(position):
+                    break
+                lease = self.pool.acquire(position, tag=position)
+            else:
+                lease = self.pool.acquire(tag=position)
             try:
                 self._fill(position, lease)
             except BaseException:
@@ -491,7 +600,8 @@ class ExpertLayerRing:
                 "steps": self.steps, "carried_steps": self.carried_steps, "fills": self.fills,
                 "rows_from_slots": self.rows_from_slots, "rows_from_host": self.rows_from_host,
                 "lend_slots": self.lend_slots, "rows_staged": self.rows_staged,
-                "rows_from_lent": self.rows_from_lent}
+                "rows_from_lent": self.rows_from_lent, "held": self.held,
+                "held_reads": self.held_reads, "recarried": self.recarried}
 
 
 def _runs(held: Sequence[int], experts: int) -> list[tuple[int, int]]:

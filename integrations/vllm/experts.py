@@ -51,7 +51,7 @@ import contextvars
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -96,7 +96,7 @@ def before_processing(state: PluginState, original, method, layer, *args, **kwar
                   for i, m in lane.modules.items() if m is layer), None)
     if owner is not None:  # a weight write (reload_weights): the host copies take it
         lane, i = owner
-        for name, host in lane.caches[i].host.items():
+        for name, host in lane.store(i).items():
             weight = getattr(layer, f"{name}_weight").detach()
             if weight.data_ptr() != host.data_ptr():  # a GPU's host store is the weight
                 host.copy_(weight)
@@ -199,28 +199,32 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                         f"{type(experts.quant_method).__name__}, not "
                                         f"vLLM's unquantized one)")
         hosts[i] = host
-    auto, auto_said = _auto_slots(spec, hosts, found, on_gpu, vllm_config, profile.source)
+    held = held_layers(spec, sorted(found), profile.source)
+    auto, auto_said = _auto_slots(spec, hosts, found, on_gpu, vllm_config, profile.source,
+                                  cached=len(found) - len(held))
     for i, (runner,) in sorted(found.items()):
         experts, host = runner.routed_experts, hosts[i]
-        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k)
-        cache = ExpertCache(host, slots, experts.w13_weight.device,
-                            in_place_tokens=spec.in_place_tokens,
-                            whole_in_place=scales_across_rows(experts))
-        caches[i], modules[i] = cache, experts
+        modules[i] = experts
         computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
                        if on_gpu else TorchCompute())
+        if i in held:  # the ring holds it (Note [Small steps read the held layers])
+            continue
+        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k)
+        caches[i] = ExpertCache(host, slots, experts.w13_weight.device,
+                                in_place_tokens=spec.in_place_tokens,
+                                whole_in_place=scales_across_rows(experts))
     device = next(iter(caches.values())).device
     ring = None
     if spec.layer_buffers:
         stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
                                     priority=0)["experts-copy"]
                   if device.type == "cuda" else None)  # lives while the lane's caches do
-        ring = ExpertLayerRing([caches[i].host for i in sorted(caches)], spec.layer_buffers,
+        ring = ExpertLayerRing([hosts[i] for i in sorted(found)], spec.layer_buffers,
                                device, stream, poison_reads=envs.flag("RINGFLOW_POISON"),
-                               caches=([caches[i] for i in sorted(caches)]
+                               caches=([caches.get(i) for i in sorted(found)]
                                        if spec.ring_from_slots else None),
-                               lend_slots=spec.lend_slots)
-    ahead = _lookaheads(decoder, caches) if spec.lookahead else {}
+                               lend_slots=spec.lend_slots, hold=bool(held))
+    ahead = _lookaheads(decoder, caches, sorted(found)) if spec.lookahead else {}
     on_host, policy = host_shares(spec, caches, modules, vllm_config)
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules, on_host,
                       policy)
@@ -231,7 +235,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                         f"replaces it with (the line above says why); drop "
                                         f"the experts section or use a vLLM ringflow supports")
     if on_gpu:
-        _say_other_offloaded(decoder, caches)
+        _say_other_offloaded(decoder, modules)
     if envs.text("RINGFLOW_DUMP"):
         _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
@@ -246,8 +250,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
              "experts its router chose that are not kept%s", sorted(caches), first.experts,
              weight_format(modules[min(modules)]), first.slots,
              mib(sum(c.bytes for c in caches.values())), cut,
-             mib(sum(t.numel() * t.element_size() for c in caches.values()
-                     for t in c.host.values())), spec.layer_tokens,
+             mib(sum(t.numel() * t.element_size() for host in hosts.values()
+                     for t in host.values())), spec.layer_tokens,
              ("; a step needing more experts than the slots reads them all from host memory "
               "in one pass (per-tensor fp8: one activation scale per step)"
               if first.whole_in_place else "") +
@@ -259,12 +263,31 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                   if spec.ring_from_slots else "copied ahead on a copy engine")
                  if device.type == "cuda" else
                  "copied in line (a CPU has no copy engine)")
-              if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)"))
+              if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)")
+             + (f"; layers {held} stay whole in the ring's buffers between large steps and "
+                f"small steps compute them there (experts.decode_from_ring)" if held else ""))
     return lane
 
 
+def held_layers(spec, chosen: list[int], source: str | None) -> list[int]:
+    """The chosen layers the layer ring holds for small steps (``decode_from_ring``, Note
+    [Small steps read the held layers]): the first ``layer_buffers``; none when off."""
+    if not spec.decode_from_ring:
+        return []
+    if not 0 < spec.layer_buffers < len(chosen):
+        raise ProfileError("experts.decode_from_ring", f"holds the first layer_buffers chosen "
+                           f"layers in the ring and serves the rest from slots: it needs "
+                           f"1 <= layer_buffers < the {len(chosen)} chosen layers, got "
+                           f"layer_buffers {spec.layer_buffers}", source)
+    if spec.lend_slots:
+        raise ProfileError("experts.decode_from_ring", "and lend_slots both use the carried "
+                           "layers' memory (with decode_from_ring those layers have no slots "
+                           "to lend): set one of them", source)
+    return chosen[:spec.layer_buffers]
+
+
 def _auto_slots(spec, hosts: dict, found: dict, on_gpu: bool, vllm_config,
-                source: str | None) -> tuple[int | None, str]:
+                source: str | None, cached: int) -> tuple[int | None, str]:
     """``slots: auto`` on a GPU: the slots per layer that the profile's share of what vLLM's
     memory budget leaves holds (``sections.auto_slots``), and how the log says it; (None, "")
     where slots are not auto or the device is the CPU (vLLM's CPU build sizes its KV cache from
@@ -281,16 +304,18 @@ def _auto_slots(spec, hosts: dict, found: dict, on_gpu: bool, vllm_config,
     free, total = torch.cuda.mem_get_info(device)
     util = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
     left = int(free - (1 - util) * total) - ring
-    slots = auto_slots(left, spec.auto_percent, len(hosts), slot_bytes,
+    slots = auto_slots(left, spec.auto_percent, cached, slot_bytes,
                        experts.global_num_experts, experts.top_k, source)
     return slots, (f"{spec.auto_percent}% of the {mib(max(left, 0))} that vLLM's budget "
                    f"(--gpu-memory-utilization {util}) leaves after the weights and the layer "
                    f"ring; the KV cache gets the rest")
 
 
-def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Lookahead]:
+def _lookaheads(decoder: list, caches: dict[int, ExpertCache],
+                chosen: list[int]) -> dict[int, Lookahead]:
     """Chosen layer -> its guess of the next chosen layer's experts (Note [Expert lookahead]),
-    for every chosen layer but the last whose next layer's router is found."""
+    for every chosen layer but the last whose next layer has a cache (the ring holds none of
+    its layers) and a router that is found."""
     order = sorted(caches)
     stream = None
     device = caches[order[0]].device
@@ -298,7 +323,9 @@ def _lookaheads(decoder: list, caches: dict[int, ExpertCache]) -> dict[int, Look
         stream = dedicated_streams(caches[order[0]], device, ["experts-lookahead"],
                                    priority=0)["experts-lookahead"]
     out, lost = {}, []
-    for i, j in zip(order, order[1:]):
+    for i, j in zip(chosen, chosen[1:]):
+        if j not in caches:
+            continue
         target = caches[j]
         (runner,) = moe_runners_of(decoder[j])
         router = _router_of(decoder[j], target.experts)
@@ -412,7 +439,10 @@ def _dump(lane: ExpertLane, base: str) -> None:
                                    f"tiles, summed once (Note [Same bits as resident])"
                                    if experts.w13_weight.is_cuda
                                    else "ringflow's torch MoE per pass (kernels/moe.py)"),
-                       "passes": (f"steps of fewer than {lane.layer_tokens} tokens: "
+                       "passes": ("every step: one, over its ring buffer (held: Note "
+                                  "[Small steps read the held layers])"
+                                  if "held_in_ring_buffer" in row else
+                                  f"steps of fewer than {lane.layer_tokens} tokens: "
                                   f"ceil(min(experts, tokens * top_k) / slots); a step of "
                                   f"at most {row['in_place_tokens']} tokens needing more than "
                                   f"one: 2, the second over the host store in place; larger "
@@ -552,10 +582,10 @@ def quantized(experts) -> bool:
     return type(experts.quant_method).__name__ != "UnquantizedFusedMoEMethod"
 
 
-def _say_other_offloaded(decoder: list, caches: dict[int, ExpertCache]) -> None:
+def _say_other_offloaded(decoder: list, chosen: Mapping[int, object]) -> None:
     """One line naming MoE layers vLLM's UVA offloader put in host memory that the profile did
     not choose: vLLM's kernel reads all of their experts across the host link every step."""
-    others = [i for i, layer in enumerate(decoder) if i not in caches
+    others = [i for i, layer in enumerate(decoder) if i not in chosen
               for r in moe_runners_of(layer) if r.routed_experts.w13_weight.is_cuda
               and _in_host_memory(r.routed_experts.w13_weight)]
     if others:

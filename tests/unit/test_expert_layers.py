@@ -32,15 +32,18 @@ def routing(seed: int, tokens: int):
 
 
 def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="cpu",
-              stream=None, poison_reads=False, from_slots=True, lend=True):
+              stream=None, poison_reads=False, from_slots=True, lend=True, hold=False):
+    """The lane over LAYERS; with ``hold``, the ring's first ``buffers`` layers held for small
+    steps and only the others cached (Note [Small steps read the held layers])."""
     hosts = {i: layer_experts(i) for i in LAYERS}
     if device != "cpu":
         hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
-    caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items()}
+    held = LAYERS[:buffers] if hold else ()
+    caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items() if i not in held}
     ring = (ExpertLayerRing([hosts[i] for i in LAYERS], buffers, device, stream,
                             poison_reads=poison_reads,
-                            caches=[caches[i] for i in LAYERS] if from_slots else None,
-                            lend_slots=lend)
+                            caches=[caches.get(i) for i in LAYERS] if from_slots else None,
+                            lend_slots=lend and not hold, hold=hold)
             if buffers else None)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, ring, layer_tokens), hosts
 
@@ -230,9 +233,6 @@ def test_a_ring_over_caches_of_other_host_tensors_is_refused():
     caches = [ExpertCache(layer_experts(0), 2, "cpu"), ExpertCache(hosts[1], 2, "cpu")]
     with pytest.raises(ConfigError, match="over the ring's host tensors"):
         ExpertLayerRing(hosts, 2, "cpu", caches=caches)
-    caches = [ExpertCache(hosts[0], 2, "cpu"), ExpertCache(hosts[1], 3, "cpu")]
-    with pytest.raises(ConfigError, match=r"one slot count, got \[2, 3\]"):
-        ExpertLayerRing(hosts, 2, "cpu", caches=caches)
 
 
 def test_a_step_cut_short_and_a_reload_refill_what_they_must():
@@ -283,8 +283,108 @@ def test_bad_rings_and_lanes_are_refused():
     caches = {0: ExpertCache(hosts[0], 2, "cpu")}
     with pytest.raises(ConfigError, match="holds 2 layers"):
         ExpertLane(caches, {0: TorchCompute()}, ring)
-    with pytest.raises(ConfigError, match="one compute per cached layer"):
+    with pytest.raises(ConfigError, match="one compute per layer"):
         ExpertLane(caches, {})
+
+
+# small steps read the held layers (Note [Small steps read the held layers])
+
+@pytest.mark.parametrize("poison_reads", [False, True])
+@pytest.mark.parametrize("slots", [4, 7])
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_held_layers_serve_small_steps_from_their_own_buffers(buffers, slots, poison_reads):
+    """Every step on both sides of the threshold equals the float64 MoE; a held layer has no
+    cache and every small step reads it from the same buffer (a captured graph holds that
+    address), one per held layer per small step; every large step, the first too, starts
+    with its first layer carried; the other layers' caches served the small steps."""
+    lane, hosts = make_lane(buffers, slots=slots, poison_reads=poison_reads, hold=True)
+    ring = lane.ring
+    held = LAYERS[:buffers]
+    assert lane.held == list(held) and set(lane.caches) == set(LAYERS[buffers:])
+    addresses = [ring.views[p]["w13"].data_ptr() for p in range(buffers)]
+    reads = []
+    real = ring.read_held
+    ring.read_held = lambda p: reads.append((p, real(p)["w13"].data_ptr())) or real(p)
+    for s, tokens in enumerate(SIZES):
+        got, want = run_step(lane, hosts, tokens, s)
+        for i in LAYERS:
+            torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    small = sum(t < lane.layer_tokens for t in SIZES)
+    assert sorted(reads) == sorted((p, addresses[p]) for p in range(buffers)
+                                   for _ in range(small))
+    assert ring.steps == ring.carried_steps == sum(t >= 6 for t in SIZES)
+    assert ring.recarried == 0
+    assert all(c.hits.item() + c.misses.item() > 0 for c in lane.caches.values())
+    rows = lane.report()
+    assert [r["layer"] for r in rows] == list(LAYERS)
+    assert [r.get("held_in_ring_buffer") for r in rows] == [*range(buffers),
+                                                            *[None] * (4 - buffers)]
+
+
+def test_held_layers_trace_proves_and_its_mutants_are_caught():
+    """The held reads in the ring's trace, over large and small steps and a step that starts
+    at another position, proven; a held read that skips its fill's ready event, or fills
+    after small steps' reads without the copy stream waiting for the compute stream (they
+    record no retire event), are cross-stream hazards. Fills from host memory only: a fill
+    that takes experts from the slots starts on the compute stream, which orders it anyway."""
+    lane, hosts = make_lane(2, hold=True, from_slots=False)
+    lane.ring.trace = []
+    lane.forget()  # the held layers carried again, now traced
+    for s, tokens in enumerate([1, 8, 2, 9, 1]):
+        run_step(lane, hosts, tokens, s)
+    lane.ring.begin(2)  # a large step that starts at position 2, right after small steps
+    lane.ring.end(2)
+    ops = lane.ring.trace
+    check_ring(ops, 2)
+    held_reads = [j for j, op in enumerate(ops) if op.kind == "read" and j > 0
+                  and ops[j - 1].kind == "wait" and ops[j - 1].stream == "compute"]
+    no_wait = [op for j, op in enumerate(ops) if j + 1 not in held_reads]
+    with pytest.raises(HazardError) as err:
+        check_ring(no_wait, 2)
+    assert err.value.kind == "cross-stream"
+    unordered = [op for op in ops if not (op.kind == "wait" and op.stream == "copy"
+                                          and op.on == "compute")]
+    with pytest.raises(HazardError) as err:
+        check_ring(unordered, 2)
+    assert err.value.kind == "cross-stream"
+
+
+def test_held_layers_come_back_after_a_reload_and_a_step_cut_short():
+    """A reload (``forget``) carries the held layers again at once, with the new weights; a
+    large step that raised half-way leaves them out of their buffers, and the next small step
+    carries them again before it reads (eagerly: never under a capture)."""
+    lane, hosts = make_lane(2, hold=True)
+    run_step(lane, hosts, 8, 0)
+    for i in LAYERS:
+        for t in hosts[i].values():
+            t.mul_(-0.5)
+    lane.forget()
+    assert lane.ring.recarried == 1
+    for s, tokens in enumerate([1, 8]):
+        got, want = run_step(lane, hosts, tokens, 1 + s)
+        for i in LAYERS:
+            torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    ids, weights = routing(5, 8)
+    lane.forward(LAYERS[0], torch.randn(8, H), weights, ids)
+    lane.ring.begin(1)  # the second layer's compute raised before end()
+    got, want = run_step(lane, hosts, 2, 3)
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    assert lane.ring.recarried == 2
+
+
+def test_held_rings_and_lanes_that_cannot_work_are_refused():
+    hosts = [layer_experts(0), layer_experts(1)]
+    with pytest.raises(ConfigError, match="more layers than buffers"):
+        ExpertLayerRing(hosts, 2, "cpu", hold=True)
+    with pytest.raises(ConfigError, match="choose one"):
+        ExpertLayerRing(hosts, 1, "cpu", hold=True, lend_slots=True)
+    ring = ExpertLayerRing(hosts, 1, "cpu", hold=True)
+    with pytest.raises(KernelError, match="positions 0..0 for small steps"):
+        ring.read_held(1)
+    caches = {0: ExpertCache(hosts[0], 2, "cpu"), 1: ExpertCache(hosts[1], 2, "cpu")}
+    with pytest.raises(ConfigError, match="a cache per layer the ring does not hold"):
+        ExpertLane(caches, {0: TorchCompute(), 1: TorchCompute()}, ring)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -304,11 +404,12 @@ class SlowCompute(TorchCompute):
         return super().__call__(x, weights, *args, **kwargs)
 
 
-def gpu_lane(slow: int, poison_reads: bool = True):
+def gpu_lane(slow: int, poison_reads: bool = True, hold: bool = False):
     from ringflow.graphs.streams import dedicated_streams
     owner = type("Owner", (), {})()
     stream = dedicated_streams(owner, torch.device("cuda", 0), ["copy"], 0)["copy"]
-    lane, hosts = make_lane(buffers=2, device="cuda", stream=stream, poison_reads=poison_reads)
+    lane, hosts = make_lane(buffers=2, device="cuda", stream=stream, poison_reads=poison_reads,
+                            hold=hold)
     lane.computes = {i: SlowCompute(slow) for i in LAYERS}
     lane._owner = owner
     return lane, hosts
@@ -316,14 +417,60 @@ def gpu_lane(slow: int, poison_reads: bool = True):
 
 @cuda
 @pytest.mark.cuda
-def test_the_ring_on_a_gpu_copies_on_its_own_stream_and_is_exact_with_a_slow_reader():
-    lane, hosts = gpu_lane(slow=2_000_000)
+def test_a_captured_small_step_reads_the_held_layers_each_large_step_carried_again():
+    """Note [Small steps read the held layers] on a GPU: a small step of every layer captured
+    once (its held layers' waits on the ready events as external wait nodes), replayed after
+    each large step, whose slow reads poison the held buffers and whose tail carries them
+    again from host memory: each replay equals the float64 MoE with its new routing."""
+    lane, hosts = gpu_lane(slow=2_000_000, hold=True)
+    dev = torch.device("cuda", 0)
+    ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
+    weights_in = torch.zeros(2, K, device=dev)
+    hidden_in = torch.zeros(2, H, device=dev)
+    outs = {i: torch.empty(2, H, device=dev) for i in LAYERS}
+
+    def small_step():
+        for i in LAYERS:
+            outs[i].copy_(lane.forward(i, hidden_in, weights_in, ids_in))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        small_step()  # warm: the caches' kernels compiled, their state allocated
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small_step()
+    g = torch.Generator().manual_seed(8)
+    for s in range(4):
+        run_step(lane, hosts, 8, 40 + s, device="cuda")  # large: poisons, then carries again
+        ids, w = routing(90 + s, 2)
+        hidden = torch.randn(2, H, generator=g)
+        ids_in.copy_(ids)
+        weights_in.copy_(w)
+        hidden_in.copy_(hidden)
+        for out in outs.values():
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in LAYERS:
+            want = moe_ref(hidden, hosts[i]["w13"], hosts[i]["w2"], w, ids)
+            torch.testing.assert_close(outs[i].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert lane.ring.steps == lane.ring.carried_steps == 4
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hold", [False, True])
+def test_the_ring_on_a_gpu_copies_on_its_own_stream_and_is_exact_with_a_slow_reader(hold):
+    lane, hosts = gpu_lane(slow=2_000_000, hold=hold)
     for s, tokens in enumerate(SIZES):
         got, want = run_step(lane, hosts, tokens, s, device="cuda")
         for i in LAYERS:
             torch.testing.assert_close(got[i].double().cpu(), want[i], rtol=1e-5, atol=1e-5)
     assert lane.ring.fills >= 4 * lane.ring.steps and lane.ring.carried_steps == \
-        lane.ring.steps - 1
+        lane.ring.steps - (0 if hold else 1)
 
 
 @cuda

@@ -65,3 +65,15 @@ def test_prefetch_layout_fills_the_memory_and_gives_each_layer_its_weights(layer
 
 def test_the_bench_gives_four_layers_two_resident_and_one_buffer():
     assert _bench().prefetch_layout(4, 3.0) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_held_lane_gets_the_memory_of_the_others_and_no_more(layers):
+    """``ringflow-held``: the held layers' slots spread over the cached layers, so its slots
+    and ring never exceed the device memory every peer gets (``device_layers``)."""
+    bench = _bench()
+    section = bench.configs(layers)["ringflow-held"]["additional_config"]["ringflow"]["experts"]
+    assert section["decode_from_ring"] and section["layer_buffers"] == bench.RING
+    cached = layers - bench.RING
+    memory = cached * section["slots"] / 128 + bench.RING
+    assert bench.device_layers(layers) - cached / 128 < memory <= bench.device_layers(layers)

@@ -36,11 +36,32 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"auto_percent": 101}, "experts.auto_percent"),
     ({"lookahead": "often"}, "experts.lookahead"),
     ({"in_place_tokens": -1}, "experts.in_place_tokens"),
+    ({"decode_from_ring": "yes"}, "experts.decode_from_ring"),
 ])
 def test_bad_experts_sections_name_their_field(section, field):
     with pytest.raises(ProfileError) as err:
         load(section)
     assert err.value.field.startswith(field), err.value
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"decode_from_ring": True, "layer_buffers": 0}, "layer_buffers 0"),
+    ({"decode_from_ring": True, "layer_buffers": 4}, "the 4 chosen layers, got layer_buffers 4"),
+    ({"decode_from_ring": True, "lend_slots": True}, "set one of them"),
+])
+def test_held_layers_that_cannot_be_held_are_refused_by_name(section, words):
+    """``decode_from_ring`` (Note [Small steps read the held layers]) needs a ring smaller
+    than the chosen layers, and no lend; off, it holds none."""
+    from ringflow.integrations.vllm.experts import held_layers
+    spec = load(section).experts
+    with pytest.raises(ProfileError, match=words) as err:
+        held_layers(spec, [0, 1, 2, 3], None)
+    assert err.value.field == "experts.decode_from_ring"
+    assert held_layers(load({"decode_from_ring": True}).experts, [3, 5, 7], None) == [3, 5]
+    assert held_layers(load({}).experts, [3, 5, 7], None) == []
+    held = load({"decode_from_ring": True})
+    assert held.experts.decode_from_ring and Profile.from_mapping(held.to_mapping(),
+                                                                  vllm=True) == held
 
 
 def test_default_slots_are_a_quarter_of_the_experts_and_at_least_top_k():

@@ -29,6 +29,11 @@ CASES = [
     {"name": "moe/some", "model": MOE, "additional_config": experts(layers=[1, 3])},
     {"name": "moe/ring", "model": MOE, "serial": True,  # prompts of 8, 14 tokens: the ring
      "additional_config": experts(layers="all", slots=3, layer_tokens=8)},
+    {"name": "moe/held", "model": MOE, "serial": True,  # layers 0, 1 held in the ring
+     "additional_config": experts(layers="all", slots=3, layer_tokens=8,
+                                  decode_from_ring=True)},
+    {"name": "moe/held-all", "model": MOE,
+     "additional_config": experts(layers="all", layer_buffers=4, decode_from_ring=True)},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
@@ -102,6 +107,31 @@ def test_experts_from_host_memory_give_vllms_output(runs, name):
         assert len(said) == 1, run["log"]
     said = [l for l in run["log"] if l.startswith("experts: layers")]
     assert len(said) == 1 and "16 routed experts each" in said[0], run["log"]
+
+
+def test_held_layers_serve_decode_from_the_ring_in_vllms_engine(runs):
+    """``decode_from_ring`` (Note [Small steps read the held layers]): layers 0 and 1 stay in
+    the ring's two buffers and every small step (the prompt of 3, each decode step) computes
+    them there; layers 2 and 3 have the slots; vLLM's greedy tokens and logprobs within
+    float32 rounding of vLLM's own CPU MoE kernel. Holding every layer is refused."""
+    off, run = runs["moe/off"], runs["moe/held"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, off) < 1e-3
+    layers = run["experts"]
+    assert [layer["layer"] for layer in layers] == [0, 1, 2, 3]
+    assert [layer.get("held_in_ring_buffer") for layer in layers] == [0, 1, None, None]
+    for layer in layers[2:]:
+        assert layer["slots"] == 3 and layer["hits"] + layer["misses"] > 0
+    ring = layers[0]["ring"]
+    assert ring["held"] == 2 and ring["steps"] >= 2 and ring["carried_steps"] == ring["steps"]
+    assert ring["held_reads"] >= 2 * 10, ring  # two held layers, every small step
+    said = [l for l in run["log"] if l.startswith("experts: layers [2, 3]")]
+    assert len(said) == 1 and "layers [0, 1] stay whole in the ring's buffers" in said[0], \
+        run["log"]
+    refused = runs["moe/held-all"].get("error", "")
+    assert "experts.decode_from_ring" in refused and "1 <= layer_buffers < the 4 chosen" in \
+        refused, runs["moe/held-all"]
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
