@@ -15,6 +15,9 @@ vLLM's default FULL_AND_PIECEWISE graphs:
 * ``lane-8`` / ``passes-8``: 8 slots, no ring: steps of more experts than the slots hold run
   in passes (the last in place from the host view, or all through the slots), summed once;
 * ``lookahead-32``: each layer guesses the next one's experts on a side stream;
+* ``held-64-sampled``: ``decode_from_ring``: layers 0 and 1 stay whole in the ring's buffers
+  and decode computes them there (external event waits inside the FULL decode graphs), 64
+  slots for layers 2 and 3 (Note [Small steps read the held layers]);
 * fp8 experts (Note [fp8 experts]): an fp8 checkpoint in 128x128 blocks (``qwen3_moe128_fp8``,
   the layout of Qwen3-30B-A3B-FP8 and DeepSeek-V3) through the cache, the ring and passes, bit
   for bit its all-resident run; an fp8 checkpoint with one scale per matrix
@@ -68,6 +71,10 @@ LANES = {
     "lane-8": ({"slots": 8, "layer_buffers": 0}, False),
     "passes-8": ({"slots": 8, "layer_buffers": 0, "in_place_tokens": 0}, False),
     "lookahead-32": ({"slots": 32, "lookahead": True, "layer_buffers": 0}, False),
+    # layers 0 and 1 held in the ring's buffers for decode too, layers 2 and 3 on 64 slots
+    # (Note [Small steps read the held layers]): in FULL decode graphs their waits are
+    # external event nodes
+    "held-64-sampled": ({"slots": 64, "layer_tokens": 8, "decode_from_ring": True}, True),
 }
 
 
@@ -193,6 +200,11 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
     assert max_logprob_diff(got, want) == 0.0, max_logprob_diff(got, want)
     layers = got["experts"]
     assert len(layers) == 4
+    if section.get("decode_from_ring"):  # held layers: every small step reads their buffer
+        assert [layer.get("held_in_ring_buffer") for layer in layers] == [0, 1, None, None]
+        ring = layers[0]["ring"]
+        assert ring["held_reads"] >= 2 and ring["carried_steps"] == ring["steps"] >= 3, ring
+        layers = layers[2:]
     for layer in layers:
         assert layer["slots"] == section["slots"] and layer["misses"] > section["slots"]
         ring = layer["ring"]
