@@ -160,12 +160,17 @@ class ExpertLane:
             if position == 0:  # where the ring reads the slot tables: a decode step that
                 for lookahead in self.ahead.values():  # raised may have left guesses
                     lookahead.join()  # installing into the slots its fills copy from
-            weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
             try:
-                out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights,
-                                       topk_ids, None, True)
-            finally:
-                self.ring.end(position)
+                weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
+                try:
+                    out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights,
+                                           topk_ids, None, True)
+                finally:
+                    self.ring.end(position)
+            except BaseException:
+                if self.ring.held:  # the step stops here: its small steps' layers back in
+                    self.ring.carry_held()  # place (Note [Small steps read the held layers])
+                raise
             return out
         ahead = self.ahead.get(layer)
         if layer not in self.caches:  # held in the ring (Note [Small steps read the held layers])

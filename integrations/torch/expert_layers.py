@@ -138,9 +138,12 @@ Note [Small steps read the held layers]
     computes them from there (``read_held``) with every expert at its own index:
 
     1. The ring carries them at its start, and again in every large step's tail as before
-       (fills from host memory: they have no slots to fill from). A forget, or a small step
-       that finds a large step stopped half-way, carries them again at once (not under a
-       capture: that raises).
+       (fills from host memory: they have no slots to fill from). A forget carries them
+       again at once, and so does a large step whose layer raised (the lane, before the
+       error goes on: a replayed small step runs no Python that could notice). A step that
+       raised elsewhere half-way (vLLM stops its engine then) leaves them to the next large
+       step, or to the next eager small step, which carries them before it reads; under a
+       capture that raises.
     2. A small step waits for the held buffer's ready event. It is an external event, so
        under vLLM's FULL or piecewise capture the graph holds a wait node on its latest
        record (the tail's fill, issued before the replay), where an ordinary event waited on
@@ -289,7 +292,8 @@ class ExpertLayerRing:
         self.trace: list[ExpertOp] | None = None
         self.held_reads = 0  # small steps' reads of held layers, issued (replays not counted)
         self.recarried = 0  # times the held layers were carried again outside a step's tail
-        if self.held:  # the held layers' first fills: before any step reads them
+        if self.held:  # the held layers' first fills: after the poison above, before any
+            self._copy_after_compute()  # step reads them
             self._fill_ahead()
 
     @staticmethod
@@ -375,7 +379,7 @@ class ExpertLayerRing:
         self._held = self._tables = None
         self._stage = None  # the caches forgot too: a -1 entry no longer means untouched
         if self.held:
-            self._carry_held()
+            self.carry_held()
 
     def read_held(self, position: int) -> dict[str, torch.Tensor]:
         """A small step's read of held position ``position`` (Note [Small steps read the held
@@ -390,7 +394,7 @@ class ExpertLayerRing:
                 raise KernelError(f"held layer position {position} is not in its buffer (a "
                                   f"large step stopped half-way) while a CUDA graph is being "
                                   f"captured; run one step eagerly first")
-            self._carry_held()
+            self.carry_held()
             lease = self.pool.carried[(LANE, position)]
         compute = self._current()
         if compute is not None:
@@ -400,9 +404,10 @@ class ExpertLayerRing:
         self.held_reads += 1
         return self.views[lease.slot]
 
-    def _carry_held(self) -> None:
+    def carry_held(self) -> None:
         """Fill the held positions again now, from host memory, after every read issued so
-        far (a forget, or a large step that stopped half-way)."""
+        far (a forget, or a large step that stopped half-way: a replayed small step runs no
+        Python to notice)."""
         self.abandon()
         self._held = self._tables = None
         self._next = 0

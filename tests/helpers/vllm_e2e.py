@@ -453,9 +453,11 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
         expert_lanes = [lane for model, lane in list(STATE.expert_lanes.items())
                         if id(model) not in earlier]
         if case.get("shift_host_experts"):  # the lane must read the host copies: move them
-            for cache in [c for lane in expert_lanes for c in lane.caches.values()]:
-                for host in cache.host.values():
-                    host.mul_(case["shift_host_experts"])
+            for lane in expert_lanes:  # every layer's, held ones too, and nothing kept
+                for layer in lane.position:
+                    for host in lane.store(layer).values():
+                        host.mul_(case["shift_host_experts"])
+                lane.forget()
         prompts = PROMPTS + ([LONG_PROMPT] if case.get("long_prompt") else [])
 
         temperature = case.get("temperature", 0.0)

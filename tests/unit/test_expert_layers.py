@@ -304,7 +304,13 @@ def test_held_layers_serve_small_steps_from_their_own_buffers(buffers, slots, po
     addresses = [ring.views[p]["w13"].data_ptr() for p in range(buffers)]
     reads = []
     real = ring.read_held
-    ring.read_held = lambda p: reads.append((p, real(p)["w13"].data_ptr())) or real(p)
+
+    def read_held(p):
+        views = real(p)
+        reads.append((p, views["w13"].data_ptr()))
+        return views
+
+    ring.read_held = read_held
     for s, tokens in enumerate(SIZES):
         got, want = run_step(lane, hosts, tokens, s)
         for i in LAYERS:
@@ -312,6 +318,7 @@ def test_held_layers_serve_small_steps_from_their_own_buffers(buffers, slots, po
     small = sum(t < lane.layer_tokens for t in SIZES)
     assert sorted(reads) == sorted((p, addresses[p]) for p in range(buffers)
                                    for _ in range(small))
+    assert ring.held_reads == len(reads)
     assert ring.steps == ring.carried_steps == sum(t >= 6 for t in SIZES)
     assert ring.recarried == 0
     assert all(c.hits.item() + c.misses.item() > 0 for c in lane.caches.values())
@@ -328,17 +335,29 @@ def test_held_layers_trace_proves_and_its_mutants_are_caught():
     record no retire event), are cross-stream hazards. Fills from host memory only: a fill
     that takes experts from the slots starts on the compute stream, which orders it anyway."""
     lane, hosts = make_lane(2, hold=True, from_slots=False)
-    lane.ring.trace = []
+    ring = lane.ring
+    ring.trace = []
+    waits = []  # the trace index of each held read's wait
+    real = ring.read_held
+
+    def read_held(p):
+        waits.append(len(ring.trace))
+        return real(p)
+
+    ring.read_held = read_held
     lane.forget()  # the held layers carried again, now traced
     for s, tokens in enumerate([1, 8, 2, 9, 1]):
         run_step(lane, hosts, tokens, s)
-    lane.ring.begin(2)  # a large step that starts at position 2, right after small steps
-    lane.ring.end(2)
-    ops = lane.ring.trace
+    lane.forget()  # a reload right after small steps' reads, twice
+    run_step(lane, hosts, 1, 5)
+    lane.forget()
+    run_step(lane, hosts, 1, 6)
+    ring.begin(2)  # a large step that starts at position 2, right after small steps
+    ring.end(2)
+    ops = ring.trace
     check_ring(ops, 2)
-    held_reads = [j for j, op in enumerate(ops) if op.kind == "read" and j > 0
-                  and ops[j - 1].kind == "wait" and ops[j - 1].stream == "compute"]
-    no_wait = [op for j, op in enumerate(ops) if j + 1 not in held_reads]
+    assert all(ops[j].kind == "wait" and ops[j + 1].kind == "read" for j in waits)
+    no_wait = [op for j, op in enumerate(ops) if j not in waits]
     with pytest.raises(HazardError) as err:
         check_ring(no_wait, 2)
     assert err.value.kind == "cross-stream"
@@ -371,6 +390,35 @@ def test_held_layers_come_back_after_a_reload_and_a_step_cut_short():
     for i in LAYERS:
         torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
     assert lane.ring.recarried == 2
+
+
+def test_a_large_step_whose_layer_raises_puts_the_held_layers_back():
+    """A large step whose compute raises at its second layer: before the error goes on, the
+    held layers are carried again into their own buffers, so a small step replayed from a
+    graph (no Python: here, computed from the buffers the first read returned) reads them."""
+    lane, hosts = make_lane(2, hold=True)
+    ring = lane.ring
+    views = [ring.read_held(p) for p in range(2)]
+
+    class Raises(TorchCompute):
+        def __call__(self, *args, **kwargs):
+            raise KernelError("the layer failed")
+
+    good = lane.computes[LAYERS[1]]
+    lane.computes[LAYERS[1]] = Raises()
+    ids, weights = routing(3, 8)
+    lane.forward(LAYERS[0], torch.randn(8, H), weights, ids)
+    with pytest.raises(KernelError, match="the layer failed"):
+        lane.forward(LAYERS[1], torch.randn(8, H), weights, ids)
+    lane.computes[LAYERS[1]] = good
+    assert ring.recarried == 1
+    assert all(ring.pool.carried[("experts-layers", p)].slot == p for p in range(2))
+    ids, weights = routing(4, 2)
+    x = torch.randn(2, H)
+    for p, i in enumerate(LAYERS[:2]):  # the replay's reads: the same buffers, no Python
+        got = TorchCompute()(x, views[p], weights, ids, None)
+        torch.testing.assert_close(got.double(), moe_ref(x, hosts[i]["w13"], hosts[i]["w2"],
+                                                         weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_held_rings_and_lanes_that_cannot_work_are_refused():
