@@ -127,8 +127,9 @@ Note [Small steps read the held layers]
     (carried, step 3 of Note [Expert layer ring]), and the decode steps in between read those
     layers from their slot caches, which miss. At the H200 bench's memory (a ring of two and
     a quarter of each layer in slots, 4 layers) that is about 24 experts copied per decode
-    step where vLLM's UVA offloader, with the same memory as whole layers, reads about 14:
-    the lane's batch-1 decode ran at 0.67x its speed. With uniform routing a layer's misses
+    step at batch 1, where vLLM's UVA offloader, given the memory as whole layers, reads 8
+    to 14 (its ``cpu_offload_gb`` rounds up to whole GiB): the lane's batch-1 decode ran at
+    0.67x its speed. With uniform routing a layer's misses
     fall with the share of its experts on the device, so the same memory serves decode best
     as whole layers plus slots for the rest, not slots everywhere and buffers idle.
 
@@ -374,12 +375,11 @@ class ExpertLayerRing:
         copies run on the copy stream after the ones forgotten; their slot copies, on the
         compute stream, wait for each buffer's last ready event (Note [Ring fills from the
         slots])."""
-        self.abandon()
-        self._next = 0
-        self._held = self._tables = None
         self._stage = None  # the caches forgot too: a -1 entry no longer means untouched
         if self.held:
             self.carry_held()
+        else:
+            self._start_over()
 
     def read_held(self, position: int) -> dict[str, torch.Tensor]:
         """A small step's read of held position ``position`` (Note [Small steps read the held
@@ -408,12 +408,17 @@ class ExpertLayerRing:
         """Fill the held positions again now, from host memory, after every read issued so
         far (a forget, or a large step that stopped half-way: a replayed small step runs no
         Python to notice)."""
-        self.abandon()
-        self._held = self._tables = None
-        self._next = 0
+        self._start_over()
         self._copy_after_compute()
         self._fill_ahead()
         self.recarried += 1
+
+    def _start_over(self) -> None:
+        """Nothing filled ahead, nothing read: the next fill is position 0's, and the slot
+        tables are read again."""
+        self.abandon()
+        self._next = 0
+        self._held = self._tables = None
 
     def _copy_after_compute(self) -> None:
         """Order the copy stream's next fills after everything issued on the compute stream:
