@@ -50,6 +50,22 @@ Note [Expert lane hazards]
       read of its slot since the slot's previous fill (write-after-read: a refill before its
       readers retire is the mutant ``layer-refill-before-retire`` of tests/helpers/mutants.py).
 
+    The ring's fills also read the slot caches (Note [Ring fills from the slots]): a ``take``
+    copies rows of a cache's slots into a buffer, and with lent slots (Note [Ring lends the
+    carried layers' slots]) a ``lend`` writes another layer's experts into them. Ops on a
+    cache's slots carry ``space``, the cache's layer position; a lane's joint trace
+    (``ExpertLane.trace_all``: the ring's operations and every cache's, in issue order, the
+    lane's stream named ``compute``) is proven by :func:`check_lane`, which adds to the
+    ring's rules, per cache slot over all steps:
+
+    * ``read-before-write``: a ``read`` or ``take`` names the expert the slot's latest
+      ``install`` or ``lend`` wrote (a take of a row a decode step rewrote since the large
+      step read the tables copies the wrong expert);
+    * ``cross-stream``: it happens-after that write, and every write happens-after every
+      read and take of its slot since the previous write (an install over a row a fill is
+      still copying). A cache's ``forget`` (its ``forget`` or ``lend``: every slot empty)
+      writes all its slots.
+
     An event (``record`` with ``on`` naming it) orders what its stream issued before the
     record; a ``wait`` on an event orders the waiting stream's next operations after it, and
     a ``wait`` on a stream after everything that stream issued so far. The slot cache's steps
@@ -76,12 +92,16 @@ class ExpertOp:
     issues next after that event, or, where ``on`` names no event, after everything issued
     so far on stream ``on``. ``stage``, ``cpu`` (``(e, e)`` per expert the host computes)
     and ``sum`` are the host's share of a step. The layer ring's ``fill`` writes layer
-    position ``p`` into ring slot ``s`` for each ``(p, s)``, and its ``read`` reads them."""
+    position ``p`` into ring slot ``s`` for each ``(p, s)``, and its ``read`` reads them; its
+    ``take`` reads expert ``e`` from slot ``s`` of cache ``space`` (a layer position) and its
+    ``lend`` writes it there. ``space`` names the cache of a lane's joint trace (None: the
+    ring's slots, or a cache's own trace)."""
 
     kind: str
     stream: object
     pairs: tuple[tuple[int, int], ...] = ()
     on: object = None
+    space: object = None
 
 
 _PREVIOUS = -1  # the steps before this one, in the happens-before sets below
@@ -166,6 +186,8 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
                                                             else ())], f"touches slot {s}")
                 writer[s], readers[s] = i, []
             held.update({s: e for e, s in op.pairs})
+        elif op.kind == "forget":  # every slot empty (ExpertCache.forget or lend)
+            held.clear()
         elif op.kind in ("stage", "sum") and op.stream != lane:
             raise HazardError("cross-stream", f"{op.kind} {i} runs on stream {op.stream}, not "
                               f"the lane's ({lane}): the steps before and after order only "
@@ -211,7 +233,8 @@ def check_expert_step(held: dict[int, int], needed: set[int], ops: list[ExpertOp
 
 def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
     """Prove a layer ring's trace over any number of steps (Note [Expert lane hazards]); the
-    ring has ``slots`` slots, empty when the trace starts.
+    ring has ``slots`` slots, empty when the trace starts. Operations on caches' slots
+    (``space`` set) are ordered but not checked here: :func:`check_lane` checks them.
 
     Returns:
         slot → layer position it holds at the end.
@@ -219,15 +242,39 @@ def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
     Raises:
         HazardError: the first hazard, with the indices of the offending operations.
     """
+    return _check(ops, slots, caches=False)
+
+
+def check_lane(ops: list[ExpertOp], slots: int) -> dict[int, int]:
+    """Prove a lane's joint trace (``ExpertLane.trace_all``): the ring's slots as
+    :func:`check_ring` does, and every cache slot (``space``: the cache's layer position)
+    across the steps, every slot empty when the trace starts (Note [Expert lane hazards]).
+
+    Returns:
+        ring slot → layer position it holds at the end.
+
+    Raises:
+        HazardError: the first hazard, with the indices of the offending operations.
+    """
+    return _check(ops, slots, caches=True)
+
+
+def _check(ops: list[ExpertOp], slots: int, caches: bool) -> dict[int, int]:
     order = _Order()
     holds: dict[int, int] = {}
     writer: dict[int, int] = {}  # slot -> its latest fill
     readers: dict[int, list[int]] = {}  # slot -> reads since that fill
+    cached: dict[tuple, int] = {}  # (cache, slot) -> the expert its latest write wrote
+    cache_writer: dict[tuple, int] = {}
+    cache_readers: dict[tuple, list[int]] = {}
     for i, op in enumerate(ops):
         after = order.before(i, op)
         if after is None:
             continue
-        if op.kind in ("fill", "read"):
+        if op.space is not None:
+            if caches:
+                _cache_slots(i, op, after, cached, cache_writer, cache_readers)
+        elif op.kind in ("fill", "read"):
             for position, s in op.pairs:
                 if not 0 <= s < slots:
                     raise HazardError("slot-range", f"operation {i} ({op.kind}) names ring slot "
@@ -255,3 +302,39 @@ def check_ring(ops: list[ExpertOp], slots: int) -> dict[int, int]:
                               f"or wait", [i])
         order.issue(i, op)
     return holds
+
+
+_CACHE_WRITES, _CACHE_READS = ("install", "lend"), ("read", "take")
+
+
+def _cache_slots(i: int, op: ExpertOp, after: set[int], cached: dict, writer: dict,
+                 readers: dict) -> None:
+    """One operation of a joint trace on cache ``op.space``'s slots (``check_lane``): its
+    writes after every access of their slot since the last write, its reads after that write
+    and of the expert it wrote. Other kinds (a pass in place, the host's share) touch no
+    slot."""
+    if op.kind == "forget":  # every slot empty (poisoned, or lent to the ring): a write
+        op = ExpertOp("install", op.stream, tuple((None, s) for sp, s in list(cached)
+                                                  if sp == op.space), space=op.space)
+    if op.kind not in _CACHE_WRITES + _CACHE_READS:
+        return
+    for e, s in op.pairs:
+        key = (op.space, s)
+        before = [*readers.get(key, ()), *([writer[key]] if key in writer else ())]
+        if op.kind in _CACHE_WRITES:
+            late = [j for j in before if j not in after]
+            if late:
+                raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) writes "
+                                  f"slot {s} of cache {op.space} with no event after "
+                                  f"operation(s) {late} that read or wrote it", [*late, i])
+            cached[key], writer[key], readers[key] = e, i, []
+            continue
+        if cached.get(key) != e:
+            raise HazardError("read-before-write", f"{op.kind} {i} reads expert {e} from slot "
+                              f"{s} of cache {op.space}, which holds "
+                              f"{cached.get(key, 'nothing')}", [i])
+        if writer[key] not in after:
+            raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) reads slot "
+                              f"{s} of cache {op.space} with no event after its write "
+                              f"{writer[key]}", [writer[key], i])
+        readers[key].append(i)

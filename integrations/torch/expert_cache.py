@@ -277,7 +277,7 @@ class ExpertCache:
         self.last_used.index_copy_(0, torch.where(valid, slots, s), self.clock.expand(s))
         if self.trace is not None:
             n = int(count)
-            self.trace.append(ExpertOp("install", self._stream(), tuple(
+            self.trace.append(ExpertOp("install", self.trace_stream(), tuple(
                 zip(ids[:n].tolist(), slots[:n].tolist()))))
         for name, w in self.weights.items():
             fetch_experts(self.host[name], w, ids, slots, count.reshape(1), self.programs)
@@ -285,16 +285,21 @@ class ExpertCache:
     def _traced_read(self, expert_map: torch.Tensor, kind: str = "read") -> torch.Tensor:
         if self.trace is not None:
             named = (expert_map >= 0).nonzero().flatten()
-            self.trace.append(ExpertOp(kind, self._stream(), tuple(
+            self.trace.append(ExpertOp(kind, self.trace_stream(), tuple(
                 zip(named.tolist(), expert_map[named].tolist()))))
         return expert_map
+
+    def _traced_forget(self) -> None:
+        if self.trace is not None:  # every slot empty (Note [Expert lane hazards])
+            self.trace.append(ExpertOp("forget", self.trace_stream()))
 
     def traced_wait(self, on: object) -> None:
         """Record in the trace that the current stream now waits for stream ``on``."""
         if self.trace is not None:
-            self.trace.append(ExpertOp("wait", self._stream(), on=on))
+            self.trace.append(ExpertOp("wait", self.trace_stream(), on=on))
 
-    def _stream(self) -> object:
+    def trace_stream(self) -> object:
+        """The current stream as the trace names it: its handle, or ``cpu``."""
         return (torch.cuda.current_stream(self.device).cuda_stream
                 if self.device.type == "cuda" else "cpu")
 
@@ -306,6 +311,7 @@ class ExpertCache:
         """Empty every slot, its weights left as they are, stream-ordered like a step: the
         layer ring writes another layer's experts there (Note [Ring lends the carried layers'
         slots]), and the next steps install over them as over empty slots."""
+        self._traced_forget()
         self.generation += 1
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)
@@ -315,6 +321,7 @@ class ExpertCache:
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
         Stream-ordered like a step; the next step fetches what it needs."""
+        self._traced_forget()
         self.generation += 1
         self.slot_of.fill_(-1)
         self.expert_in.fill_(-1)

@@ -43,6 +43,7 @@ from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.integrations.torch.expert_lookahead import Lookahead
 from ringflow.integrations.torch.host_experts import HostExperts
+from ringflow.orchestrator.expert_hazards import ExpertOp
 from ringflow.orchestrator.host_split import HostPolicy
 from ringflow.kernels.moe import moe_from_slots
 
@@ -201,6 +202,17 @@ class ExpertLane:
                                    expert_map, p == passes - 1, *extra)
         return out
 
+    def trace_all(self, ops: list | None) -> None:
+        """Trace the ring's operations and every cache's into ``ops`` in issue order, the
+        cache's tagged with its position and the lane's stream (the current one) named
+        ``compute``, as the ring names it: the joint trace ``check_lane`` proves (Note [Expert
+        lane hazards]). None stops tracing."""
+        if self.ring is not None:
+            self.ring.trace = ops
+        for layer, cache in self.caches.items():
+            cache.trace = (None if ops is None
+                           else _Tagged(ops, self.position[layer], cache.trace_stream()))
+
     @property
     def bytes(self) -> int:
         """Device bytes of the slots, the ring and the host shares' outputs, reserved when the
@@ -242,3 +254,21 @@ class ExpertLane:
         """Stop the host share's worker (when no step or graph will run this lane again)."""
         if self.host is not None:
             self.host.close()
+
+
+class _Tagged:
+    """A cache's trace as part of a lane's joint trace: each operation tagged with the cache's
+    position (``space``) and the lane's stream (``main``) renamed ``compute``."""
+
+    def __init__(self, ops: list, space: int, main: object) -> None:
+        self.ops, self.space, self.main = ops, space, main
+
+    def append(self, op: ExpertOp) -> None:
+        rename = {self.main: "compute"}  # streams, events and stream handles: hashable
+        self.ops.append(ExpertOp(op.kind, rename.get(op.stream, op.stream), op.pairs,
+                                 rename.get(op.on, op.on), self.space))
+
+    def __iadd__(self, ops: list[ExpertOp]) -> "_Tagged":
+        for op in ops:
+            self.append(op)
+        return self

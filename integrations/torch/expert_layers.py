@@ -72,9 +72,12 @@ Note [Ring fills from the slots]
        copies the other experts from host memory in runs of consecutive experts, then records
        the ready event. A fill is two ``fill`` operations in the trace, one per stream, and
        :func:`~ringflow.orchestrator.expert_hazards.check_ring` proves their order on the
-       buffer. The slot side (a slot copy against the caches' installs) is not in that proof:
-       it rests on the stream order argued in steps 1 and 2, and on the H200's bit-for-bit
-       engine tests with poisoned slots and buffers.
+       buffer. The slot side is traced too: each slot copy is a ``take`` of (expert, slot)
+       of that position's cache, and a lane's joint trace (``ExpertLane.trace_all``, the
+       caches' installs and reads among the ring's operations) is proven by
+       :func:`~ringflow.orchestrator.expert_hazards.check_lane`: every take names what its
+       slot holds, after the install that wrote it and before the next install over it
+       (Note [Expert lane hazards]; a take off the lane's stream, or by stale tables, fails).
 
     The buffer ends up holding every expert at its own index, bytes as the host's: the
     layer's compute cannot tell where a row came from.
@@ -473,6 +476,7 @@ class ExpertLayerRing:
             self.caches[p].lend()
         host, compute = self.hosts[target], self._current()
         for p, slot, e, n in _pair_runs(staged):
+            self._op("lend", "compute", space=p, pairs=((e + k, slot + k) for k in range(n)))
             for name, dst in self.caches[p].weights.items():
                 _copy_rows(dst, slot, host[name], e, n, compute)
         self.rows_staged += len(staged)
@@ -559,6 +563,12 @@ class ExpertLayerRing:
                 compute.wait_event(self._ready[slot])
             self._op("wait", "compute", on=("ready", slot))
             cache, (slots, experts, count) = self.caches[position], self._held[position]
+            if held:
+                self._op("take", "compute", space=position, pairs=(
+                    (e, s) for s, e in enumerate(self._tables[position]) if e >= 0))
+            for p, first, e, n in _pair_runs(staged):
+                self._op("take", "compute", space=p, pairs=(
+                    (e + k, first + k) for k in range(n)))
             for name, v in views.items():
                 if held:
                     fetch_experts(cache.weights[name], v, slots, experts, count,
@@ -599,11 +609,13 @@ class ExpertLayerRing:
     def _current(self) -> torch.cuda.Stream | None:
         return None if self.stream is None else torch.cuda.current_stream(self.device)
 
-    def _op(self, kind: str, stream: str, pairs: tuple = (), on: object = None) -> None:
+    def _op(self, kind: str, stream: str, pairs: tuple = (), on: object = None,
+            space: object = None) -> None:
         """Trace one operation on the ring's logical streams, ``copy`` and ``compute`` (the
-        same on the CPU, where both run in line: the proof checks what a GPU would order)."""
+        same on the CPU, where both run in line: the proof checks what a GPU would order);
+        ``space``: the position whose cache slots it touches (Note [Expert lane hazards])."""
         if self.trace is not None:
-            self.trace.append(ExpertOp(kind, stream, pairs, on))
+            self.trace.append(ExpertOp(kind, stream, tuple(pairs), on, space))
 
     def describe(self) -> dict:
         return {"layers": self.layers, "buffers": self.buffers, "layer_bytes": self.layer_bytes,

@@ -13,7 +13,8 @@ from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.kernels.reference import moe_ref
-from ringflow.orchestrator.expert_hazards import ExpertOp, check_expert_step, check_ring
+from ringflow.orchestrator.expert_hazards import (ExpertOp, check_expert_step, check_lane,
+                                                   check_ring)
 
 E, H, I, K = 12, 16, 8, 3
 LAYERS = (1, 3, 4, 6)  # decoder indices of the chosen MoE layers
@@ -114,8 +115,8 @@ def test_the_ring_copies_whole_layers_in_order_and_the_traces_prove():
             if tokens < lane.layer_tokens:  # a slot-cache step: proven per layer
                 needed = set(routing(s * 31 + i, tokens)[0].reshape(-1).tolist())
                 held[i] = check_expert_step(held[i], needed, traces[i], cache.slots)
-            else:
-                assert traces[i] == []  # the ring served it: the cache is untouched
+            else:  # the ring served it: the cache is untouched, or lent (emptied)
+                assert all(op.kind == "forget" for op in traces[i]), traces[i]
     check_ring(lane.ring.trace, lane.ring.buffers)
     # a fill ends on the copy stream; one that takes experts from the slots starts on the
     # compute stream (Note [Ring fills from the slots])
@@ -126,6 +127,78 @@ def test_the_ring_copies_whole_layers_in_order_and_the_traces_prove():
     assert fills[:len(reads)] == reads  # filled in the order they are read, carried or not
     from_slots = [op for op in lane.ring.trace if op.kind == "fill" and op.stream == "compute"]
     assert from_slots and lane.ring.rows_from_slots > 0
+
+
+def joint_trace(lend=False, hold=False, steps=SIZES, exact=True):
+    """A lane's joint trace (``ExpertLane.trace_all``) from empty slots over ``steps``, each
+    step checked against the float64 MoE when ``exact``."""
+    lane, hosts = make_lane(2, lend=lend, hold=hold)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()  # every slot empty and traced so: where the proof starts
+    for s, tokens in enumerate(steps):
+        got, want = run_step(lane, hosts, tokens, s)
+        for i in LAYERS if exact else ():
+            torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+    return lane, ops
+
+
+@pytest.mark.parametrize("lend, hold", [(False, False), (True, False), (False, True)])
+def test_the_lanes_joint_trace_proves_the_ring_and_the_caches_together(lend, hold):
+    """Note [Expert lane hazards]: the ring's fills take rows from the caches' slots (and
+    with lent slots write other layers' experts there) between the caches' own installs and
+    reads; the joint trace proves both sides: each take names what its slot holds and is
+    ordered after the write and before the next install over it."""
+    lane, ops = joint_trace(lend, hold)
+    check_lane(ops, lane.ring.buffers)
+    kinds = {op.kind for op in ops}
+    assert {"install", "read", "take", "fill", "forget"} <= kinds
+    assert ("lend" in kinds) == lend
+    spaces = {op.space for op in ops if op.kind in ("install", "take")}
+    assert spaces == set(range(2 if hold else 0, 4))
+    assert all(op.stream in ("compute", "copy") for op in ops)
+
+
+def test_a_take_off_the_lanes_stream_or_of_a_stale_table_is_caught(monkeypatch):
+    """A slot copy moved to the copy stream (no event orders the next install over its row
+    after it), and fills that take rows by the first step's slot tables (never read again):
+    each fails the joint proof."""
+    lane, ops = joint_trace()
+    moved = [ExpertOp(op.kind, "copy", op.pairs, op.on, op.space) if op.kind == "take" else op
+             for op in ops]
+    with pytest.raises(HazardError) as err:
+        check_lane(moved, 2)
+    assert err.value.kind == "cross-stream"
+    real = ExpertLayerRing._read_slot_tables
+
+    def once(ring):
+        if ring._held is None or not getattr(ring, "_read_once", False):
+            ring._read_once = True
+            real(ring)
+    monkeypatch.setattr(ExpertLayerRing, "_read_slot_tables", once)
+    lane, ops = joint_trace(steps=[1, 2, 8, 1, 2, 1, 9], exact=False)
+    with pytest.raises(HazardError) as err:
+        check_lane(ops, 2)
+    assert err.value.kind == "read-before-write"
+
+
+def test_a_take_of_a_lent_row_a_decode_step_rewrote_is_caught(monkeypatch):
+    """Lent slots (Note [Ring lends the carried layers' slots]): a fill that takes every
+    staged row, not only those whose slot no install took since, names experts their slots
+    no longer hold."""
+    real = ExpertLayerRing._staged
+
+    def every_row(ring, position, held):
+        stage = ring._stage
+        real(ring, position, held)  # uses the stage up
+        if stage is None or stage[1] != position or stage[0] >= ring.steps:
+            return []
+        return [row for row in stage[2] if row[2] not in set(held)]
+    monkeypatch.setattr(ExpertLayerRing, "_staged", every_row)
+    lane, ops = joint_trace(lend=True, steps=[8, 1, 1, 2, 1, 9], exact=False)
+    with pytest.raises(HazardError) as err:
+        check_lane(ops, 2)
+    assert err.value.kind == "read-before-write"
 
 
 def test_a_refill_before_the_readers_retire_is_caught(monkeypatch):
@@ -203,7 +276,7 @@ def test_a_slot_copy_into_a_buffer_an_unread_fill_still_writes_is_caught():
     ops = lane.ring.trace
     skipped = [op for j, op in enumerate(ops) if not (
         op.kind == "wait" and op.stream == "compute" and isinstance(op.on, tuple)
-        and op.on[0] == "ready" and j + 1 < len(ops) and ops[j + 1].kind == "fill")]
+        and op.on[0] == "ready" and j + 1 < len(ops) and ops[j + 1].kind in ("take", "fill"))]
     with pytest.raises(HazardError) as err:
         check_ring(skipped, 2)
     assert err.value.kind == "cross-stream"

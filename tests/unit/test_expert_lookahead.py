@@ -86,11 +86,11 @@ def traced_step(target, guess, ids, side_waits=True, lane_waits=True):
     """One lookahead step's operations as the lane issues them on two streams (Note [Expert
     lookahead]), traced: the side stream's install, then the lane's serve."""
     target.trace = []
-    target._stream = lambda: "side"
+    target.trace_stream = lambda: "side"
     if side_waits:
         target.traced_wait("lane")
     target.prefetch(guess)
-    target._stream = lambda: "lane"
+    target.trace_stream = lambda: "lane"
     if lane_waits:
         target.traced_wait("side")
     for _ in target.serve(ids):
