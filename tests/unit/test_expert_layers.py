@@ -538,6 +538,24 @@ def gpu_lane(slow: int, poison_reads: bool = True, hold: bool = False):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("hold", [False, True])
+def test_the_joint_trace_of_a_gpu_lane_proves(hold):
+    """The joint proof (Note [Expert lane hazards]) over a GPU lane's eager steps: the caches'
+    operations on the lane's real stream, the ring's on its copy stream, a slow reader."""
+    lane, hosts = gpu_lane(slow=200_000, hold=hold)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()
+    for s, tokens in enumerate(SIZES):
+        got, want = run_step(lane, hosts, tokens, s, device="cuda")
+        for i in LAYERS:
+            torch.testing.assert_close(got[i].double().cpu(), want[i], rtol=1e-5, atol=1e-5)
+    check_lane(ops, lane.ring.buffers)
+    assert any(op.kind == "take" for op in ops)
+
+
+@cuda
+@pytest.mark.cuda
 def test_a_captured_small_step_reads_the_held_layers_each_large_step_carried_again():
     """Note [Small steps read the held layers] on a GPU: a small step of every layer captured
     once (its held layers' waits on the ready events as external wait nodes), replayed after
