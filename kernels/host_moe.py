@@ -23,6 +23,16 @@ Note [Host rows round as the kernel]
     ms on this project's 2-core CPU machine where rounding first took 0.72-0.73 (1.25x;
     the widening, 3 MiB a step, is most of it). The host's rates are measured through this
     worker (Note [Host split]), so the split counts it.
+
+    fp8 experts in 128x128 blocks (DeepSeek-V3, Qwen3-*-FP8): vLLM's Triton kernel also
+    quantizes each GEMM's input, every row in groups of a block's columns, to fp8 with a
+    scale per group (``per_token_group_quant_fp8``), and sums each block's products times
+    both scales in float32. The host does the same (``fp8_groups``: the input rounded to the
+    fp8 grid of its group's scale; the weights dequantized to float32, not rounded to bf16;
+    float32 GEMMs): without it, its rows differed from the kernel's by the activations' fp8
+    rounding, a few percent per element. fp8 with one scale per tensor quantizes the second
+    GEMM's input with one scale over every expert's rows of the step, which the host does not
+    see: there it dequantizes the weights and quantizes nothing, and its rows differ by that.
 """
 
 from __future__ import annotations
@@ -46,6 +56,21 @@ def expert_weight(w: torch.Tensor, e: int, scale: Optional[torch.Tensor],
     return (w[e].float() * s).to(dtype)
 
 
+def fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [rows, k] (float32) as vLLM's fp8 kernels see it with 128x128 block weights: each
+    row's groups of ``group`` columns quantized to fp8 e4m3 with a scale of their largest
+    magnitude over 448 (at least 1e-10 / 448, ``per_token_group_quant_fp8``), times that
+    scale again (Note [Host rows round as the kernel])."""
+    rows, k = x.shape[0], x.shape[1]
+    if k % group:
+        raise RuntimeError(f"fp8 activations are quantized in groups of {group} columns; a row "
+                           f"of {k} is not a whole number of them")
+    g = x.reshape(rows, k // group, group)
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0
+    q = (g / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).reshape(rows, k)
+
+
 def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, mine: torch.Tensor,
                 out: torch.Tensor, w13_scale: Optional[torch.Tensor] = None,
@@ -55,12 +80,19 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     its expert, zeros at every other choice: the rows the GPU kernel would have summed, for
     the GPU's sum, rounded as vLLM's kernel rounds (Note [Host rows round as the kernel]).
     ``w13`` [experts, 2I, H] and ``w2`` [experts, H, I] as vLLM lays them out, fp8 ones with
-    their scales (dequantized here; the GPU kernel also quantizes the activations, so fp8
-    agrees within its own rounding). All on the CPU.
+    their scales (dequantized here; with block scales the activations quantized as the
+    kernel quantizes them). All on the CPU.
     Returns how many experts it computed."""
     out.zero_()
     inter = w2.shape[2]
     dtype = hidden.dtype if w13_scale is not None else w13.dtype
+    # 128x128 block fp8: the kernel quantizes each GEMM's input rows in groups of a block's
+    # columns and sums in float32 (Note [Host rows round as the kernel])
+    blocks = w13_scale is not None and w13_scale.dim() == 3 and w2_scale is not None
+    group13, group2 = 0, 0
+    if blocks and w13_scale is not None and w2_scale is not None:
+        group13 = -(-w13.shape[2] // w13_scale.shape[2])
+        group2 = -(-inter // w2_scale.shape[2])
     mine_list: List[bool] = mine.tolist()
     ids: List[List[int]] = topk_ids.tolist()
     weights: List[List[float]] = topk_weights.float().tolist()
@@ -78,9 +110,16 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             x = hidden[pairs[0][0]:pairs[0][0] + 1]
         else:
             x = hidden.index_select(0, torch.tensor([p[0] for p in pairs]))
-        h = torch.nn.functional.linear(x.to(dtype), expert_weight(w13, e, w13_scale, dtype))
+        if blocks:
+            h = torch.nn.functional.linear(fp8_groups(x.float(), group13),
+                                           expert_weight(w13, e, w13_scale,
+                                                         torch.float32)).to(dtype)
+        else:
+            h = torch.nn.functional.linear(x.to(dtype),
+                                           expert_weight(w13, e, w13_scale, dtype))
         act = torch.nn.functional.silu(h[:, :inter].float()).to(dtype) * h[:, inter:]
-        y = torch.nn.functional.linear(act.float(),
+        y = torch.nn.functional.linear(fp8_groups(act.float(), group2) if blocks
+                                       else act.float(),
                                        expert_weight(w2, e, w2_scale, torch.float32))
         for i in range(len(pairs)):
             t, j = pairs[i]

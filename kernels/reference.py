@@ -111,17 +111,42 @@ def moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Each (token, choice) row of a MoE [tokens, top_k, H] in the weights' dtype, rounded where
-    vLLM's kernels round (Note [Host rows round as the kernel] in kernels/host_moe.py), with
-    every GEMM's sum taken in float64 (so exactly rounded, where a GPU's float32 sums may land
-    on the other side of a boundary)."""
-    dtype, inter = w13.dtype, w2.shape[2]
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       w13_scale: torch.Tensor | None = None,
+                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Each (token, choice) row of a MoE [tokens, top_k, H], rounded where vLLM's kernels
+    round (Note [Host rows round as the kernel] in kernels/host_moe.py), with every GEMM's
+    sum taken in float64 (so exactly rounded, where a GPU's float32 sums may land on the
+    other side of a boundary). bf16 weights: in their dtype. fp8 weights with 128x128 block
+    scales ([experts, n/b, k/b]): in ``hidden``'s dtype, each GEMM's input quantized per
+    row and group of ``b`` columns as ``per_token_group_quant_fp8`` does (float32 scale: the
+    group's largest magnitude, at least 1e-10, over 448), and each block's products of fp8
+    values summed, then times both scales, as the Triton kernel does."""
+    blocks = w13_scale is not None
+    dtype, inter = (hidden.dtype if blocks else w13.dtype), w2.shape[2]
     out = torch.empty(*topk_ids.shape, hidden.shape[1], dtype=dtype)
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            return w.double() @ x.double()
+        n, k = w.shape
+        bn, bk = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+        acc = torch.zeros(n, dtype=torch.float64)
+        for kb in range(scale.shape[1]):
+            cols = slice(kb * bk, (kb + 1) * bk)
+            part = x[cols].float()
+            s_a = torch.clamp(part.abs().max(), min=1e-10) / 448.0
+            q_a = torch.clamp(part / s_a, -448.0, 448.0).to(torch.float8_e4m3fn).double()
+            dots = w[:, cols].double() @ q_a  # fp8 values: exact products
+            s_w = scale[:, kb].double().repeat_interleave(bn)[:n]
+            acc += dots * s_a.double() * s_w
+        return acc
+
     for t in range(hidden.shape[0]):
         for j, (w, e) in enumerate(zip(topk_weights[t].tolist(), topk_ids[t].tolist())):
-            h = (w13[e].double() @ hidden[t].to(dtype).double()).to(dtype)
+            x = hidden[t].to(dtype)
+            h = gemm(x, w13[e], w13_scale[e] if blocks else None).to(dtype)
             act = torch.nn.functional.silu(h[:inter].float()).to(dtype) * h[inter:]
-            acc = (w2[e].double() @ act.double()).float()
+            acc = gemm(act, w2[e], w2_scale[e] if blocks else None).float()
             out[t, j] = acc * torch.tensor(w, dtype=torch.float32)
     return out

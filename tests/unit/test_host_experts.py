@@ -139,23 +139,74 @@ def test_the_host_rows_round_where_vllms_kernel_rounds(compiled):
     assert ((out.float() - want.float()).abs() <= largest * 2.0 ** -8).all()
 
 
+def fp8_want(store: dict, hidden: torch.Tensor, weights: torch.Tensor,
+             ids: torch.Tensor) -> torch.Tensor:
+    """What the host's rows of fp8 experts sum to: per tensor, the float64 MoE of the
+    dequantized layer; in blocks, vLLM's kernel's rows (its inputs quantized per group)."""
+    if store["w13_scale"].dim() == 3:
+        return moe_rows_as_kernel(hidden, store["w13"], store["w2"], weights, ids,
+                                  store["w13_scale"], store["w2_scale"]).double().sum(1)
+    return moe_ref(hidden, dequantized(store, "w13"), dequantized(store, "w2"), weights, ids)
+
+
 @pytest.mark.parametrize("blocks", [False, True])
 def test_the_host_moe_dequantizes_fp8_experts_with_their_scales(blocks):
     host = fp8_experts("cpu", blocks)
-    w13, w2 = dequantized(host, "w13"), dequantized(host, "w2")
     ids, weights = routing(9, 3)
     hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(9))
     out = torch.empty(3, K, H)
     moe_on_host(hidden, host["w13"], host["w2"], weights, ids, torch.ones(E, dtype=torch.bool),
                 out, host["w13_scale"], host["w2_scale"])
-    torch.testing.assert_close(out.double().sum(1), moe_ref(hidden, w13, w2, weights, ids),
+    torch.testing.assert_close(out.double().sum(1), fp8_want(host, hidden, weights, ids),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_fp8_host_rows_quantize_their_inputs_as_vllms_kernel(compiled):
+    """128x128 block fp8 experts, bf16 model, a realistic width (Note [Host rows round as the
+    kernel]): the host's rows are the kernel's rows (inputs quantized per row and group of
+    128 columns, float32 sums) but for elements whose float32 sums fall on the other side of
+    a rounding boundary; dequantizing the weights alone, unquantized inputs, is off in most
+    elements by the activations' fp8 rounding."""
+    g = torch.Generator().manual_seed(31)
+    experts, hidden_size, inter, top_k, tokens = 4, 256, 256, 3, 2
+    host = {"w13": (torch.randn(experts, 2 * inter, hidden_size, generator=g) * 8)
+            .to(torch.float8_e4m3fn),
+            "w2": (torch.randn(experts, hidden_size, inter, generator=g) * 8)
+            .to(torch.float8_e4m3fn),
+            "w13_scale": 0.002 + 0.001 * torch.rand(experts, 2 * inter // 128,
+                                                    hidden_size // 128, generator=g),
+            "w2_scale": 0.002 + 0.001 * torch.rand(experts, hidden_size // 128,
+                                                   inter // 128, generator=g)}
+    hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    out = torch.full((tokens, top_k, hidden_size), float("nan"), dtype=torch.bfloat16)
+    run = scripted("moe_on_host") if compiled else moe_on_host
+    run(hidden, host["w13"], host["w2"], weights, ids, torch.ones(experts, dtype=torch.bool),
+        out, host["w13_scale"], host["w2_scale"])
+    want = moe_rows_as_kernel(hidden, host["w13"], host["w2"], weights, ids,
+                              host["w13_scale"], host["w2_scale"])
+    apart = (out.float() != want.float()).float().mean().item()
+    assert apart < 0.01, apart
+    largest = want.float().abs().amax(-1, keepdim=True)
+    assert ((out.float() - want.float()).abs() <= largest * 2.0 ** -6).all()
+    unquantized = moe_rows_as_kernel(
+        hidden, dequantized_blocks(host, "w13").bfloat16(),
+        dequantized_blocks(host, "w2").bfloat16(), weights, ids)
+    assert (unquantized.float() != want.float()).float().mean().item() > 0.5
+
+
+def dequantized_blocks(store: dict, name: str, block: int = 128) -> torch.Tensor:
+    scale = store[f"{name}_scale"].float()
+    return store[name].float() * scale.repeat_interleave(block, 1).repeat_interleave(block, 2)
 
 
 @pytest.mark.parametrize("blocks", [False, True])
 def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
     """fp8 experts and their scales through the host share's compiled worker (what a step
-    runs), for several layers' stores: each layer's rows from its own store."""
+    runs), for several layers' stores: each layer's rows from its own store (in blocks, as
+    vLLM's kernel computes them)."""
     stores = {3: fp8_experts("cpu", blocks), 7: fp8_experts("cpu", not blocks)}
     host = HostExperts(stores, H, K, 4, "cpu", torch.float32)
     g = torch.Generator().manual_seed(12)
@@ -169,8 +220,7 @@ def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
             got = host.join(1 + s)
             store = stores[layer]
             keep = mine[:E][ids]
-            want = moe_ref(hidden, dequantized(store, "w13"), dequantized(store, "w2"),
-                           torch.where(keep, weights, 0), ids)
+            want = fp8_want(store, hidden, torch.where(keep, weights, 0), ids)
             torch.testing.assert_close(got.double().sum(1), want, rtol=1e-5, atol=1e-5)
         assert host.describe(3)["runs"] == 2 and host.describe(7)["runs"] == 2
     finally:

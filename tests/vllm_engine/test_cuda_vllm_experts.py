@@ -148,10 +148,14 @@ HOST_GAP = 0.1
 
 
 def host_cases(mode):
-    """The host lanes and their own all-resident control, in one process per mode (so that
-    ``pytest -k host`` starts only these two)."""
+    """The host lanes and their own all-resident controls (bf16, and fp8 in 128x128 blocks),
+    in one process per mode (so that ``pytest -k host`` starts only these two)."""
     base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True}
-    return [{"name": f"{mode}/host-resident", **base, "engine": {"moe_backend": "triton"}}] + [
+    return [{"name": f"{mode}/host-resident", **base, "engine": {"moe_backend": "triton"}},
+            {"name": f"{mode}/host-fp8-resident", **base, "model": FP8,
+             "engine": {"moe_backend": "triton"}},
+            {"name": f"{mode}/host-fp8-half", **base, "model": FP8, "engine": UVA,
+             "env": POISON, "additional_config": lane(32, layer_buffers=0, host_share=0.5)}] + [
         {"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
          "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
                                                         if k != "slots"})}
@@ -302,6 +306,22 @@ def test_auto_slots_take_a_share_of_vllms_budget_and_give_the_resident_bits(runs
 def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name, words):
     said = [runs[name].get("error", "")] + runs[name].get("log", [])
     assert any(words in line for line in said), runs[name]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_host_share_of_block_fp8_experts_stays_within_the_gap(host_runs, mode):
+    """fp8 experts in 128x128 blocks, half of each decode step's misses on the CPU, which
+    quantizes each GEMM's input as vLLM's kernel does (Note [Host rows round as the
+    kernel]): within HOST_GAP of all-resident vLLM's fp8 run, the host computing at every
+    decode step. The gap is printed: this case has not yet run on the H200."""
+    want, got = host_runs[f"{mode}/host-fp8-resident"], host_runs[f"{mode}/host-fp8-half"]
+    for r in (want, got):
+        assert "error" not in r, r["error"]
+    gap, diverged = gap_until_divergence(got, want)
+    print(f"{mode}/host-fp8-half: top-5 logprob gap until divergence {gap}, diverged {diverged}")
+    assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
+    for layer in got["experts"]:
+        assert layer["host_share"]["runs"] >= 4 * 11 and layer["host_computed"] > 0, layer
 
 
 @pytest.mark.parametrize("mode", MODES)
