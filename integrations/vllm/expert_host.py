@@ -35,8 +35,10 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
     if spec.host_rates:
         rates = HostRates.load(spec.host_rates)
         threads = spec.host_threads or rates.threads or _share_of_cpus(vllm_config)
-        if "w13_scale" in first.host:  # the CPU dequantizes fp8: its time is bf16-sized
-            cpu_bytes = 2 * sum(first.host[n][0].numel() for n in ("w13", "w2"))
+        if "w13_scale" in first.host:  # the CPU dequantizes fp8 (Note [Host rows round as
+            # the kernel]): to float32 with block scales, to bf16 per tensor; its time is sized so
+            wide = 4 if first.host["w13_scale"].dim() == 3 else 2
+            cpu_bytes = wide * sum(first.host[n][0].numel() for n in ("w13", "w2"))
     else:  # on a worker thread with the share's threads, as the steps will run
         cap = _share_of_cpus(vllm_config)
         counts = [spec.host_threads] if spec.host_threads else [cap, max(1, cap // 2),
