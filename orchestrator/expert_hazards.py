@@ -260,81 +260,69 @@ def check_lane(ops: list[ExpertOp], slots: int) -> dict[int, int]:
 
 
 def _check(ops: list[ExpertOp], slots: int, caches: bool) -> dict[int, int]:
+    """``check_ring`` (the caches' slots ordered, not checked) or ``check_lane`` (checked)."""
     order = _Order()
-    holds: dict[int, int] = {}
-    writer: dict[int, int] = {}  # slot -> its latest fill
-    readers: dict[int, list[int]] = {}  # slot -> reads since that fill
-    cached: dict[tuple, int] = {}  # (cache, slot) -> the expert its latest write wrote
-    cache_writer: dict[tuple, int] = {}
-    cache_readers: dict[tuple, list[int]] = {}
+    ring = _Slots("ring slot {s}", "wrong-layer", "layer position")
+    cache = _Slots("slot {s} of cache {space}", "read-before-write", "expert")
     for i, op in enumerate(ops):
         after = order.before(i, op)
         if after is None:
             continue
         if op.space is not None:
-            if caches:
-                _cache_slots(i, op, after, cached, cache_writer, cache_readers)
+            if caches and op.kind == "forget":  # every slot empty (poisoned, or lent): a write
+                for key in [k for k in cache.holds if k[0] == op.space]:
+                    cache.write(i, op, key, None, after)
+            elif caches and op.kind in ("install", "lend", "read", "take"):
+                for e, s in op.pairs:  # other kinds (in place, the host's) touch no slot
+                    access = cache.write if op.kind in ("install", "lend") else cache.read
+                    access(i, op, (op.space, s), e, after)
         elif op.kind in ("fill", "read"):
             for position, s in op.pairs:
                 if not 0 <= s < slots:
                     raise HazardError("slot-range", f"operation {i} ({op.kind}) names ring slot "
                                       f"{s}; the ring has {slots}", [i])
-                if op.kind == "fill":
-                    late = [j for j in [*readers.get(s, ()), *([writer[s]] if s in writer
-                                                               else ())] if j not in after]
-                    if late:
-                        raise HazardError("cross-stream", f"fill {i} (stream {op.stream}) "
-                                          f"rewrites ring slot {s} with no event after "
-                                          f"operation(s) {late} that read or wrote it", [*late, i])
-                    holds[s], writer[s], readers[s] = position, i, []
-                    continue
-                if holds.get(s) != position:
-                    raise HazardError("wrong-layer", f"read {i} takes layer position {position} "
-                                      f"from ring slot {s}, which holds "
-                                      f"{holds.get(s, 'nothing')}", [i])
-                if writer[s] not in after:
-                    raise HazardError("cross-stream", f"read {i} (stream {op.stream}) of ring "
-                                      f"slot {s} with no event after its fill {writer[s]}",
-                                      [writer[s], i])
-                readers[s].append(i)
+                access = ring.write if op.kind == "fill" else ring.read
+                access(i, op, s, position, after)
         else:
             raise HazardError("unknown", f"operation {i} is {op.kind!r}, not fill, read, record "
                               f"or wait", [i])
         order.issue(i, op)
-    return holds
+    return ring.holds
 
 
-_CACHE_WRITES, _CACHE_READS = ("install", "lend"), ("read", "take")
+class _Slots:
+    """What each slot holds, its latest write and the reads since, for the proof of a ring's or
+    the caches' slots (``key``: a ring slot, or a cache's (position, slot))."""
 
+    def __init__(self, name: str, wrong: str, what: str) -> None:
+        self.name, self.wrong, self.what = name, wrong, what
+        self.holds: dict = {}
+        self.writer: dict = {}
+        self.readers: dict = {}
 
-def _cache_slots(i: int, op: ExpertOp, after: set[int], cached: dict, writer: dict,
-                 readers: dict) -> None:
-    """One operation of a joint trace on cache ``op.space``'s slots (``check_lane``): its
-    writes after every access of their slot since the last write, its reads after that write
-    and of the expert it wrote. Other kinds (a pass in place, the host's share) touch no
-    slot."""
-    if op.kind == "forget":  # every slot empty (poisoned, or lent to the ring): a write
-        op = ExpertOp("install", op.stream, tuple((None, s) for sp, s in list(cached)
-                                                  if sp == op.space), space=op.space)
-    if op.kind not in _CACHE_WRITES + _CACHE_READS:
-        return
-    for e, s in op.pairs:
-        key = (op.space, s)
-        before = [*readers.get(key, ()), *([writer[key]] if key in writer else ())]
-        if op.kind in _CACHE_WRITES:
-            late = [j for j in before if j not in after]
-            if late:
-                raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) writes "
-                                  f"slot {s} of cache {op.space} with no event after "
-                                  f"operation(s) {late} that read or wrote it", [*late, i])
-            cached[key], writer[key], readers[key] = e, i, []
-            continue
-        if cached.get(key) != e:
-            raise HazardError("read-before-write", f"{op.kind} {i} reads expert {e} from slot "
-                              f"{s} of cache {op.space}, which holds "
-                              f"{cached.get(key, 'nothing')}", [i])
-        if writer[key] not in after:
-            raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) reads slot "
-                              f"{s} of cache {op.space} with no event after its write "
-                              f"{writer[key]}", [writer[key], i])
-        readers[key].append(i)
+    def _named(self, key) -> str:
+        space, s = key if isinstance(key, tuple) else (None, key)
+        return self.name.format(s=s, space=space)
+
+    def write(self, i: int, op: ExpertOp, key, value, after: set[int]) -> None:
+        """A write after every read and write of its slot since the last write."""
+        late = [j for j in [*self.readers.get(key, ()), *([self.writer[key]]
+                                                          if key in self.writer else ())]
+                if j not in after]
+        if late:
+            raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) rewrites "
+                              f"{self._named(key)} with no event after operation(s) {late} "
+                              f"that read or wrote it", [*late, i])
+        self.holds[key], self.writer[key], self.readers[key] = value, i, []
+
+    def read(self, i: int, op: ExpertOp, key, value, after: set[int]) -> None:
+        """A read of what the slot's latest write wrote, after that write."""
+        if self.holds.get(key) != value:
+            raise HazardError(self.wrong, f"{op.kind} {i} takes {self.what} {value} from "
+                              f"{self._named(key)}, which holds "
+                              f"{self.holds.get(key, 'nothing')}", [i])
+        if self.writer[key] not in after:
+            raise HazardError("cross-stream", f"{op.kind} {i} (stream {op.stream}) reads "
+                              f"{self._named(key)} with no event after its write "
+                              f"{self.writer[key]}", [self.writer[key], i])
+        self.readers[key].append(i)
