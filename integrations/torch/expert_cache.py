@@ -321,12 +321,7 @@ class ExpertCache:
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.
         Stream-ordered like a step; the next step fetches what it needs."""
-        self._traced_forget()
-        self.generation += 1
-        self.slot_of.fill_(-1)
-        self.expert_in.fill_(-1)
-        self.last_used.fill_(-1)
-        self.predicted.zero_()
+        self.lend()  # every table entry empty, a new generation
         for w in self.weights.values():
             poison(w)
 
