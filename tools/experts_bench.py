@@ -137,9 +137,6 @@ def configs(layers: int) -> dict[str, dict]:
         return {"ringflow": {"name": name, "experts": {"layers": "all", "slots": SLOTS,
                                                        "layer_buffers": RING, **more}}}
 
-    held = experts("experts-bench-held", decode_from_ring=True)
-    held["ringflow"]["experts"]["slots"] = held_slots(layers)
-
     group, num, ahead = prefetch_layout(layers, device_layers(layers))
     return {
         "resident": {"moe_backend": "triton"},
@@ -148,7 +145,8 @@ def configs(layers: int) -> dict[str, dict]:
                                                                  layer_buffers=0)},
         "ringflow-lend": {**lane, "additional_config": experts("experts-bench-lend",
                                                                 lend_slots=True)},
-        "ringflow-held": {**lane, "additional_config": held},
+        "ringflow-held": {**lane, "additional_config": experts(
+            "experts-bench-held", decode_from_ring=True, slots=held_slots(layers))},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",

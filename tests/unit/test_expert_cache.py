@@ -263,10 +263,13 @@ def fp8_experts(device: str, blocks: bool):
 
 
 def dequantized(weights: dict, name: str) -> torch.Tensor:
+    """A layer's fp8 weights times their scales: one per expert, or one per block (its size
+    from the shapes)."""
     w, scale = weights[name].float(), weights[f"{name}_scale"].float()
     if scale.dim() == 2:  # one per expert
         return w * scale[:, :, None]
-    return w * scale.repeat_interleave(4, 1).repeat_interleave(4, 2)
+    rows, cols = w.shape[1] // scale.shape[1], w.shape[2] // scale.shape[2]
+    return w * scale.repeat_interleave(rows, 1).repeat_interleave(cols, 2)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -191,15 +191,9 @@ def test_block_fp8_host_rows_quantize_their_inputs_as_vllms_kernel(compiled):
     assert apart < 0.01, apart
     largest = want.float().abs().amax(-1, keepdim=True)
     assert ((out.float() - want.float()).abs() <= largest * 2.0 ** -6).all()
-    unquantized = moe_rows_as_kernel(
-        hidden, dequantized_blocks(host, "w13").bfloat16(),
-        dequantized_blocks(host, "w2").bfloat16(), weights, ids)
+    unquantized = moe_rows_as_kernel(hidden, dequantized(host, "w13").bfloat16(),
+                                     dequantized(host, "w2").bfloat16(), weights, ids)
     assert (unquantized.float() != want.float()).float().mean().item() > 0.5
-
-
-def dequantized_blocks(store: dict, name: str, block: int = 128) -> torch.Tensor:
-    scale = store[f"{name}_scale"].float()
-    return store[name].float() * scale.repeat_interleave(block, 1).repeat_interleave(block, 2)
 
 
 @pytest.mark.parametrize("blocks", [False, True])
