@@ -96,6 +96,14 @@ class HostExperts:
         if len(set(counts.values())) != 1:
             raise ConfigError(f"the host share's layers must have one expert count: {counts}")
         self.experts = next(iter(counts.values()))
+        for layer, store in self.stores.items():  # Note [Host rows round as the kernel]
+            for name in ("w13", "w2"):
+                scale = store.get(f"{name}_scale")
+                if scale is not None and scale.dim() == 3 and store[name].shape[2] % scale.shape[2]:
+                    raise ConfigError(
+                        f"layer {layer}'s {name} has {store[name].shape[2]} input columns in "
+                        f"{scale.shape[2]} fp8 blocks: the host quantizes its inputs per whole "
+                        f"block, as vLLM's kernel does; set experts.host_share to off")
         self.layers = tuple(self.stores)
         self._position = {layer: p for p, layer in enumerate(self.layers)}
         self.device = torch.empty(0, device=device).device

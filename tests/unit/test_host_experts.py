@@ -196,6 +196,13 @@ def test_block_fp8_host_rows_quantize_their_inputs_as_vllms_kernel(compiled):
     assert (unquantized.float() != want.float()).float().mean().item() > 0.5
 
 
+def test_block_fp8_whose_columns_are_no_whole_blocks_are_refused_by_name():
+    store = fp8_experts("cpu", True)
+    store["w2_scale"] = store["w2_scale"][:, :, :1].repeat(1, 1, 3)  # 8 columns, 3 blocks
+    with pytest.raises(ConfigError, match="w2 has 8 input columns in 3 fp8 blocks"):
+        HostExperts({0: store}, H, K, 2, "cpu", torch.float32)
+
+
 @pytest.mark.parametrize("blocks", [False, True])
 def test_the_compiled_worker_computes_fp8_experts_as_the_float64_moe(blocks):
     """fp8 experts and their scales through the host share's compiled worker (what a step
