@@ -121,12 +121,15 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     scales ([experts, n/b, k/b]): in ``hidden``'s dtype, each GEMM's input quantized per
     row and group of ``b`` columns as ``per_token_group_quant_fp8`` does (float32 scale: the
     group's largest magnitude, at least 1e-10, over 448), and each block's products of fp8
-    values summed, then times both scales, as the Triton kernel does."""
+    values summed, then times both scales, as the Triton kernel does; with 128x128 blocks the
+    activation is float32 into its quantization (``silu_and_mul_per_block_quant``, smallest
+    scale 1 / (448 * 512)), as vLLM's fused kernel computes it."""
     blocks = w13_scale is not None
     dtype, inter = (hidden.dtype if blocks else w13.dtype), w2.shape[2]
     out = torch.empty(*topk_ids.shape, hidden.shape[1], dtype=dtype)
 
-    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+             fused: bool = False) -> torch.Tensor:
         if scale is None:
             return w.double() @ x.double()
         n, k = w.shape
@@ -135,7 +138,10 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         for kb in range(scale.shape[1]):
             cols = slice(kb * bk, (kb + 1) * bk)
             part = x[cols].float()
-            s_a = torch.clamp(part.abs().max(), min=1e-10) / 448.0
+            if fused:  # silu_and_mul_per_block_quant's smallest scale
+                s_a = torch.clamp(part.abs().max() / 448.0, min=1.0 / (448.0 * 512.0))
+            else:
+                s_a = torch.clamp(part.abs().max(), min=1e-10) / 448.0
             q_a = torch.clamp(part / s_a, -448.0, 448.0).to(torch.float8_e4m3fn).double()
             dots = w[:, cols].double() @ q_a  # fp8 values: exact products
             s_w = scale[:, kb].double().repeat_interleave(bn)[:n]
@@ -146,7 +152,13 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         for j, (w, e) in enumerate(zip(topk_weights[t].tolist(), topk_ids[t].tolist())):
             x = hidden[t].to(dtype)
             h = gemm(x, w13[e], w13_scale[e] if blocks else None).to(dtype)
-            act = torch.nn.functional.silu(h[:inter].float()).to(dtype) * h[inter:]
-            acc = gemm(act, w2[e], w2_scale[e] if blocks else None).float()
+            fused = blocks and (-(-w13.shape[2] // w13_scale.shape[2]) == 128
+                                == -(-inter // w2_scale.shape[2]))
+            if fused:  # SiLU, product and quantization in one float32 kernel
+                gate = h[:inter].float()
+                act = gate * (1.0 / (1.0 + torch.exp(-gate))) * h[inter:].float()
+            else:
+                act = torch.nn.functional.silu(h[:inter].float()).to(dtype) * h[inter:]
+            acc = gemm(act, w2[e], w2_scale[e] if blocks else None, fused).float()
             out[t, j] = acc * torch.tensor(w, dtype=torch.float32)
     return out
