@@ -3,12 +3,14 @@
 
     python3 tools/experts_bench.py [--layers 4] [--rounds 5] [--only a,b] [--routings hard,easy]
                                    [--prefills 8192,32768] [--chunk 8192] [--batches 1,8,64]
-                                   [--window 1] [--deadline S] [--json FILE]
+                                   [--window 1] [--deadline S] [--fp8 block|tensor]
+                                   [--json FILE]
 
 A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8, bf16, dummy
-weights: speed does not depend on values; ``--layers`` of its 48 layers) in vLLM 0.26's engine,
-vLLM's default graphs (FULL_AND_PIECEWISE, captured sizes 1, 8, 64), the V1 model runner (vLLM's
-offloaders need it there). Every configuration but ``resident`` gets the same device memory for
+weights: speed does not depend on values; ``--layers`` of its 48 layers; ``--fp8``: its experts
+as an fp8 checkpoint, in 128x128 blocks or per tensor, and every peer's memory in fp8 bytes)
+in vLLM 0.26's engine, vLLM's default graphs (FULL_AND_PIECEWISE, captured sizes 1, 8, 64),
+the V1 model runner (vLLM's offloaders need it there). Every configuration but ``resident`` gets the same device memory for
 the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
 (``DEVICE_LAYERS``, in layers' worth of experts):
 
@@ -86,6 +88,11 @@ QWEN3_A3B = {
     "eos_token_id": 2,
 }
 EXPERT_BYTES = 3 * 2048 * 768 * 2  # gate, up and down of one expert, bf16: 9.4 MB
+#: ``--fp8``: the checkpoint's quantization config (Qwen3-30B-A3B-FP8's and DeepSeek-V3's
+#: 128x128 blocks, or one scale per tensor), each expert's weights one byte an element
+FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128]},
+       "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held",
@@ -126,10 +133,15 @@ def prefetch_layout(layers: int, memory: float) -> tuple[int, int, int]:
     return best[1]
 
 
-def configs(layers: int) -> dict[str, dict]:
+def expert_bytes(fp8: str | None = None) -> int:
+    """One expert's weights (scales aside: 0.02% of them in 128x128 blocks)."""
+    return EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
+
+
+def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
-    layer_gib = 128 * EXPERT_BYTES / 2**30
-    layer_mib = math.ceil((128 * EXPERT_BYTES + 60 * 2**20) / 2**20)  # experts + attention
+    layer_gib = 128 * expert_bytes(fp8) / 2**30
+    layer_mib = math.ceil((128 * expert_bytes(fp8) + 60 * 2**20) / 2**20)  # experts + attention
     lane = {"moe_backend": "triton", "cpu_offload_gb": math.ceil(layers * layer_gib),
             "cpu_offload_params": {"experts"}}
 
@@ -151,8 +163,11 @@ def configs(layers: int) -> dict[str, dict]:
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",
                                                                 host_share="auto")},
+        # vLLM offloads whole parameters until its count reaches cpu_offload_gb: the exact
+        # layers' worth (a float), where a whole GiB rounded up (2 at 4 layers, as this bench
+        # gave it until December 2026) took 2 of the 4 layers off the device, not 1
         "vllm-uva": {"moe_backend": "triton", "cpu_offload_params": {"experts"},
-                     "cpu_offload_gb": math.ceil((layers - device_layers(layers)) * layer_gib)},
+                     "cpu_offload_gb": (layers - device_layers(layers)) * layer_gib},
         "vllm-prefetch": {"moe_backend": "triton", "offload_backend": "prefetch",
                           "offload_group_size": group, "offload_num_in_group": num,
                           "offload_prefetch_step": ahead, "offload_params": {"experts"}},
@@ -160,6 +175,15 @@ def configs(layers: int) -> dict[str, dict]:
             "name": "experts-bench-layers", "offload": {
                 "layers": "all", "depth": 1, "workspace_mib": 2 * layer_mib}}}},
     }
+
+
+def utilization(torch, engines: int) -> float:
+    """``gpu_memory_utilization`` for each of ``engines`` living at once: vLLM refuses to
+    start an engine while less than that share of the card is free. The KV cache is fixed
+    (``kv_cache_memory_bytes``), so the share only has to let the last engine start: on an
+    H100 a fixed 0.5 stopped the fifth (35.7 of 79.2 GiB free)."""
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return round(min(0.5, 24.0 / total), 2)  # an engine here takes about 12 GiB
 
 
 def spread(values: list[float]) -> dict:
@@ -180,6 +204,8 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=1.0, help="decode window, seconds")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new round starts (a lent GPU's limit)")
+    parser.add_argument("--fp8", choices=sorted(FP8), default=None,
+                        help="fp8 experts: a checkpoint in 128x128 blocks or per tensor")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     begun = time.perf_counter()
@@ -201,9 +227,10 @@ def main() -> int:
 
     model = Path(tempfile.mkdtemp()) / "qwen3-a3b"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({**QWEN3_A3B,
-                                                   "num_hidden_layers": args.layers}))
-    chosen = configs(args.layers)
+    (model / "config.json").write_text(json.dumps({
+        **QWEN3_A3B, "num_hidden_layers": args.layers,
+        **({"quantization_config": FP8[args.fp8]} if args.fp8 else {})}))
+    chosen = configs(args.layers, args.fp8)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     vocab = QWEN3_A3B["vocab_size"]
@@ -293,7 +320,8 @@ def main() -> int:
                 key = f"prefill_{p}_tok_s"
                 if key in base:
                     steps = math.ceil(p / step_tokens)  # each copies them all
-                    copy_s = steps * args.layers * 128 * EXPERT_BYTES / (PINNED_GBPS * 1e9)
+                    copy_s = (steps * args.layers * 128 * expert_bytes(args.fp8)
+                              / (PINNED_GBPS * 1e9))
                     bounds[key] = round(p / max(p / base[key]["median"], copy_s), 1)
         doc = records.record("python3 tools/experts_bench.py",
                              vllm=vllm.__version__, runner="V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
@@ -305,6 +333,7 @@ def main() -> int:
                                   "offload_prefetch_step"),
                                  prefetch_layout(args.layers, device_layers(args.layers)))),
                              model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
+                             experts_format=(f"fp8, {args.fp8}" if args.fp8 else "bfloat16"),
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
                                            "token" if ROUTINGS[k] else "greedy: the same "
                                            "experts every step") for k in routings},
@@ -323,7 +352,7 @@ def main() -> int:
                                 dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
                                 max_num_batched_tokens=step_tokens, seed=0,
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
-                                gpu_memory_utilization=0.5,
+                                gpu_memory_utilization=utilization(torch, len(chosen)),
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
                                 **extra)
         except Exception as exc:  # a peer that cannot start is a row that says why

@@ -77,3 +77,30 @@ def test_the_held_lane_gets_the_memory_of_the_others_and_no_more(layers):
     cached = layers - bench.RING
     memory = cached * section["slots"] / 128 + bench.RING
     assert bench.device_layers(layers) - cached / 128 < memory <= bench.device_layers(layers)
+
+
+def uva_offloaded_layers(layers: int, cpu_offload_gb: float, expert_bytes: int) -> float:
+    """Layers' worth of experts vLLM 0.26's UVA offloader moves off the device: it walks the
+    layers' parameters in order (each layer's ``w13`` then ``w2``) and offloads each whole
+    while its count is under ``int(cpu_offload_gb * 2**30)`` bytes."""
+    limit, done = int(cpu_offload_gb * 1024**3), 0
+    w13, w2 = 128 * expert_bytes * 2 // 3, 128 * expert_bytes // 3
+    for _ in range(layers):
+        for size in (w13, w2):
+            if done >= limit:
+                return done / (128 * expert_bytes)
+            done += size
+    return done / (128 * expert_bytes)
+
+
+@pytest.mark.parametrize("fp8", [None, "block"])
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_uva_offloader_keeps_on_the_device_what_the_lane_keeps(layers, fp8):
+    """``vllm-uva`` offloads the layers the lane's memory would not hold, no more: at 4 layers
+    one, so three stay resident (a whole GiB rounded up offloaded two)."""
+    bench = _bench()
+    gb = bench.configs(layers, fp8)["vllm-uva"]["cpu_offload_gb"]
+    offloaded = uva_offloaded_layers(layers, gb, bench.expert_bytes(fp8))
+    assert offloaded == pytest.approx(layers - bench.device_layers(layers))
+    lane = bench.configs(layers, fp8)["ringflow"]["cpu_offload_gb"]
+    assert uva_offloaded_layers(layers, lane, bench.expert_bytes(fp8)) == layers
