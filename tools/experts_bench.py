@@ -50,7 +50,9 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
   ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200,
   vLLM 0.26's engine arguments: a 32k prompt is four steps, back to back; ``--chunk 32768``:
   one step each): tokens/s of the prompt. Each round measures its prefills right after the
-  previous round's decode steps, the larger right after the smaller;
+  previous round's decode steps, the larger right after the smaller; then the same prompt
+  generating two tokens: the difference is the first decode step after the prompt
+  (``next_token_after_*_ms``, what a user waits for the second token);
 * decode: steady-state step time at each batch size, the batch's prefill outside the window:
   the same batch generating ``short`` and ``long`` new tokens, ``long`` grown (once per
   engine, routing and batch) until the difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
@@ -241,6 +243,7 @@ def main() -> int:
     short = [TokensPrompt(prompt_token_ids=[(i * 31 + j * 17) % (vocab - 3) + 3
                                             for j in range(16)]) for i in range(max(batches))]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    second = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
 
     def params(routing: str, new: int) -> SamplingParams:
         t = ROUTINGS[routing]
@@ -258,7 +261,13 @@ def main() -> int:
     def measure(name: str, llm) -> None:
         r = results[name]
         for p in prefills:
-            r.setdefault(f"prefill_{p}_tok_s", []).append(p / timed(llm, prompts[p], first))
+            took = timed(llm, prompts[p], first)
+            r.setdefault(f"prefill_{p}_tok_s", []).append(p / took)
+            # the same prompt and one decode step more: what a user waits for the second
+            # token (held layers are carried again after a large step, Note [Small steps
+            # read the held layers]); the prefill's own spread is in the difference
+            r.setdefault(f"next_token_after_{p}_ms", []).append(
+                1000 * (timed(llm, prompts[p], second) - took))
         for routing in routings:
             for b in batches:
                 key = (name, routing, b)
@@ -298,7 +307,7 @@ def main() -> int:
                 table[name] = {"error": r["error"]}
                 continue
             table[name] = {k: spread(v) for k, v in r.items()
-                           if isinstance(v, list) and v and k.endswith("tok_s")}
+                           if isinstance(v, list) and v and k.endswith(("tok_s", "_ms"))}
             for key, cell in table[name].items():  # a round shorter than --window: noise
                 spans = r.get(key.replace("tok_s", "window_s"), [])
                 if spans and min(spans) < args.window:
@@ -381,6 +390,7 @@ def main() -> int:
         print(f"[experts-bench] round {done} done", flush=True)
     doc = summary(done)
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
+        f"next_token_after_{p}_ms" for p in prefills] + [
         f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]
     print("| config | " + " | ".join(c.replace("_tok_s", "") for c in cells) + " |")
     print("| --- " * (1 + len(cells)) + "|")
