@@ -270,7 +270,9 @@ FIELDS: dict[str, ProfileField] = {
                                       {"type": "integer", "minimum": 1, "maximum": 1 << 16},
                                       {"const": "auto"}]},
                                   words="an integer >= 1, 'auto', or omitted for a quarter of "
-                                        "the layer's experts (at least its top_k)"),
+                                        "the layer's experts (at least its top_k; with "
+                                        "decode_from_ring the held layers' quarters spread "
+                                        "over the others)"),
     "experts.auto_percent": _integer("with slots: auto, the percent of what vLLM's memory "
                                      "budget leaves after the weights and the layer ring that "
                                      "the slots take (the KV cache gets the rest)", 1, 100, 25),
@@ -305,9 +307,11 @@ FIELDS: dict[str, ProfileField] = {
     "experts.decode_from_ring": _flag("the layer ring holds its first layer_buffers chosen "
                                       "layers whole between large steps and small steps "
                                       "(decode) compute them from there; those layers get no "
-                                      "slots, the others the slots (Note [Small steps read the "
-                                      "held layers]); needs more chosen layers than "
-                                      "layer_buffers; off by default: not yet run on a GPU",
+                                      "slots, the others the slots (by default their quarter "
+                                      "and the held layers' spread over them; Note [Small "
+                                      "steps read the held layers]); needs more chosen layers "
+                                      "than layer_buffers; off by default (measured on an "
+                                      "H100 only: profiles/results/README.md)",
                                       False),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "

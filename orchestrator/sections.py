@@ -206,13 +206,15 @@ class ExpertsSpec:
     host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
     host_threads: int = 0  # the host share's CPU threads; 0: the fastest measured
 
-    def slots_for(self, experts: int, top_k: int) -> int:
+    def slots_for(self, experts: int, top_k: int, held: int = 0, chosen: int = 1) -> int:
         """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token
         (``slots: auto`` is sized by :func:`auto_slots` where the memory is known; here it
-        takes the default)."""
+        takes the default). The default, a quarter of the experts, is per chosen layer: with
+        ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps read
+        the held layers]) their share goes to the others, the same memory in all."""
         if isinstance(self.slots, int):
             return min(self.slots, experts)
-        return min(experts, max(top_k, experts // 4))
+        return min(experts, max(top_k, experts // 4) * chosen // (chosen - held))
 
     def to_mapping(self) -> dict:
         out: dict[str, Any] = {"layers": layers_mapping(self.layers)}

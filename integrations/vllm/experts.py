@@ -209,7 +209,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                        if on_gpu else TorchCompute())
         if i in held:  # the ring holds it (Note [Small steps read the held layers])
             continue
-        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k)
+        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k,
+                                       held=len(held), chosen=len(found))
         caches[i] = ExpertCache(host, slots, experts.w13_weight.device,
                                 in_place_tokens=spec.in_place_tokens,
                                 whole_in_place=scales_across_rows(experts))
