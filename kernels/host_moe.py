@@ -36,7 +36,11 @@ Note [Host rows round as the kernel]
     SiLU's and the product's bf16 roundings of the unfused path never happen, and the
     smallest scale is 1 / (448 * 512). The host follows it: on the H100 its rows rounded
     as the unfused path put the block-fp8 test model's top-5 logprobs 0.58-0.83 away from
-    all-resident, where bf16 rows sat within 0.06. fp8 with one scale per tensor quantizes the second
+    all-resident, where bf16 rows sat within 0.06. With DeepGEMM's E8M0 scales (vLLM's
+    choice where the deep_gemm package is installed) vLLM skips the fused kernel and rounds
+    every activation scale to a power of two; the host does not model that, so the host
+    share refuses block-fp8 experts there (``host_rows_unlike_vllms`` in
+    integrations/vllm/expert_host.py). fp8 with one scale per tensor quantizes the second
     GEMM's input with one scale over every expert's rows of the step, which the host does not
     see: there it dequantizes the weights and quantizes nothing, and its rows differ by that.
 """
@@ -100,10 +104,12 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # 128x128 block fp8: the kernel quantizes each GEMM's input rows in groups of a block's
     # columns and sums in float32 (Note [Host rows round as the kernel])
     blocks = w13_scale is not None and w13_scale.dim() == 3 and w2_scale is not None
-    group13, group2 = 0, 0
+    group13, group2, fused = 0, 0, False
     if blocks and w13_scale is not None and w2_scale is not None:
         group13 = -(-w13.shape[2] // w13_scale.shape[2])
         group2 = -(-inter // w2_scale.shape[2])
+        # vLLM's fused activation serves block_shape [128, 128] only
+        fused = group13 == 128 and group2 == 128 and -(-w13.shape[1] // w13_scale.shape[1]) == 128
     mine_list: List[bool] = mine.tolist()
     ids: List[List[int]] = topk_ids.tolist()
     weights: List[List[float]] = topk_weights.float().tolist()
@@ -128,7 +134,7 @@ def moe_on_host(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         else:
             h = torch.nn.functional.linear(x.to(dtype),
                                            expert_weight(w13, e, w13_scale, dtype))
-        if group13 == 128 and group2 == 128:  # vLLM fuses the activation and its fp8
+        if fused:  # vLLM fuses the activation and its fp8
             gate = h[:, :inter].float()         # quantization: float32 throughout
             act = fp8_groups(gate * (1.0 / (1.0 + torch.exp(-gate))) * h[:, inter:].float(),
                              group2, True)

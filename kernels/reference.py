@@ -153,7 +153,8 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
             x = hidden[t].to(dtype)
             h = gemm(x, w13[e], w13_scale[e] if blocks else None).to(dtype)
             fused = blocks and (-(-w13.shape[2] // w13_scale.shape[2]) == 128
-                                == -(-inter // w2_scale.shape[2]))
+                                == -(-inter // w2_scale.shape[2])
+                                == -(-w13.shape[1] // w13_scale.shape[1]))
             if fused:  # SiLU, product and quantization in one float32 kernel
                 gate = h[:inter].float()
                 act = gate * (1.0 / (1.0 + torch.exp(-gate))) * h[inter:].float()

@@ -179,11 +179,12 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     }
 
 
-def utilization(torch, engines: int) -> float:
-    """``gpu_memory_utilization`` for each of ``engines`` living at once: vLLM refuses to
-    start an engine while less than that share of the card is free. The KV cache is fixed
+def utilization(torch) -> float:
+    """``gpu_memory_utilization`` for engines living side by side: vLLM refuses to start an
+    engine while less than that share of the card is free. The KV cache is fixed
     (``kv_cache_memory_bytes``), so the share only has to let the last engine start: on an
-    H100 a fixed 0.5 stopped the fifth (35.7 of 79.2 GiB free)."""
+    H100 a fixed 0.5 stopped the fifth (35.7 of 79.2 GiB free); 24 GiB lets five start
+    there."""
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     return round(min(0.5, 24.0 / total), 2)  # an engine here takes about 12 GiB
 
@@ -309,7 +310,8 @@ def main() -> int:
             table[name] = {k: spread(v) for k, v in r.items()
                            if isinstance(v, list) and v and k.endswith(("tok_s", "_ms"))}
             for key, cell in table[name].items():  # a round shorter than --window: noise
-                spans = r.get(key.replace("tok_s", "window_s"), [])
+                spans = r.get(key.replace("tok_s", "window_s"), []) if key.endswith("tok_s") \
+                    else []
                 if spans and min(spans) < args.window:
                     cell["short_window"] = True
         base = table.get("resident", {})
@@ -317,6 +319,8 @@ def main() -> int:
             if "error" in row:
                 continue
             for key, cell in row.items():
+                if not key.endswith("tok_s"):  # times (ms) carry no ratios: lower is better,
+                    continue                   # and a difference of two calls can be ~0
                 if key in base and "error" not in base:
                     cell["vs_resident"] = round(cell["median"] / base[key]["median"], 3)
                 for peer in ("vllm-prefetch", "vllm-uva", "ringflow-slots"):
@@ -361,7 +365,7 @@ def main() -> int:
                                 dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
                                 max_num_batched_tokens=step_tokens, seed=0,
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
-                                gpu_memory_utilization=utilization(torch, len(chosen)),
+                                gpu_memory_utilization=utilization(torch),
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
                                 **extra)
         except Exception as exc:  # a peer that cannot start is a row that says why

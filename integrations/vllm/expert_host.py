@@ -13,6 +13,7 @@ from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.host_experts import (CopyLoad, HostExperts, fastest_threads,
                                                       measure_handoff_ms)
 from ringflow.orchestrator.expert_model import fetch_ms
+from ringflow.errors import ProfileError
 from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
 
 log = logging.getLogger("ringflow")
@@ -28,6 +29,13 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
     if first.device.type != "cuda":
         log.info("experts.host_share: %s asked, but the experts already compute on the CPU "
                  "(vLLM's CPU build): the host share is off", spec.host_share)
+        return None, None
+    unlike = host_rows_unlike_vllms(first.host)
+    if unlike:
+        if isinstance(spec.host_share, float):
+            raise ProfileError("experts.host_share", f"{unlike}: set "
+                               f"VLLM_USE_DEEP_GEMM_E8M0=0, or host_share: off")
+        log.info("experts.host_share: auto: %s; every miss is copied", unlike)
         return None, None
     experts = modules[min(modules)]
     expert_bytes = first.bytes // first.slots
@@ -75,6 +83,27 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
              "to the host's CPU (one worker, %d threads), which computes them inside the step: "
              "%s", policy.max_tokens, threads, policy.why)
     return host, policy
+
+
+def host_rows_unlike_vllms(store: dict, e8m0: bool | None = None) -> str | None:
+    """Why the host's rows of ``store``'s experts would not be the rows vLLM's kernel computes,
+    or None. Block-fp8 rows follow vLLM's fused activation and its scales (Note [Host rows
+    round as the kernel]); with DeepGEMM's E8M0 scales (``e8m0``; None: vLLM's
+    ``is_deep_gemm_e8m0_used()``), vLLM rounds every activation scale to a power of two and
+    skips that fused kernel, which the host does not model."""
+    scale = store.get("w13_scale")
+    if scale is None or scale.dim() != 3:
+        return None
+    if e8m0 is None:
+        try:
+            from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+        except ImportError:
+            return None
+        e8m0 = bool(is_deep_gemm_e8m0_used())
+    if not e8m0:
+        return None
+    return ("vLLM quantizes block-fp8 activations with DeepGEMM's power-of-two (E8M0) scales, "
+            "which the host's rows do not follow")
 
 
 def _share_of_cpus(vllm_config) -> int:

@@ -621,6 +621,20 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     assert "already compute on the CPU" in caplog.text
 
 
+def test_block_fp8_host_rows_are_refused_where_vllm_takes_deepgemms_power_of_two_scales():
+    """vLLM with DeepGEMM's E8M0 scales skips the fused activation the host's block-fp8 rows
+    follow (Note [Host rows round as the kernel]): the host share says so and stays off
+    (auto) or stops the start with the fix (a forced share); bf16 and per-tensor stores are
+    unaffected."""
+    from ringflow.integrations.vllm.expert_host import host_rows_unlike_vllms
+    blocks, tensor = fp8_experts("cpu", True), fp8_experts("cpu", False)
+    assert "E8M0" in host_rows_unlike_vllms(blocks, e8m0=True)
+    assert host_rows_unlike_vllms(blocks, e8m0=False) is None
+    assert host_rows_unlike_vllms(tensor, e8m0=True) is None
+    w13, w2 = experts()
+    assert host_rows_unlike_vllms({"w13": w13, "w2": w2}, e8m0=True) is None
+
+
 def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkeypatch):
     """ResidentKernel with a host share (Note [Host experts], step 3), over a stand-in for
     vLLM's modular kernel: the rows of the choices its map skips (never written: NaN here)
