@@ -10,9 +10,9 @@ A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8,
 weights: speed does not depend on values; ``--layers`` of its 48 layers; ``--fp8``: its experts
 as an fp8 checkpoint, in 128x128 blocks or per tensor, and every peer's memory in fp8 bytes)
 in vLLM 0.26's engine, vLLM's default graphs (FULL_AND_PIECEWISE, captured sizes 1, 8, 64),
-the V1 model runner (vLLM's offloaders need it there). Every configuration but ``resident`` gets the same device memory for
-the experts: the lane's, 32 of 128 slots per layer plus a ring of two layers
-(``DEVICE_LAYERS``, in layers' worth of experts):
+the V1 model runner (vLLM's offloaders need it there). Every configuration but ``resident``
+gets the same device memory for the experts: the lane's, 32 of 128 slots per layer plus a
+ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 
 * ``resident``: every expert in device memory (the ceiling);
 * ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
