@@ -131,8 +131,10 @@ Note [Small steps read the held layers]
     layers from their slot caches, which miss. At the H200 bench's memory (a ring of two and
     a quarter of each layer in slots, 4 layers) that is about 24 experts copied per decode
     step at batch 1, where vLLM's UVA offloader, given the memory as whole layers, reads 8
-    to 14 (its ``cpu_offload_gb`` rounds up to whole GiB): the lane's batch-1 decode ran at
-    0.67x its speed. With uniform routing a layer's misses
+    to 16 (the bench rounded its ``cpu_offload_gb`` up to whole GiB, two of four layers
+    offloaded where one was meant, fixed since): the lane's batch-1 decode ran at 0.67x its
+    speed even so. Holding two layers measured 1.95-2.0x the lane on an H100. With uniform
+    routing a layer's misses
     fall with the share of its experts on the device, so the same memory serves decode best
     as whole layers plus slots for the rest, not slots everywhere and buffers idle.
 
