@@ -127,6 +127,9 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     blocks = w13_scale is not None
     dtype, inter = (hidden.dtype if blocks else w13.dtype), w2.shape[2]
     out = torch.empty(*topk_ids.shape, hidden.shape[1], dtype=dtype)
+    fused = blocks and (-(-w13.shape[2] // w13_scale.shape[2]) == 128  # block_shape [128, 128]
+                        == -(-inter // w2_scale.shape[2])
+                        == -(-w13.shape[1] // w13_scale.shape[1]))
 
     def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
              fused: bool = False) -> torch.Tensor:
@@ -152,9 +155,6 @@ def moe_rows_as_kernel(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         for j, (w, e) in enumerate(zip(topk_weights[t].tolist(), topk_ids[t].tolist())):
             x = hidden[t].to(dtype)
             h = gemm(x, w13[e], w13_scale[e] if blocks else None).to(dtype)
-            fused = blocks and (-(-w13.shape[2] // w13_scale.shape[2]) == 128
-                                == -(-inter // w2_scale.shape[2])
-                                == -(-w13.shape[1] // w13_scale.shape[1]))
             if fused:  # SiLU, product and quantization in one float32 kernel
                 gate = h[:inter].float()
                 act = gate * (1.0 / (1.0 + torch.exp(-gate))) * h[inter:].float()

@@ -9,11 +9,11 @@ import os
 
 import torch
 
+from ringflow.errors import ProfileError
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.host_experts import (CopyLoad, HostExperts, fastest_threads,
                                                       measure_handoff_ms)
 from ringflow.orchestrator.expert_model import fetch_ms
-from ringflow.errors import ProfileError
 from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
 
 log = logging.getLogger("ringflow")
