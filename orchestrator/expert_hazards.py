@@ -66,6 +66,14 @@ Note [Expert lane hazards]
       still copying). A cache's ``forget`` (its ``forget`` or ``lend``: every slot empty)
       writes all its slots.
 
+    An expert arena (Note [Large steps stream through the slots]) computes a large step's
+    layers from the caches' own rows: its ``place`` (copy stream) writes expert ``e`` of the
+    position named in ``on`` into slot ``s`` of cache ``space``, its ``read`` (compute stream,
+    ``on`` set) reads it there, and ``poison`` empties rows after their read. They are
+    checked by the same two rules, each row holding an expert of some layer (a decode step's
+    read of a row an arena filled for another layer is ``read-before-write``, an install over
+    a row a fill still copies ``cross-stream``).
+
     An event (``record`` with ``on`` naming it) orders what its stream issued before the
     record; a ``wait`` on an event orders the waiting stream's next operations after it, and
     a ``wait`` on a stream after everything that stream issued so far. The slot cache's steps
@@ -94,7 +102,9 @@ class ExpertOp:
     and ``sum`` are the host's share of a step. The layer ring's ``fill`` writes layer
     position ``p`` into ring slot ``s`` for each ``(p, s)``, and its ``read`` reads them; its
     ``take`` reads expert ``e`` from slot ``s`` of cache ``space`` (a layer position) and its
-    ``lend`` writes it there. ``space`` names the cache of a lane's joint trace (None: the
+    ``lend`` writes it there. An expert arena's ``place`` writes expert ``e`` of layer position
+    ``on`` into slot ``s`` of cache ``space``, its ``read`` (``on`` set) reads it there, its
+    ``poison`` (``(-1, s)`` pairs) empties those rows. ``space`` names the cache of a lane's joint trace (None: the
     ring's slots, or a cache's own trace)."""
 
     kind: str
@@ -263,7 +273,7 @@ def _check(ops: list[ExpertOp], slots: int, caches: bool) -> dict[int, int]:
     """``check_ring`` (the caches' slots ordered, not checked) or ``check_lane`` (checked)."""
     order = _Order()
     ring = _Slots("ring slot {s}", "wrong-layer", "layer position")
-    cache = _Slots("slot {s} of cache {space}", "read-before-write", "expert")
+    cache = _Slots("slot {s} of cache {space}", "read-before-write", "(layer position, expert)")
     for i, op in enumerate(ops):
         after = order.before(i, op)
         if after is None:
@@ -272,10 +282,17 @@ def _check(ops: list[ExpertOp], slots: int, caches: bool) -> dict[int, int]:
             if caches and op.kind == "forget":  # every slot empty (poisoned, or lent): a write
                 for key in [k for k in cache.holds if k[0] == op.space]:
                     cache.write(i, op, key, None, after)
-            elif caches and op.kind in ("install", "lend", "read", "take"):
-                for e, s in op.pairs:  # other kinds (in place, the host's) touch no slot
-                    access = cache.write if op.kind in ("install", "lend") else cache.read
-                    access(i, op, (op.space, s), e, after)
+            elif caches and op.kind == "poison":  # an arena's copied rows, after their read
+                for _, s in op.pairs:
+                    cache.write(i, op, (op.space, s), None, after)
+            elif caches and op.kind in ("install", "lend", "read", "take", "place"):
+                # other kinds (in place, the host's, a table's drop) touch no slot's bytes; a
+                # row holds an expert of a layer: the cache's own, or (an arena's ``place``
+                # and ``read``) the position named in ``on``
+                owner = op.on if op.kind in ("place", "read") and op.on is not None else op.space
+                for e, s in op.pairs:
+                    access = cache.write if op.kind in ("install", "lend", "place") else cache.read
+                    access(i, op, (op.space, s), (owner, e), after)
         elif op.kind in ("fill", "read"):
             for position, s in op.pairs:
                 if not 0 <= s < slots:

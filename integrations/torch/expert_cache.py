@@ -71,7 +71,8 @@ class ExpertCache:
 
     def __init__(self, host: Mapping[str, torch.Tensor], slots: int,
                  device: torch.device | str, programs: int = PROGRAMS,
-                 in_place_tokens: int = 0, whole_in_place: bool = False) -> None:
+                 in_place_tokens: int = 0, whole_in_place: bool = False,
+                 rows: Mapping[str, torch.Tensor] | None = None) -> None:
         counts = {name: t.shape[0] for name, t in host.items()}
         if not counts or len(set(counts.values())) != 1:
             raise ConfigError(f"expert parameters must share their first dimension (the "
@@ -97,8 +98,16 @@ class ExpertCache:
                               f"{sorted({str(t.device) for t in self.host.values()})}: set "
                               f"in_place_tokens to 0")
         self.in_place_tokens, self.whole_in_place = in_place_tokens, whole_in_place
-        self.weights = {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
-                                          device=self.device) for name, t in host.items()}
+        if rows is not None:  # the caller's memory: an expert arena's rows (Note [Large
+            rows = dict(rows)  # steps stream through the slots])
+            want = {name: ((slots, *t.shape[1:]), t.dtype) for name, t in host.items()}
+            got = {name: (tuple(t.shape), t.dtype) for name, t in rows.items()}
+            if got != want or any(t.device != self.device for t in rows.values()):
+                raise ConfigError(f"an expert cache's rows are [slots, ...] of each host "
+                                  f"parameter on {self.device}: want {want}, got {got}")
+        self.weights = rows or {name: torch.empty((slots, *t.shape[1:]), dtype=t.dtype,
+                                                  device=self.device)
+                                for name, t in host.items()}
         for name, w in self.weights.items():
             check(self.host[name], w)
             poison(w)
@@ -317,6 +326,40 @@ class ExpertCache:
         self.expert_in.fill_(-1)
         self.last_used.fill_(-1)
         self.predicted.zero_()
+
+    def drop(self, slots: list[int]) -> None:
+        """Empty ``slots`` (their weights left as they are, least recently used from now),
+        stream-ordered like a step: an expert arena writes another layer's experts there
+        (Note [Large steps stream through the slots]). Not a new generation: the arena keeps
+        its own record of what it wrote."""
+        if not slots:
+            return
+        if self.trace is not None:
+            self.trace.append(ExpertOp("drop", self.trace_stream(), tuple((-1, s) for s in slots)))
+        at = torch.tensor(slots, dtype=torch.int64)
+        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
+            at = at.pin_memory().to(self.device, non_blocking=True)
+        old = self.expert_in[at]
+        self.slot_of.index_fill_(0, torch.where(old >= 0, old, self.experts), -1)
+        self.expert_in.index_fill_(0, at, -1)
+        self.last_used.index_fill_(0, at, -1)
+
+    def adopt(self, pairs: list[tuple[int, int]]) -> None:
+        """Enter expert ``e`` in slot ``s`` for each ``(s, e)`` (none held elsewhere here; the
+        slot's holder, if any, evicted), least recently used: an expert arena copies them
+        there (Note [Large steps stream through the slots]), and the small steps after it
+        wait for that copy."""
+        if not pairs:
+            return
+        at = torch.tensor(pairs, dtype=torch.int64)
+        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
+            at = at.pin_memory().to(self.device, non_blocking=True)
+        slots, experts = at[:, 0], at[:, 1]
+        old = self.expert_in[slots]
+        self.slot_of.index_fill_(0, torch.where(old >= 0, old, self.experts), -1)
+        self.expert_in.index_copy_(0, slots, experts)
+        self.slot_of.index_copy_(0, experts, slots)
+        self.last_used.index_fill_(0, slots, -1)
 
     def forget(self) -> None:
         """Empty every slot (poisoned): the host copies changed, so nothing cached is current.

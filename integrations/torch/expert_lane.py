@@ -162,10 +162,11 @@ class ExpertLane:
                 for lookahead in self.ahead.values():  # raised may have left guesses
                     lookahead.join()  # installing into the slots its fills copy from
             try:
-                weights = nvtx_ranges.call(ranges["layer"], self.ring.begin, position)
+                weights, expert_map = nvtx_ranges.call(ranges["layer"], self.ring.begin,
+                                                       position)
                 try:
                     out = nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights,
-                                           topk_ids, None, True)
+                                           topk_ids, expert_map, True)
                 finally:
                     self.ring.end(position)
             except BaseException:
@@ -181,6 +182,8 @@ class ExpertLane:
                 nvtx_ranges.call(ranges["lookahead"], ahead.launch, x, may_fork())
             return nvtx_ranges.call(ranges["moe"], compute, x, weights, topk_weights, topk_ids,
                                     None, True)
+        if self.ring is not None:  # an arena's carried fill may still write these slots
+            self.ring.before_small(self.position[layer])
         cache = self.caches[layer]
         passes = cache.passes(*topk_ids.shape)
         host = self.host
@@ -223,10 +226,10 @@ class ExpertLane:
 
     def forget(self) -> None:
         """The host copies changed (a reload): no cached expert nor ring fill is current."""
+        if self.ring is not None:  # first: an arena orders the caches' poison after its fills
+            self.ring.forget()
         for cache in self.caches.values():
             cache.forget()
-        if self.ring is not None:
-            self.ring.forget()
 
     def report(self) -> list[dict]:
         """Per chosen layer: its decoder index, the cache's layout and counters, and the ring's

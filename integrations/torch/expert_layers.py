@@ -322,9 +322,10 @@ class ExpertLayerRing:
     def bytes(self) -> int:
         return self.pool.reserved_bytes
 
-    def begin(self, position: int) -> dict[str, torch.Tensor]:
+    def begin(self, position: int) -> tuple[dict[str, torch.Tensor], None]:
         """Layer ``position`` of a large step is about to compute on the current stream: order
-        it after its fill (issued now if it was not) and return its weights."""
+        it after its fill (issued now if it was not) and return its weights, every expert at
+        its own index (no expert map)."""
         if not 0 <= position < self.layers:
             raise KernelError(f"the expert layer ring holds positions 0..{self.layers - 1}, "
                               f"not {position}")
@@ -351,7 +352,12 @@ class ExpertLayerRing:
         lease.begin_read()
         self._reading = (position, lease)
         self._op("read", "compute", pairs=((position, lease.slot),))
-        return self.views[lease.slot]
+        return self.views[lease.slot], None
+
+    def before_small(self, position: int) -> None:
+        """A small step of cached layer ``position`` is next: the ring's buffers are not its
+        slots, nothing to order (the arena's differs, Note [Large steps stream through the
+        slots])."""
 
     def end(self, position: int) -> None:
         """Layer ``position``'s compute is issued: retire its slot, fill the next position."""

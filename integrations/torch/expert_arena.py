@@ -1,0 +1,433 @@
+"""ExpertArena: the slot caches' memory, one arena of expert rows, as the large steps' layer
+buffers (``experts.layer_buffers: slots``).
+
+Note [Large steps stream through the slots]
+    Back to back large steps (a long prompt in chunks) are copy-bound: each copies whatever
+    of every chosen layer the device does not hold. With a ring of layer buffers beside the
+    slots (Note [Expert layer ring]) the device holds, between two such steps, the carried
+    buffers and the slots; at the H100 bench's memory (4 layers: a ring of two and a quarter
+    of each layer in slots) that left 3.6 GB to copy per chunk, where vLLM's prefetch
+    offloader, given the same memory as two resident layers and one buffer, copies 2.4 GB.
+    Holding layers in the ring's buffers (Note [Small steps read the held layers]) does not
+    help there: the large step's other layers pass through the held buffers, which are then
+    carried again.
+
+    The cheaper layout is the offloader's: leave the first layers resident (not chosen) and
+    stream the chosen ones through one region. The slots are that region: a large step does
+    not need what the slots cache for decode, it needs each layer whole. So the chosen
+    layers' slots are one allocation per parameter (the arena, ``sum(slots)`` rows, each
+    cache's slots a run of its rows), and a large step computes each chosen layer from a
+    *window* of the arena: ``experts`` consecutive rows, one layer, ``windows = rows //
+    experts`` of them at fixed offsets. A window is the ring's buffer, with the same
+    lifecycle (Note [Lease lifecycle]): a fill waits for the window's last reader (its
+    retire event), copies on the copy stream, records the ready event; the layer waits for it,
+    computes, records the retire event; the freed window takes the next position at once,
+    and past the step's last layer the next step's first (carried). Per step, in order:
+
+    1. **Start** (the step's first layer): the copy stream waits for the compute stream (the
+       small steps since the last large one read and installed rows there, and record no
+       event a replay could not), and the caches' slot tables are read to the host (one
+       sync, as the ring does).
+    2. **Fill** position ``p`` into window ``w``: rows of ``w`` that already hold one of
+       ``p``'s experts stay where they are (``p``'s own cache entries, or rows a fill wrote
+       earlier that nothing rewrote since); ``p``'s other experts are copied from host memory
+       into the window's other rows, empty ones first, in runs of consecutive experts and
+       rows (DMA); one copied into a row of ``p``'s own slots is entered in its table there
+       (``ExpertCache.adopt``: the small steps after find it). The window's expert map (expert -> row in the window) is written on the
+       compute stream, and the layer computes with it: vLLM's kernel over the window with
+       the map is the resident call (Note [Same bits as resident], one pass). A row written
+       for ``p`` leaves its owner's slot table (``ExpertCache.drop``), and the arena records
+       what it wrote there: the record counts only while that table entry stays empty within
+       the owner's generation (an install sets it; a forget or lend counts a generation).
+       Among free windows a fill takes the one holding most of ``p``'s experts.
+    3. **Carried** fills (issued in a step's tail) are topped up at the next start: what the
+       small steps in between installed over is copied again, nothing else.
+    4. **Small steps** of a chosen layer wait for every window's ready event before they
+       read or install (a carried fill may still be writing, into this layer's rows or the
+       next one's, where its lookahead installs): external events, so a captured step holds
+       a wait on their latest record (as a held buffer's, Note [Small steps read the held
+       layers]).
+
+    What stays true: every write to a row (a fill's copy, a small step's install) is ordered
+    after every earlier read and write of it, by the start's stream wait, a retire event or a
+    ready event; a layer reads a row only after the write of what its map names there. The
+    trace (``place`` on the copy stream, ``read`` on the compute stream, both naming the
+    position they serve in ``on`` and the cache whose rows they touch in ``space``) is proven
+    with the caches' own operations by ``check_lane`` (Note [Expert lane hazards]).
+
+    Cost and gain: a large step copies each chosen layer's experts that its window does not
+    hold. Back to back with as many windows as layers that is nothing; with fewer, each
+    layer's whole experts, at 4 layers two resident and two chosen with 64 of 128 slots each
+    (one window) 2.4 GB per chunk, the prefetch offloader's bytes, where the ring copied
+    3.6 GB. A lone large step after decode keeps in place what the slots cached of the layers
+    it fills first. With one window the next layer's copy waits for this layer's compute (the
+    copy engine idles for one MoE per layer). Small steps after a large one find the carried
+    window's rows gone from their caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ringflow.cudart import copy_async
+from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs.slots import poison
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.orchestrator.expert_hazards import ExpertOp
+
+
+def arena_rows(host: Mapping[str, torch.Tensor], slots: Sequence[int],
+               device: torch.device | str) -> tuple[dict[str, torch.Tensor],
+                                                    list[dict[str, torch.Tensor]]]:
+    """One tensor per parameter of ``host`` (one layer's host store, [experts, ...]) with
+    ``sum(slots)`` rows, allocated once here, and each layer's run of them (``ExpertCache``'s
+    ``rows``), in order."""
+    total = sum(slots)
+    rows = {name: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
+            for name, t in host.items()}
+    views, at = [], 0
+    for n in slots:
+        views.append({name: r[at:at + n] for name, r in rows.items()})
+        at += n
+    return rows, views
+
+
+class ExpertArena:
+    """Large steps of the chosen layers ``caches`` (in order: position 0, 1, ...; each over
+    its run of ``rows``, from ``arena_rows``) computed from windows of the arena, filled from
+    the caches' host stores on ``stream`` (None on the CPU: copies in line); with
+    ``poison_reads``, the rows a fill copied are poisoned after their layer read them. See
+    Note [Large steps stream through the slots]."""
+
+    held = 0  # holds no layer between large steps (the layer ring's decode_from_ring)
+
+    def __init__(self, caches: Sequence[ExpertCache], rows: Mapping[str, torch.Tensor],
+                 stream: torch.cuda.Stream | None = None, poison_reads: bool = False) -> None:
+        caches = list(caches)
+        if not caches:
+            raise ConfigError("an expert arena needs at least one cached layer")
+        self.caches, self.rows = caches, dict(rows)
+        self.experts = caches[0].experts
+        self.device = caches[0].device
+        self._owner: list[tuple[int, int]] = []  # arena row -> (position, slot)
+        self.starts: list[int] = []
+        for q, cache in enumerate(caches):
+            start = len(self._owner)
+            if cache.experts != self.experts or set(cache.weights) != set(self.rows) or any(
+                    cache.weights[n].data_ptr() != self.rows[n][start:].data_ptr()
+                    or cache.weights[n].shape[1:] != self.rows[n].shape[1:]
+                    or cache.weights[n].dtype != self.rows[n].dtype for n in self.rows):
+                raise ConfigError(f"an expert arena's caches are its rows in order (arena_rows):"
+                                  f" position {q}'s slots are not rows {start}.. of the arena")
+            self.starts.append(start)
+            self._owner += [(q, s) for s in range(cache.slots)]
+        total = next(iter(self.rows.values())).shape[0]
+        if len(self._owner) != total:
+            raise ConfigError(f"the arena has {total} rows, its caches' slots {len(self._owner)}")
+        self.windows = total // self.experts
+        if self.windows < 1:
+            raise ConfigError(
+                f"experts.layer_buffers: slots streams each layer through its slots' memory, "
+                f"but the {len(caches)} layers' slots hold {total} experts, fewer than one "
+                f"layer's {self.experts}: give them at least {-(-self.experts // len(caches))} "
+                f"slots each, or set layer_buffers to a number of layer buffers")
+        if (stream is None) != (self.device.type != "cuda"):
+            raise ConfigError("an expert arena on a GPU needs a copy stream, and on the CPU none")
+        self.stream, self.poison_reads = stream, poison_reads
+        e = self.experts
+        self.views = [{n: r[w * e:(w + 1) * e] for n, r in self.rows.items()}
+                      for w in range(self.windows)]
+        self.maps = torch.full((self.windows, e), -1, dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        # waited on inside captured small steps: external, so a graph waits on the latest record
+        self._ready = [torch.cuda.Event(external=True) if cuda else None
+                       for _ in range(self.windows)]
+        self._retire = [torch.cuda.Event() if cuda else None for _ in range(self.windows)]
+        self._retired = [False] * self.windows  # a read since the last fill to wait for
+        self._free = list(range(self.windows))  # least recently freed first
+        self._at: dict[int, int] = {}  # position -> window, fills issued and not yet read
+        self._reading: tuple[int, int] | None = None
+        self._next = 0  # the next position to fill; >= layers: the next step's
+        self._expected: int | None = None  # the next layer of the step in progress
+        #: arena row -> (position, expert, owner's generation): what a fill wrote there
+        self._records: dict[int, tuple[int, int, int]] = {}
+        self._tables: list[list[int]] | None = None  # the host's view of the slot tables
+        width = max(c.slots for c in caches)
+        self._table_copy = torch.full((len(caches), width), -1, dtype=torch.int64,
+                                      pin_memory=cuda and torch.cuda.is_available())
+        self._table_event = torch.cuda.Event() if cuda else None
+        self.trace: list[ExpertOp] | None = None
+        self.steps = self.carried_steps = self.fills = self.topped_up = 0
+        self.rows_in_place = self.rows_from_host = 0
+
+    @property
+    def layers(self) -> int:
+        return len(self.caches)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes beside the caches' (the rows are theirs): the windows' expert maps."""
+        return self.maps.numel() * self.maps.element_size()
+
+    def begin(self, position: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Layer ``position`` of a large step is about to compute on the current stream: order
+        it after its fill (issued now if it was not) and return its window's weights and
+        expert map."""
+        if not 0 <= position < self.layers:
+            raise KernelError(f"the expert arena serves positions 0..{self.layers - 1}, not "
+                              f"{position}")
+        if self._reading is not None:  # the layer before raised: its read never ended
+            self._drop_reading()
+        if position == 0 or position != self._expected:
+            self._start(position)
+        self._fill_ahead()
+        w = self._at.pop(position)
+        compute = self._current()
+        if compute is not None:
+            compute.wait_event(self._ready[w])
+        self._op("wait", "compute", on=("ready", w))
+        self._trace_rows("read", "compute", position, w)
+        self._reading, self._expected = (position, w), position + 1
+        return self.views[w], self.maps[w]
+
+    def end(self, position: int) -> None:
+        """Layer ``position``'s compute is issued: retire its window, fill the next position."""
+        if self._reading is None or self._reading[0] != position:
+            raise KernelError(f"end({position}) without begin({position})")
+        _, w = self._reading
+        self._reading = None
+        if self.poison_reads:  # the copied rows, after the read, before the retire event
+            self._poison_copied(w)
+        if self._retire[w] is not None:
+            self._retire[w].record(self._current())
+        self._op("record", "compute", on=("retired", w))
+        self._retired[w] = True
+        self._free.append(w)
+        if position == self.layers - 1:
+            self._expected = None
+            self._next -= self.layers  # what was filled past the end is the next step's
+        self._fill_ahead()
+
+    def before_small(self, position: int) -> None:
+        """A small step of ``position`` reads and installs its slots next (and its lookahead
+        the next layer's): order it after every window's latest fill (step 4 of the Note)."""
+        compute = self._current()
+        for w in range(self.windows):
+            if compute is not None:
+                compute.wait_event(self._ready[w])
+            self._op("wait", "compute", on=("ready", w))
+
+    def forget(self) -> None:
+        """The host copies changed: nothing filled or recorded is current. Call it before the
+        caches forget: their poison (on the compute stream) then follows every fill issued.
+        The next fills run on the copy stream after everything issued so far."""
+        self.before_small(0)
+        self._drop_reading()
+        self._free += [w for w in self._at.values()]
+        self._at.clear()
+        self._records.clear()
+        self._tables, self._expected, self._next = None, None, 0
+        self._copy_after_compute()
+
+    def _start(self, position: int) -> None:
+        """Steps 1 and 3 of the Note: a large step starts at ``position`` (0, or a restart)."""
+        self.steps += 1
+        self._copy_after_compute()
+        self._read_tables()
+        keep, at = {}, position  # the carried run from ``position`` on; the rest is dropped
+        while at < self.layers and at in self._at:
+            keep[at] = self._at[at]
+            at += 1
+        self._free += [w for p, w in self._at.items() if p not in keep]
+        self._at, self._next = keep, at
+        if position in keep:
+            self.carried_steps += 1
+        for p, w in keep.items():
+            self.topped_up += self._fill(p, w) > 0
+
+    def _fill_ahead(self) -> None:
+        """Fill positions from ``_next`` into free windows, up to the next step's last."""
+        while self._free and self._next < 2 * self.layers:
+            position = self._next % self.layers
+            if position in self._at:
+                break  # never two fills of one position at once
+            w = max(self._free, key=lambda w: (self._in_place(position, w), -self._free.index(w)))
+            self._free.remove(w)
+            self._at[position] = w
+            self._fill(position, w)
+            self._next += 1
+
+    def _content(self, r: int) -> tuple[int, int] | None:
+        """(position, expert) arena row ``r`` holds in the host's view; None: nothing known."""
+        q, s = self._owner[r]
+        e = self._tables[q][s]
+        if e >= 0:
+            return q, e
+        rec = self._records.get(r)
+        if rec is not None and rec[2] == self.caches[q].generation:
+            return rec[0], rec[1]
+        return None
+
+    def _in_place(self, position: int, w: int) -> int:
+        e = self.experts
+        return len({c[1] for r in range(w * e, (w + 1) * e)
+                    if (c := self._content(r)) is not None and c[0] == position})
+
+    def _fill(self, position: int, w: int) -> int:
+        """Step 2 of the Note; returns how many experts were copied."""
+        e = self.experts
+        window = range(w * e, (w + 1) * e)
+        kept: dict[int, int] = {}
+        for r in window:
+            c = self._content(r)
+            if c is not None and c[0] == position and c[1] not in kept:
+                kept[c[1]] = r
+        taken = set(kept.values())
+        free = sorted((r for r in window if r not in taken),
+                      key=lambda r: self._content(r) is not None)  # empty rows first
+        placed = list(zip((x for x in range(e) if x not in kept), free))
+        drops: dict[int, list[int]] = {}
+        mine = set(self._tables[position])  # what position's own cache holds
+        adopted: list[tuple[int, int]] = []
+        for x, r in placed:
+            q, s = self._owner[r]
+            if q == position and x not in mine:  # its own slot: its table says so
+                adopted.append((s, x))
+                self._tables[q][s] = x
+                self._records.pop(r, None)
+                continue
+            if self._tables[q][s] >= 0:
+                drops.setdefault(q, []).append(s)
+                self._tables[q][s] = -1
+            self._records[r] = (position, x, self.caches[q].generation)
+        for q, slots in drops.items():  # on the compute stream, before any later small step
+            self.caches[q].drop(slots)
+        if adopted:
+            self.caches[position].adopt(adopted)
+        where = [0] * e
+        for x, r in [*kept.items(), *placed]:
+            where[x] = r - w * e
+        self._write_map(w, where)
+        self.fills += 1
+        self.rows_in_place += len(kept)
+        self.rows_from_host += len(placed)
+        retired = self._retired[w]
+        if retired:
+            self._op("wait", "copy", on=("retired", w))
+        runs = _runs(sorted(placed))
+        for q, pairs in _by_owner(placed, self._owner).items():
+            self._op("place", "copy", pairs=pairs, on=position, space=q)
+        self._op("record", "copy", on=("ready", w))
+        host = self.caches[position].host
+        if self.stream is None:  # the CPU: in line
+            for x, r, n in runs:
+                for name, dst in self.rows.items():
+                    dst[r:r + n].copy_(host[name][x:x + n])
+            return len(placed)
+        if retired:
+            self.stream.wait_event(self._retire[w])
+        for x, r, n in runs:
+            for name, dst in self.rows.items():
+                row = dst[0].numel() * dst.element_size()
+                copy_async(dst.data_ptr() + r * row, host[name].data_ptr() + x * row, n * row,
+                           self.stream.cuda_stream)
+        self._ready[w].record(self.stream)
+        return len(placed)
+
+    def _write_map(self, w: int, where: list[int]) -> None:
+        """Window ``w``'s expert -> row map, on the compute stream (the layer that reads it
+        next is issued there, and the one before it was)."""
+        t = torch.tensor(where, dtype=torch.int64)
+        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
+            self.maps[w].copy_(t.pin_memory(), non_blocking=True)
+        else:
+            self.maps[w].copy_(t)
+
+    def _poison_copied(self, w: int) -> None:
+        """Poison the rows of window ``w`` a fill wrote (not the caches' own entries) and forget
+        them, so a read that skips the next fill's ready event sees NaN."""
+        e = self.experts
+        rows = [r for r in range(w * e, (w + 1) * e)  # not what a small step installed since
+                if r in self._records and self._tables[self._owner[r][0]][self._owner[r][1]] < 0]
+        for r in rows:
+            del self._records[r]
+        for q, pairs in _by_owner([(-1, r) for r in rows], self._owner).items():
+            self._op("poison", "compute", pairs=pairs, space=q)
+        for _, r, n in _runs([(r, r) for r in rows]):
+            for dst in self.rows.values():
+                poison(dst[r:r + n])
+
+    def _read_tables(self) -> None:
+        """Every cache's slot -> expert table, read to the host now (one sync)."""
+        if self.device.type != "cuda":
+            self._tables = [c.expert_in[:c.slots].tolist() for c in self.caches]
+            return
+        for q, c in enumerate(self.caches):
+            self._table_copy[q, :c.slots].copy_(c.expert_in[:c.slots], non_blocking=True)
+        self._table_event.record(self._current())
+        self._table_event.synchronize()
+        self._tables = [self._table_copy[q, :c.slots].tolist() for q, c in enumerate(self.caches)]
+
+    def _drop_reading(self) -> None:
+        """The layer reading a window never ended (it raised): the window goes back, its next
+        fill ordered after the reads by the copy stream's wait on the compute stream."""
+        if self._reading is None:
+            return
+        _, w = self._reading
+        self._reading = None
+        self._retired[w] = False
+        self._free.append(w)
+        self._copy_after_compute()
+
+    def _copy_after_compute(self) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._op("wait", "copy", on="compute")
+
+    def _current(self) -> torch.cuda.Stream | None:
+        return None if self.stream is None else torch.cuda.current_stream(self.device)
+
+    def _trace_rows(self, kind: str, stream: str, position: int, w: int) -> None:
+        if self.trace is None:
+            return
+        e = self.experts
+        where = self.maps[w].tolist()  # a host sync: traces are for tests
+        for q, pairs in _by_owner([(x, w * e + r) for x, r in enumerate(where)],
+                                  self._owner).items():
+            self._op(kind, stream, pairs=pairs, on=position, space=q)
+
+    def _op(self, kind: str, stream: str, pairs: tuple = (), on: object = None,
+            space: object = None) -> None:
+        if self.trace is not None:
+            self.trace.append(ExpertOp(kind, stream, tuple(pairs), on, space))
+
+    def describe(self) -> dict:
+        return {"arena": True, "layers": self.layers, "windows": self.windows,
+                "rows": len(self._owner), "steps": self.steps,
+                "carried_steps": self.carried_steps, "fills": self.fills,
+                "topped_up": self.topped_up, "rows_in_place": self.rows_in_place,
+                "rows_from_host": self.rows_from_host}
+
+
+def _by_owner(pairs: Sequence[tuple[int, int]],
+              owner: Sequence[tuple[int, int]]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """(expert, arena row) pairs grouped by the position owning the row, as (expert, slot)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for x, r in pairs:
+        q, s = owner[r]
+        out.setdefault(q, []).append((x, s))
+    return {q: tuple(p) for q, p in out.items()}
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first expert, first row, count) of each run of (expert, row) pairs, both going up by
+    one; ``pairs`` sorted by expert."""
+    runs: list[list[int]] = []
+    for x, r in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == x and runs[-1][1] + runs[-1][2] == r:
+            runs[-1][2] += 1
+        else:
+            runs.append([x, r, 1])
+    return [tuple(run) for run in runs]

@@ -1,0 +1,321 @@
+"""The expert arena (Note [Large steps stream through the slots]): large steps computed from
+windows of the caches' own rows, against the float64 MoE, the bytes each step copies, the
+joint proof with the caches' operations and the mutants it must catch; on a GPU (marked cuda)
+its copies on ringflow's copy stream under a slow reader and a captured small step replayed
+while a carried fill lands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringflow.errors import ConfigError, HazardError, KernelError
+from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows
+from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
+from ringflow.kernels.reference import moe_ref
+from ringflow.orchestrator.expert_hazards import ExpertOp, check_lane
+
+E, H, I, K = 12, 16, 8, 3
+LAYERS = (1, 3, 4, 6)  # decoder indices of the chosen MoE layers
+SIZES = [8, 1, 2, 9, 12, 1, 6, 5, 7, 7, 1]  # >= 6 tokens: the arena; fewer: the slot cache
+
+
+def layer_experts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {"w13": torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
+            "w2": torch.randn(E, H, I, generator=g) / I ** 0.5}
+
+
+def routing(seed: int, tokens: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+    return ids, torch.softmax(torch.randn(tokens, K, generator=g), -1)
+
+
+def make_lane(slots: int = 3, device="cpu", stream=None, poison_reads=False,
+              layer_tokens: int = 6):
+    """A lane over LAYERS whose large steps stream through its caches' rows: ``slots`` per
+    layer, ``4 * slots // E`` windows."""
+    hosts = {i: layer_experts(i) for i in LAYERS}
+    if device != "cpu":
+        hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
+    rows, views = arena_rows(hosts[LAYERS[0]], [slots] * len(LAYERS), device)
+    caches = {i: ExpertCache(hosts[i], slots, device, rows=v) for i, v in zip(LAYERS, views)}
+    arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
+    return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens), hosts
+
+
+def run_step(lane, hosts, tokens: int, seed: int, device="cpu"):
+    """One step through every chosen layer; returns each layer's output and its float64 want."""
+    g = torch.Generator().manual_seed(seed)
+    got, want = {}, {}
+    for i in LAYERS:
+        ids, weights = routing(seed * 31 + i, tokens)
+        x = torch.randn(tokens, H, generator=g)
+        got[i] = lane.forward(i, x.to(device), weights.to(device), ids.to(device))
+        want[i] = moe_ref(x, hosts[i]["w13"], hosts[i]["w2"], weights, ids)
+    return got, want
+
+
+def assert_exact(got, want):
+    for i in LAYERS:
+        torch.testing.assert_close(got[i].double().cpu(), want[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("poison_reads", [False, True])
+@pytest.mark.parametrize("slots", [3, 4, 6, 9, 12])
+def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(slots, poison_reads):
+    lane, hosts = make_lane(slots, poison_reads=poison_reads)
+    for s, tokens in enumerate(SIZES):
+        assert_exact(*run_step(lane, hosts, tokens, s))
+    arena = lane.ring
+    assert arena.windows == 4 * slots // E
+    assert arena.steps == sum(t >= 6 for t in SIZES)
+    assert arena.carried_steps == arena.steps - 1  # each later step's first layer came early
+    assert sum(c.hits.item() + c.misses.item() for c in lane.caches.values()) > 0
+    assert lane.bytes == sum(c.bytes for c in lane.caches.values()) + arena.bytes
+
+
+@pytest.mark.parametrize("slots, copied", [(3, 4 * E), (6, 4 * E), (12, 0)])
+def test_back_to_back_large_steps_copy_each_layer_the_windows_do_not_hold(slots, copied):
+    """With fewer windows than layers each chosen layer is copied whole once per step (its
+    window last held another layer); with a window per layer the tail carries them all and
+    the next step copies nothing."""
+    lane, hosts = make_lane(slots)
+    for s in range(2):
+        run_step(lane, hosts, 8, s)
+    before = lane.ring.rows_from_host
+    assert_exact(*run_step(lane, hosts, 8, 2))
+    assert lane.ring.rows_from_host - before == copied
+
+
+def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
+    """The first layer's window holds the experts its own cache installed during decode:
+    its fill copies only the others, and its small steps' entries stay in its table."""
+    lane, hosts = make_lane(slots=6)  # 24 rows, two windows: positions 0 and 1 in their own
+    for s in range(4):
+        run_step(lane, hosts, 2, s)  # small steps fill the caches
+    first = lane.caches[LAYERS[0]]
+    cached = {e for e in first.expert_in[:first.slots].tolist() if e >= 0}
+    assert cached
+    lane.ring.trace = ops = []
+    assert_exact(*run_step(lane, hosts, 8, 9))
+    read = next(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 0)
+    placed = {e for op in ops[:read] if op.kind == "place" and op.on == 0 for e, _ in op.pairs}
+    assert placed == set(range(E)) - cached  # the rest came from host memory
+    assert lane.ring.rows_in_place >= len(cached)
+
+
+def joint_trace(steps=SIZES, slots=3, exact=True, poison_reads=False):
+    lane, hosts = make_lane(slots, poison_reads=poison_reads)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()  # every slot empty and traced so: where the proof starts
+    for s, tokens in enumerate(steps):
+        got, want = run_step(lane, hosts, tokens, s)
+        if exact:
+            assert_exact(got, want)
+    return lane, ops
+
+
+@pytest.mark.parametrize("slots, poison_reads", [(3, False), (6, True), (12, False)])
+def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_reads):
+    lane, ops = joint_trace(slots=slots, poison_reads=poison_reads)
+    check_lane(ops, 0)
+    kinds = {op.kind for op in ops}
+    assert {"install", "read", "place", "forget"} <= kinds
+    assert ("drop" in kinds) == (slots < E)  # a window over other layers' rows
+    assert ("poison" in kinds) == poison_reads
+    assert {op.space for op in ops if op.kind == "place"} == set(range(4))
+
+
+@pytest.mark.parametrize("mutate, kind", [
+    # a small step that does not wait for a carried fill before it installs over its rows
+    (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "compute"
+                                           and op.on and op.on[0] == "ready"
+                                           and not _before_read(ops, op))], "cross-stream"),
+    # a fill that does not wait for its window's last reader
+    (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "copy"
+                                           and op.on and op.on[0] == "retired")], "cross-stream"),
+    # a layer that reads its window without waiting for the fill
+    (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "compute"
+                                           and _before_read(ops, op))], "cross-stream"),
+    # a map naming a row of another layer's expert
+    (lambda ops: [ExpertOp("read", op.stream, op.pairs, (op.on + 1) % 4, op.space)
+                  if op.kind == "read" and op.on is not None else op for op in ops],
+     "read-before-write"),
+])
+def test_each_arena_hazard_is_named(mutate, kind):
+    _, ops = joint_trace(steps=[8, 1, 2, 9, 1, 7])
+    check_lane(ops, 0)
+    with pytest.raises(HazardError) as err:
+        check_lane(mutate(ops), 0)
+    assert err.value.kind == kind
+
+
+def _before_read(ops, wait):
+    """Whether ``wait`` is a layer's wait for its window (the arena's read comes next)."""
+    i = next(j for j, op in enumerate(ops) if op is wait)
+    return i + 1 < len(ops) and ops[i + 1].kind == "read" and ops[i + 1].on is not None
+
+
+def test_rows_a_small_step_rewrote_are_copied_again(monkeypatch):
+    """A fill that believes its records over the slot tables (a decode step installed over a
+    row since) keeps a row that no longer holds its expert: the proof names it."""
+    real = ExpertArena._content
+
+    def records_first(arena, r):
+        rec = arena._records.get(r)
+        return rec[:2] if rec is not None else real(arena, r)
+    monkeypatch.setattr(ExpertArena, "_content", records_first)
+    _, ops = joint_trace(steps=[8, 1, 2, 1, 9], exact=False)
+    with pytest.raises(HazardError) as err:
+        check_lane(ops, 0)
+    assert err.value.kind == "read-before-write"
+
+
+def test_a_reload_and_a_step_cut_short_refill_what_they_must():
+    lane, hosts = make_lane(slots=6)
+    run_step(lane, hosts, 8, 0)
+    for i in LAYERS:  # new host weights (a reload), then forget
+        for t in hosts[i].values():
+            t.mul_(-0.5)
+    lane.forget()
+    assert_exact(*run_step(lane, hosts, 8, 1))
+    assert_exact(*run_step(lane, hosts, 1, 2))
+    lane.ring.begin(0)  # the first layer's compute raised before end()
+    lane.ring.begin(0)  # the next step starts over
+    lane.ring.end(0)
+    lane.ring.begin(2)  # and one that restarts at position 2
+    with pytest.raises(KernelError, match="end"):
+        lane.ring.end(3)
+    lane.ring.end(2)
+    assert_exact(*run_step(lane, hosts, 8, 3))
+    assert_exact(*run_step(lane, hosts, 1, 4))
+
+
+def test_bad_arenas_are_refused():
+    hosts = [layer_experts(i) for i in LAYERS]
+    rows, views = arena_rows(hosts[0], [2] * 4, "cpu")
+    caches = [ExpertCache(h, 2, "cpu", rows=v) for h, v in zip(hosts, views)]
+    with pytest.raises(ConfigError, match="fewer than one layer's 12: give them at least 3"):
+        ExpertArena(caches, rows)
+    rows, views = arena_rows(hosts[0], [3] * 4, "cpu")
+    caches = [ExpertCache(h, 3, "cpu", rows=v) for h, v in zip(hosts, views)]
+    with pytest.raises(ConfigError, match="not rows 3"):
+        ExpertArena([caches[0], caches[2], caches[1], caches[3]], rows)
+    with pytest.raises(ConfigError, match="copy stream"):
+        ExpertArena(caches, rows, stream=object())
+    with pytest.raises(ConfigError, match=r"\[slots, \.\.\.\]"):
+        ExpertCache(hosts[0], 4, "cpu", rows=views[0])
+    arena = ExpertArena(caches, rows)
+    with pytest.raises(KernelError, match="positions 0..3"):
+        arena.begin(4)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA GPU; run `pytest -m cuda` on one")
+
+
+class SlowCompute(TorchCompute):
+    """The torch MoE after ~``cycles`` GPU clock cycles of sleep on the compute stream."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def __call__(self, x, weights, *args, **kwargs):
+        torch.cuda._sleep(self.cycles)
+        return super().__call__(x, weights, *args, **kwargs)
+
+
+def gpu_lane(slow: int, slots: int = 3, poison_reads: bool = True):
+    from ringflow.graphs.streams import dedicated_streams
+    owner = type("Owner", (), {})()
+    stream = dedicated_streams(owner, torch.device("cuda", 0), ["copy"], 0)["copy"]
+    lane, hosts = make_lane(slots, device="cuda", stream=stream, poison_reads=poison_reads)
+    lane.computes = {i: SlowCompute(slow) for i in LAYERS}
+    lane._owner = owner
+    return lane, hosts
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("slots", [3, 6])
+def test_the_arena_on_a_gpu_is_exact_with_a_slow_reader_and_its_trace_proves(slots):
+    lane, hosts = gpu_lane(slow=2_000_000, slots=slots)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()
+    for s, tokens in enumerate(SIZES):
+        assert_exact(*run_step(lane, hosts, tokens, s, device="cuda"))
+    check_lane(ops, 0)
+    assert lane.ring.carried_steps == lane.ring.steps - 1
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_refill_before_the_retire_is_wrong_on_a_gpu():
+    """The copy stream no longer waits for a window's reader (its retire never counted): with
+    one window and a slow layer, the next layer's experts land under the read."""
+    lane, hosts = gpu_lane(slow=20_000_000, poison_reads=False)
+
+    class Never(list):
+        def __getitem__(self, i):
+            return False
+
+        def __setitem__(self, i, v):
+            pass
+    lane.ring._retired = Never(lane.ring._retired)
+    wrong = 0
+    for s in range(3):
+        got, want = run_step(lane, hosts, 8, s, device="cuda")
+        wrong += sum(not torch.allclose(got[i].double().cpu(), want[i], rtol=1e-4, atol=1e-4)
+                     for i in LAYERS)
+    assert wrong > 0
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_captured_small_step_waits_for_the_carried_fill_at_every_replay():
+    """A small step of every layer captured once (its waits on the windows' ready events as
+    external wait nodes), replayed right after each large step, whose slow last layer holds
+    back the carried fill into the rows the small step installs over: each replay equals the
+    float64 MoE with its new routing."""
+    lane, hosts = gpu_lane(slow=2_000_000)
+    dev = torch.device("cuda", 0)
+    ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
+    weights_in = torch.zeros(2, K, device=dev)
+    hidden_in = torch.zeros(2, H, device=dev)
+    outs = {i: torch.empty(2, H, device=dev) for i in LAYERS}
+
+    def small_step():
+        for i in LAYERS:
+            outs[i].copy_(lane.forward(i, hidden_in, weights_in, ids_in))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        small_step()  # warm: the caches' kernels compiled, their state allocated
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        small_step()
+    g = torch.Generator().manual_seed(8)
+    for s in range(4):
+        run_step(lane, hosts, 8, 40 + s, device="cuda")
+        ids, w = routing(90 + s, 2)
+        hidden = torch.randn(2, H, generator=g)
+        ids_in.copy_(ids)
+        weights_in.copy_(w)
+        hidden_in.copy_(hidden)
+        for out in outs.values():
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in LAYERS:
+            want = moe_ref(hidden, hosts[i]["w13"], hosts[i]["w2"], w, ids)
+            torch.testing.assert_close(outs[i].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert lane.ring.carried_steps == 3
