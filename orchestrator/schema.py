@@ -289,10 +289,16 @@ FIELDS: dict[str, ProfileField] = {
                                      "this step's tail) instead of the slot cache; never under "
                                      "a CUDA graph capture (Note [Expert layer ring])",
                                      1, 1 << 30, 1024),
-    "experts.layer_buffers": _integer("layers of experts the layer ring holds on the device "
-                                      "(each the size of one chosen layer's routed experts; "
-                                      "capped at the chosen layers); 0: no ring, every step "
-                                      "through the slot cache", 0, 1 << 10, 2),
+    "experts.layer_buffers": ProfileField(
+        "layers of experts the layer ring holds on the device (each the size of one chosen "
+        "layer's routed experts; capped at the chosen layers); 0: no ring, every step through "
+        "the slot cache; 'slots': no memory of its own, large steps stream each layer through "
+        "windows of the slots' memory, as many as it holds whole layers (Note [Large steps "
+        "stream through the slots]: the layout for long prompts with the first layers left "
+        "resident)", "buffers", 2,
+        shape={"oneOf": [{"type": "integer", "minimum": 0, "maximum": 1 << 10},
+                         {"const": "slots"}]},
+        words="an integer 0..1024, or 'slots'"),
     "experts.ring_from_slots": _flag("the layer ring's fills take the experts a layer's slot "
                                      "cache holds from device memory and copy only the others "
                                      "from host memory (false: every expert from host memory, "

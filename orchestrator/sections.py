@@ -196,7 +196,9 @@ class ExpertsSpec:
     in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
-    layer_buffers: int = 2  # the layer ring's layers (0: no ring; Note [Expert layer ring])
+    #: the layer ring's layers (0: no ring; Note [Expert layer ring]), or "slots": windows of
+    #: the slots' memory (Note [Large steps stream through the slots])
+    layer_buffers: int | str = 2
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
     lend_slots: bool = False  # the tail lends the carried layers' slots (Note [Ring lends the ...])
     decode_from_ring: bool = False  # small steps read the held layers (Note [Small steps read ...])
@@ -241,6 +243,8 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
     if values["slots"] not in (None, "auto"):
         int_in("experts.slots", values["slots"], source, 1, 1 << 16)
+    if values["layer_buffers"] != "slots":
+        int_in("experts.layer_buffers", values["layer_buffers"], source, 0, 1 << 10)
     return ExpertsSpec(layers=layer_pattern("experts.layers", values["layers"], source),
                        slots=values["slots"], in_place_tokens=values["in_place_tokens"],
                        lookahead=values["lookahead"], layer_tokens=values["layer_tokens"],

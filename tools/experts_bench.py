@@ -23,6 +23,11 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-held``: the lane whose ring holds its first two layers for decode steps too
   (``decode_from_ring: true``, Note [Small steps read the held layers]): those layers have no
   slots, the others ``held_slots(layers)`` each, the same device memory;
+* ``ringflow-arena``: the first ``layers - 2`` layers' experts in pinned host memory, the
+  last two resident (the prefetch offloader's layout at 4 layers), the lane over the first
+  with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
+  windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
+  through the slots]), the same device memory;
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
@@ -97,7 +102,7 @@ FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
        "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
-LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held",
+LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
@@ -140,6 +145,14 @@ def expert_bytes(fp8: str | None = None) -> int:
     return EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
 
 
+def scale_bytes(fp8: str | None = None) -> int:
+    """One layer's weight scales (float32): per 128x128 block of ``w13`` [2 x 768, 2048] and
+    ``w2`` [2048, 768], or one per expert and weight (``w13``'s gate and up apart)."""
+    if fp8 == "block":
+        return 128 * 4 * (2 * 768 // 128 * 2048 // 128 + 2048 // 128 * 768 // 128)
+    return 128 * 4 * 3 if fp8 else 0
+
+
 def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     layer_gib = 128 * expert_bytes(fp8) / 2**30
@@ -161,6 +174,15 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
                                                                 lend_slots=True)},
         "ringflow-held": {**lane, "additional_config": experts(
             "experts-bench-held", decode_from_ring=True, slots=held_slots(layers))},
+        # vLLM's UVA offloader takes the first layers' experts to host memory, each
+        # parameter whole while its count is under cpu_offload_gb: the chosen layers' exact
+        # bytes, scales included, so it stops right after them
+        "ringflow-arena": {**lane, "cpu_offload_gb": (layers - RING) * (
+            128 * expert_bytes(fp8) + scale_bytes(fp8)) / 2**30,
+                           "additional_config": {"ringflow": {
+                               "name": "experts-bench-arena", "experts": {
+                                   "layers": list(range(layers - RING)),
+                                   "slots": held_slots(layers), "layer_buffers": "slots"}}}},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",

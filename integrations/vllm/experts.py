@@ -58,6 +58,7 @@ import torch
 from ringflow import envs
 from ringflow.errors import EngineError, OutputError, ProfileError, UnsupportedModelError
 from ringflow.graphs.streams import dedicated_streams
+from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
 from ringflow.integrations.torch.expert_layers import ExpertLayerRing
@@ -202,29 +203,45 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     held = held_layers(spec, sorted(found), profile.source)
     auto, auto_said = _auto_slots(spec, hosts, found, on_gpu, vllm_config, profile.source,
                                   cached=len(found) - len(held))
-    for i, (runner,) in sorted(found.items()):
+    arena = spec.layer_buffers == "slots"
+    if arena and spec.lend_slots:
+        raise ProfileError("experts.layer_buffers", "'slots' streams large steps through the "
+                           "slots' memory; lend_slots lends slots to a ring of layer buffers: "
+                           "set one of them", profile.source)
+    cached = [i for i in sorted(found) if i not in held]  # held: the ring holds them (Note
+    slots = {}                                             # [Small steps read the held layers])
+    for i in sorted(found):
+        (runner,) = found[i]
         experts, host = runner.routed_experts, hosts[i]
         modules[i] = experts
         computes[i] = (ResidentKernel(experts, (host["w13"].shape, host["w2"].shape))
                        if on_gpu else TorchCompute())
-        if i in held:  # the ring holds it (Note [Small steps read the held layers])
-            continue
-        slots = auto or spec.slots_for(experts.global_num_experts, experts.top_k,
-                                       held=len(held), chosen=len(found))
-        caches[i] = ExpertCache(host, slots, experts.w13_weight.device,
+        if i in cached:
+            slots[i] = auto or spec.slots_for(experts.global_num_experts, experts.top_k,
+                                              held=len(held), chosen=len(found))
+    device = found[cached[0]][0].routed_experts.w13_weight.device
+    rows, views = (arena_rows(hosts[cached[0]], [slots[i] for i in cached], device) if arena
+                   else (None, {}))
+    for n, i in enumerate(cached):
+        experts = found[i][0].routed_experts
+        caches[i] = ExpertCache(hosts[i], slots[i], device,
                                 in_place_tokens=spec.in_place_tokens,
-                                whole_in_place=scales_across_rows(experts))
-    device = next(iter(caches.values())).device
+                                whole_in_place=scales_across_rows(experts),
+                                rows=views[n] if arena else None)
     ring = None
     if spec.layer_buffers:
         stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
                                     priority=0)["experts-copy"]
                   if device.type == "cuda" else None)  # lives while the lane's caches do
-        ring = ExpertLayerRing([hosts[i] for i in sorted(found)], spec.layer_buffers,
-                               device, stream, poison_reads=envs.flag("RINGFLOW_POISON"),
-                               caches=([caches.get(i) for i in sorted(found)]
-                                       if spec.ring_from_slots else None),
-                               lend_slots=spec.lend_slots, hold=bool(held))
+        if arena:
+            ring = ExpertArena([caches[i] for i in cached], rows, stream,
+                               poison_reads=envs.flag("RINGFLOW_POISON"))
+        else:
+            ring = ExpertLayerRing([hosts[i] for i in sorted(found)], spec.layer_buffers,
+                                   device, stream, poison_reads=envs.flag("RINGFLOW_POISON"),
+                                   caches=([caches.get(i) for i in sorted(found)]
+                                           if spec.ring_from_slots else None),
+                                   lend_slots=spec.lend_slots, hold=bool(held))
     ahead = _lookaheads(decoder, caches, sorted(found)) if spec.lookahead else {}
     on_host, policy = host_shares(spec, caches, modules, vllm_config)
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules, on_host,
@@ -256,7 +273,12 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
              ("; a step needing more experts than the slots reads them all from host memory "
               "in one pass (per-tensor fp8: one activation scale per step)"
               if first.whole_in_place else "") +
-             (f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
+             (f"; a larger one computes each layer whole from one of {ring.windows} "
+              f"window(s) of {first.experts} experts in the slots' own memory (experts."
+              f"layer_buffers: slots), the experts a window holds in place, the rest copied "
+              + ("ahead on a copy engine" if device.type == "cuda" else "in line")
+              if arena else
+              f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "
               + (("the experts its slots hold copied from them, the rest ahead on a copy "
                   "engine" + ("; each large step's tail lends the carried layers' slots to the "
@@ -275,7 +297,7 @@ def held_layers(spec, chosen: list[int], source: str | None) -> list[int]:
     [Small steps read the held layers]): the first ``layer_buffers``; none when off."""
     if not spec.decode_from_ring:
         return []
-    if not 0 < spec.layer_buffers < len(chosen):
+    if spec.layer_buffers == "slots" or not 0 < spec.layer_buffers < len(chosen):
         raise ProfileError("experts.decode_from_ring", f"holds the first layer_buffers chosen "
                            f"layers in the ring and serves the rest from slots: it needs "
                            f"1 <= layer_buffers < the {len(chosen)} chosen layers, got "
@@ -300,7 +322,8 @@ def _auto_slots(spec, hosts: dict, found: dict, on_gpu: bool, vllm_config,
     experts = runner.routed_experts
     slot_bytes = sum(t[0].numel() * t.element_size() for t in first.values())
     layer_bytes = slot_bytes * experts.global_num_experts
-    ring = min(spec.layer_buffers, len(hosts)) * layer_bytes
+    ring = (0 if spec.layer_buffers == "slots"  # the windows are the slots' own memory
+            else min(spec.layer_buffers, len(hosts)) * layer_bytes)
     device = experts.w13_weight.device
     free, total = torch.cuda.mem_get_info(device)
     util = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
@@ -447,7 +470,10 @@ def _dump(lane: ExpertLane, base: str) -> None:
                                   f"ceil(min(experts, tokens * top_k) / slots); a step of "
                                   f"at most {row['in_place_tokens']} tokens needing more than "
                                   f"one: 2, the second over the host store in place; larger "
-                                  f"steps: the layer ring, one pass"),
+                                  f"steps: one pass, over "
+                                  + ("a window of the slots' memory (Note [Large steps stream "
+                                     "through the slots])" if (row["ring"] or {}).get("arena")
+                                     else "a buffer of the layer ring")),
                        "top_k": experts.top_k})
     doc = {"schema": "ringflow.experts", "version": 2,
            "stream": "vLLM's: each pass's fetch (device-indexed, Note [Device-indexed expert "

@@ -104,3 +104,20 @@ def test_the_uva_offloader_keeps_on_the_device_what_the_lane_keeps(layers, fp8):
     assert offloaded == pytest.approx(layers - bench.device_layers(layers))
     lane = bench.configs(layers, fp8)["ringflow"]["cpu_offload_gb"]
     assert uva_offloaded_layers(layers, lane, bench.expert_bytes(fp8)) == layers
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(layers):
+    """``ringflow-arena``: vLLM's UVA offloader moves exactly the chosen (first) layers'
+    experts to host memory, so the last two stay resident, and those two with the slots hold
+    no more than every peer's memory; the slots hold at least one whole layer (a window)."""
+    bench = _bench()
+    config = bench.configs(layers)["ringflow-arena"]
+    section = config["additional_config"]["ringflow"]["experts"]
+    assert section["layer_buffers"] == "slots"
+    assert section["layers"] == list(range(layers - bench.RING))
+    assert uva_offloaded_layers(layers, config["cpu_offload_gb"],
+                                bench.expert_bytes()) == layers - bench.RING
+    chosen = layers - bench.RING
+    assert chosen * section["slots"] >= 128
+    assert chosen * section["slots"] / 128 + bench.RING <= bench.device_layers(layers)

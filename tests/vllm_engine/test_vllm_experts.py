@@ -34,6 +34,11 @@ CASES = [
                                   decode_from_ring=True, lookahead=True)},
     {"name": "moe/held-all", "model": MOE,
      "additional_config": experts(layers="all", layer_buffers=4, decode_from_ring=True)},
+    {"name": "moe/arena", "model": MOE, "serial": True,  # layers 2, 3 resident; 0, 1 through
+     "additional_config": experts(layers=[0, 1], slots=8, layer_tokens=8,  # one window of
+                                  layer_buffers="slots", lookahead=True)},  # their 16 rows
+    {"name": "moe/arena-small", "model": MOE,
+     "additional_config": experts(layers=[0, 1], slots=4, layer_buffers="slots")},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
@@ -137,6 +142,30 @@ def test_held_layers_serve_decode_from_the_ring_in_vllms_engine(runs):
     refused = runs["moe/held-all"].get("error", "")
     assert "experts.decode_from_ring" in refused and "1 <= layer_buffers < the 4 chosen" in \
         refused, runs["moe/held-all"]
+
+
+def test_large_steps_stream_through_the_slots_in_vllms_engine(runs):
+    """``layer_buffers: slots`` (Note [Large steps stream through the slots]): layers 0 and 1
+    with 8 slots each, one window of their 16 rows; the long prompts' steps compute each
+    layer from it, the small steps from the slots (guessed a layer early); vLLM's greedy
+    tokens and logprobs within float32 rounding of vLLM's own CPU MoE kernel. Slots that hold
+    less than one layer are refused with the numbers to change."""
+    off, run = runs["moe/off"], runs["moe/arena"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, off) < 1e-3
+    layers = run["experts"]
+    assert [layer["layer"] for layer in layers] == [0, 1]
+    for layer in layers:
+        assert layer["slots"] == 8 and layer["misses"] > 0 and layer["hits"] > 0
+    arena = layers[0]["ring"]
+    assert arena["arena"] and arena["windows"] == 1 and arena["steps"] >= 2, arena
+    assert arena["fills"] >= 2 * arena["steps"] and arena["rows_from_host"] > 0, arena
+    said = [l for l in run["log"] if l.startswith("experts: layers [0, 1]")]
+    assert len(said) == 1 and "one of 1 window(s) of 16 experts" in said[0], run["log"]
+    refused = runs["moe/arena-small"].get("error", "")
+    assert "hold 8 experts, fewer than one layer's 16: give them at least 8 slots" in refused, \
+        runs["moe/arena-small"]
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
