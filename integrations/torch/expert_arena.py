@@ -46,7 +46,10 @@ Note [Large steps stream through the slots]
        read or install (a carried fill may still be writing, into this layer's rows or the
        next one's, where its lookahead installs): external events, so a captured step holds
        a wait on their latest record (as a held buffer's, Note [Small steps read the held
-       layers]).
+       layers]); each is recorded once when the arena is made, so that a step captured
+       before any fill holds that wait too. An eager small step makes the next large step
+       start afresh (step 1) wherever it begins; a replayed one runs no Python, so a large
+       step cut short must be followed by one from its first layer, as vLLM's are.
 
     What stays true: every write to a row (a fill's copy, a small step's install) is ordered
     after every earlier read and write of it, by the start's stream wait, a retire event or a
@@ -145,6 +148,9 @@ class ExpertArena:
         self._ready = [torch.cuda.Event(external=True) if cuda else None
                        for _ in range(self.windows)]
         self._retire = [torch.cuda.Event() if cuda else None for _ in range(self.windows)]
+        for ready in self._ready if cuda else ():  # recorded once now: torch makes an event at
+            ready.record(stream)  # its first record, and a small step captured before any
+            # fill must still hold a wait node on it (an unmade event is no wait at all)
         self._retired = [False] * self.windows  # a read since the last fill to wait for
         self._free = list(range(self.windows))  # least recently freed first
         self._at: dict[int, int] = {}  # position -> window, fills issued and not yet read
@@ -180,7 +186,7 @@ class ExpertArena:
                               f"{position}")
         if self._reading is not None:  # the layer before raised: its read never ended
             self._drop_reading()
-        if position == 0 or position != self._expected:
+        if self.starting(position):
             self._start(position)
         self._fill_ahead()
         w = self._at.pop(position)
@@ -213,11 +219,17 @@ class ExpertArena:
     def before_small(self, position: int) -> None:
         """A small step of ``position`` reads and installs its slots next (and its lookahead
         the next layer's): order it after every window's latest fill (step 4 of the Note)."""
+        self._expected = None  # the next large step starts afresh: tables read, copy waits
         compute = self._current()
         for w in range(self.windows):
             if compute is not None:
                 compute.wait_event(self._ready[w])
             self._op("wait", "compute", on=("ready", w))
+
+    def starting(self, position: int) -> bool:
+        """Whether ``begin(position)`` starts a step (step 1 of the Note: the tables are read
+        there, so the caller joins any side stream still installing into the slots first)."""
+        return position == 0 or position != self._expected
 
     def forget(self) -> None:
         """The host copies changed: nothing filled or recorded is current. Call it before the

@@ -158,9 +158,9 @@ class ExpertLane:
         ranges, compute = self._ranges[layer], self.computes[layer]
         if self.uses_ring(x.shape[0], x.device):
             position = self.position[layer]
-            if position == 0:  # where the ring reads the slot tables: a decode step that
-                for lookahead in self.ahead.values():  # raised may have left guesses
-                    lookahead.join()  # installing into the slots its fills copy from
+            if self.ring.starting(position):  # where the ring reads the slot tables: a
+                for lookahead in self.ahead.values():  # decode step that raised may have
+                    lookahead.join()  # left guesses installing into the slots it copies from
             try:
                 weights, expert_map = nvtx_ranges.call(ranges["layer"], self.ring.begin,
                                                        position)

@@ -354,6 +354,11 @@ class ExpertLayerRing:
         self._op("read", "compute", pairs=((position, lease.slot),))
         return self.views[lease.slot], None
 
+    def starting(self, position: int) -> bool:
+        """Whether ``begin(position)`` starts a step (reads the slot tables: the caller joins
+        any side stream still installing into the slots first)."""
+        return position == 0 or self._reading is not None or self._head() != position
+
     def before_small(self, position: int) -> None:
         """A small step of cached layer ``position`` is next: the ring's buffers are not its
         slots, nothing to order (the arena's differs, Note [Large steps stream through the
