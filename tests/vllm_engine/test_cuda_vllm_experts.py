@@ -79,10 +79,13 @@ LANES = {
     # (Note [Small steps read the held layers]): in FULL decode graphs their waits are
     # external event nodes
     "held-64-sampled": ({"slots": 64, "layer_tokens": 8, "decode_from_ring": True}, True),
-    # large steps through windows of the slots' own rows (Note [Large steps stream through the
-    # slots]): layers 0 and 1 on 64 slots each, one window (layers 2 and 3 are vLLM's, read
-    # in place by its UVA offloader), and every layer on 64, two windows; in FULL decode
-    # graphs the small steps wait for the carried fill as external event nodes
+}
+#: large steps through windows of the slots' own rows (Note [Large steps stream through the
+#: slots]): layers 0 and 1 on 64 slots each, one window (layers 2 and 3 are vLLM's, read in
+#: place by its UVA offloader), and every layer on 64, two windows; in FULL decode graphs the
+#: small steps wait for the carried fill as external event nodes. Processes of their own, so
+#: that ``pytest -k arena`` starts only these two
+ARENA_LANES = {
     "arena-64-sampled": ({"slots": 64, "layer_tokens": 8, "layers": [0, 1],
                           "layer_buffers": "slots"}, True),
     "arena-all-64": ({"slots": 64, "layer_tokens": 8, "layer_buffers": "slots"}, False),
@@ -127,12 +130,12 @@ def fp8_cases(mode):
     return cases
 
 
-def mode_cases(mode):
+def mode_cases(mode, lanes=LANES):
     base = {"model": MOE, "mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True}
     cases = [{"name": f"{mode}/resident", **base, "engine": {"moe_backend": "triton"}},
              {"name": f"{mode}/resident-sampled", **base, "engine": {"moe_backend": "triton"},
               "temperature": SAMPLED}]
-    for name, (section, sampled) in LANES.items():
+    for name, (section, sampled) in lanes.items():
         slots = section.pop("slots")
         cases.append({"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
                       "additional_config": lane(slots, **section),
@@ -191,13 +194,30 @@ def runs():
 
 
 @pytest.fixture(scope="module")
+def arena_runs():
+    return collect([run(mode_cases(mode, ARENA_LANES), f"experts-arena-{mode}", env=V1)
+                    for mode in MODES])
+
+
+@pytest.fixture(scope="module")
 def host_runs():
     return collect([run(host_cases(mode), f"experts-host-{mode}", env=V1) for mode in MODES])
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(ARENA_LANES))
+def test_large_steps_through_the_slots_give_the_resident_bits(arena_runs, mode, name):
+    """``layer_buffers: slots`` (Note [Large steps stream through the slots]): the prompts of
+    8, 14 and 70 tokens compute each chosen layer from a window of the slots' own (poisoned)
+    rows through an expert map, the next prompt's first layer carried in the tail, and the
+    decode steps (eager, or vLLM's FULL decode graphs waiting on the windows' fills) from the
+    slots: vLLM's tokens and top-5 logprobs bit for bit, greedy and sampled."""
+    test_experts_from_host_memory_give_the_resident_bits(arena_runs, mode, name, ARENA_LANES)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(LANES))
-def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
+def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes=LANES):
     """vLLM's tokens and top-5 logprobs, bit for bit (Note [Same bits as resident]), greedy and
     sampled, one request at a time, with 128 experts of real scale per layer in pinned host
     memory: prompts of 8, 14 and 70 tokens through the layer ring (whole layers copied ahead
@@ -206,7 +226,7 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name):
     tiles; with 8 slots the steps that need more run in passes summed once, the last in place
     from the host view, or, with ``in_place_tokens: 0``, all through the slots; with lookahead,
     decode steps (eager, or vLLM's FULL decode graphs) guess each next layer's experts."""
-    section, sampled = LANES[name]
+    section, sampled = lanes[name]
     want = runs[f"{mode}/resident-sampled" if sampled else f"{mode}/resident"]
     got = runs[f"{mode}/{name}"]
     for r in (want, got):
