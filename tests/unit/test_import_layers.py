@@ -48,7 +48,8 @@ LAYERS = {
     **dict.fromkeys([f"ringflow.integrations{m}" for m in (
         "", ".torch", ".torch.layer_ops", ".torch.weight_stream", ".torch.kv_prefetch",
         ".torch.verification", ".torch.chunk_prefetch", ".torch.expert_cache",
-        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_lane",
+        ".torch.expert_lookahead", ".torch.expert_layers", ".torch.expert_arena",
+        ".torch.expert_lane",
         ".torch.host_experts")], "adapters"),
     # vLLM only; its plugin is the entry point, imported by nothing of ringflow
     **dict.fromkeys([f"ringflow.integrations.vllm{m}" for m in (
