@@ -74,3 +74,26 @@ def predict(*, layers: int, expert_layers: int, experts: int, top_k: int, tokens
         step_ms=compute + expert_layers * per_layer,
         bound_ms=compute + expert_layers * misses * expert_bytes / PINNED_GBPS / 1e6,
         whole_layer_ms=max(compute, expert_layers * experts * expert_bytes / PINNED_GBPS / 1e6))
+
+
+def chunk_copies(layout: str, *, layers: int, experts: int, slots: int = 0,
+                 buffers: int = 2) -> int:
+    """Experts a large step copies from host memory when large steps run back to back (a long
+    prompt in chunks, nothing in between), once the first has run: what bounds a chunked
+    prefill at the copy rate (Note [Large steps stream through the slots]).
+
+    ``layout``: ``ring`` (a ring of ``buffers`` layer buffers whose fills take the ``slots``
+    each layer's cache holds from the device), ``held`` (the ring's first ``buffers`` layers
+    held for decode, carried again in every tail, the others with ``slots`` each), ``arena``
+    (``layers`` with ``slots`` each and windows of those rows: none copied when there is a
+    window per layer, else every layer whole), ``prefetch`` (vLLM's prefetch offloader, every
+    one of ``layers`` offloaded layers whole)."""
+    if layout == "ring":
+        return layers * (experts - slots)
+    if layout == "held":
+        return buffers * experts + (layers - buffers) * (experts - slots)
+    if layout == "arena":
+        return 0 if layers * slots // experts >= layers else layers * experts
+    if layout == "prefetch":
+        return layers * experts
+    raise ConfigError(f"chunk_copies: layout is ring, held, arena or prefetch, not {layout!r}")

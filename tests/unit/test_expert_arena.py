@@ -416,3 +416,17 @@ def test_random_lanes_stay_exact_and_consistent(seed):
                 if known is not None:
                     assert torch.equal(rows["w13"][r], hosts[known[0]]["w13"][known[1]])
     check_lane(ops, 0)
+
+
+@pytest.mark.parametrize("slots", [3, 6, 12])
+def test_the_models_chunk_copies_are_what_the_arena_copies(slots):
+    """``chunk_copies`` (orchestrator/expert_model.py), the bytes the README's chunked-prefill
+    claims rest on, against the arena's own count over back-to-back large steps."""
+    from ringflow.orchestrator.expert_model import chunk_copies
+    lane, hosts = make_lane(slots)
+    for s in range(3):
+        run_step(lane, hosts, 8, s)
+    before = lane.ring.rows_from_host
+    run_step(lane, hosts, 8, 3)
+    assert lane.ring.rows_from_host - before == chunk_copies(
+        "arena", layers=len(LAYERS), experts=E, slots=slots)

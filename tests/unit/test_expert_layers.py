@@ -667,3 +667,22 @@ def test_fp8_layers_fill_with_their_scales_bit_for_bit(device, from_slots, lend)
     assert ring.rows_from_slots == (0 if not from_slots else 32 if lend else 40)
     assert ring.rows_from_lent == (8 if lend else 0)
     assert ring.rows_from_slots + ring.rows_from_lent + ring.rows_from_host == E * ring.fills
+
+
+@pytest.mark.parametrize("buffers, hold", [(2, False), (3, False), (2, True), (1, True)])
+def test_the_models_chunk_copies_are_what_the_ring_copies(buffers, hold):
+    """``chunk_copies`` (orchestrator/expert_model.py) for the ring, its fills taking what the
+    slots hold, and for held layers carried again in every tail, against the ring's count
+    over back-to-back large steps."""
+    from ringflow.orchestrator.expert_model import chunk_copies
+    lane, hosts = make_lane(buffers, lend=False, hold=hold)
+    for s in range(3):
+        run_step(lane, hosts, 2, s)  # the caches fill first
+    for s in range(3):
+        run_step(lane, hosts, 8, 10 + s)
+    before = lane.ring.rows_from_host
+    run_step(lane, hosts, 8, 20)
+    slots = next(iter(lane.caches.values())).slots
+    assert lane.ring.rows_from_host - before == chunk_copies(
+        "held" if hold else "ring", layers=len(LAYERS), experts=E, slots=slots,
+        buffers=buffers)
