@@ -264,7 +264,8 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
             guessed = layer["lookahead"]
             assert guessed["predicted"] >= 8 * 40 and guessed["chosen"] <= guessed["predicted"], \
                 (got.get("cudagraph_mode"), [l for l in got["log"] if "lookahead" in l])
-    said = [line for line in got["log"] if line.startswith("experts: layers")]
+    said = [line for line in got["log"] if line.startswith("experts: layers")
+            and "are not in experts.layers" not in line]  # (layers vLLM's offloader took)
     assert len(said) == 1, got["log"]
 
 
