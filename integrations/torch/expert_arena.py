@@ -66,6 +66,14 @@ Note [Large steps stream through the slots]
     it fills first. With one window the next layer's copy waits for this layer's compute (the
     copy engine idles for one MoE per layer). Small steps after a large one find the carried
     window's rows gone from their caches.
+
+    Measured once on an H100 (vLLM 0.26, the bench's 4 layers, layers 0 and 1 chosen with 64
+    slots each; ``profiles/results/experts-bench-arena-held-h100.json``): 32k prompts in 8k
+    chunks 1.20x the held-layer ring at the same memory, the first decode step after a prompt
+    16 ms where the held ring waits 78; a lone 8k prompt 0.69x, because vLLM's offloader puts
+    the chosen layers first, so the first layer's copies have nothing before them to hide
+    behind. Choosing later layers needs the lane to move its layers' experts to host memory
+    itself (vLLM's UVA offloader takes the first layers).
 """
 
 from __future__ import annotations
