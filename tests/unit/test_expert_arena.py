@@ -15,52 +15,19 @@ from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute
 from ringflow.kernels.reference import moe_ref
 from ringflow.orchestrator.expert_hazards import ExpertOp, check_lane
-
-E, H, I, K = 12, 16, 8, 3
-LAYERS = (1, 3, 4, 6)  # decoder indices of the chosen MoE layers
-SIZES = [8, 1, 2, 9, 12, 1, 6, 5, 7, 7, 1]  # >= 6 tokens: the arena; fewer: the slot cache
-
-
-def layer_experts(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return {"w13": torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
-            "w2": torch.randn(E, H, I, generator=g) / I ** 0.5}
-
-
-def routing(seed: int, tokens: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
-    return ids, torch.softmax(torch.randn(tokens, K, generator=g), -1)
-
+from tests.helpers.expert_lanes import (E, H, K, LAYERS, SIZES, assert_exact, hosts_on,
+                                        layer_experts, on_a_gpu,
+                                        replay_small_step_after_large_steps, routing, run_step)
 
 def make_lane(slots: int = 3, device="cpu", stream=None, poison_reads=False,
               layer_tokens: int = 6):
     """A lane over LAYERS whose large steps stream through its caches' rows: ``slots`` per
     layer, ``4 * slots // E`` windows."""
-    hosts = {i: layer_experts(i) for i in LAYERS}
-    if device != "cpu":
-        hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
+    hosts = hosts_on(device)
     rows, views = arena_rows(hosts[LAYERS[0]], [slots] * len(LAYERS), device)
     caches = {i: ExpertCache(hosts[i], slots, device, rows=v) for i, v in zip(LAYERS, views)}
     arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens), hosts
-
-
-def run_step(lane, hosts, tokens: int, seed: int, device="cpu"):
-    """One step through every chosen layer; returns each layer's output and its float64 want."""
-    g = torch.Generator().manual_seed(seed)
-    got, want = {}, {}
-    for i in LAYERS:
-        ids, weights = routing(seed * 31 + i, tokens)
-        x = torch.randn(tokens, H, generator=g)
-        got[i] = lane.forward(i, x.to(device), weights.to(device), ids.to(device))
-        want[i] = moe_ref(x, hosts[i]["w13"], hosts[i]["w2"], weights, ids)
-    return got, want
-
-
-def assert_exact(got, want):
-    for i in LAYERS:
-        torch.testing.assert_close(got[i].double().cpu(), want[i], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
@@ -218,26 +185,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA GPU; run `pytest -m cuda` on one")
 
 
-class SlowCompute(TorchCompute):
-    """The torch MoE after ~``cycles`` GPU clock cycles of sleep on the compute stream."""
-
-    def __init__(self, cycles: int) -> None:
-        super().__init__()
-        self.cycles = cycles
-
-    def __call__(self, x, weights, *args, **kwargs):
-        torch.cuda._sleep(self.cycles)
-        return super().__call__(x, weights, *args, **kwargs)
-
-
 def gpu_lane(slow: int, slots: int = 3, poison_reads: bool = True):
-    from ringflow.graphs.streams import dedicated_streams
-    owner = type("Owner", (), {})()
-    stream = dedicated_streams(owner, torch.device("cuda", 0), ["copy"], 0)["copy"]
-    lane, hosts = make_lane(slots, device="cuda", stream=stream, poison_reads=poison_reads)
-    lane.computes = {i: SlowCompute(slow) for i in LAYERS}
-    lane._owner = owner
-    return lane, hosts
+    return on_a_gpu(make_lane, slow, slots=slots, poison_reads=poison_reads)
 
 
 @cuda
@@ -284,40 +233,7 @@ def test_a_captured_small_step_waits_for_the_carried_fill_at_every_replay():
     back the carried fill into the rows the small step installs over: each replay equals the
     float64 MoE with its new routing."""
     lane, hosts = gpu_lane(slow=2_000_000)
-    dev = torch.device("cuda", 0)
-    ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
-    weights_in = torch.zeros(2, K, device=dev)
-    hidden_in = torch.zeros(2, H, device=dev)
-    outs = {i: torch.empty(2, H, device=dev) for i in LAYERS}
-
-    def small_step():
-        for i in LAYERS:
-            outs[i].copy_(lane.forward(i, hidden_in, weights_in, ids_in))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        small_step()  # warm: the caches' kernels compiled, their state allocated
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        small_step()
-    g = torch.Generator().manual_seed(8)
-    for s in range(4):
-        run_step(lane, hosts, 8, 40 + s, device="cuda")
-        ids, w = routing(90 + s, 2)
-        hidden = torch.randn(2, H, generator=g)
-        ids_in.copy_(ids)
-        weights_in.copy_(w)
-        hidden_in.copy_(hidden)
-        for out in outs.values():
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in LAYERS:
-            want = moe_ref(hidden, hosts[i]["w13"], hosts[i]["w2"], w, ids)
-            torch.testing.assert_close(outs[i].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    replay_small_step_after_large_steps(lane, hosts)
     assert lane.ring.carried_steps == 3
 
 

@@ -15,30 +15,16 @@ from ringflow.integrations.torch.expert_layers import ExpertLayerRing
 from ringflow.kernels.reference import moe_ref
 from ringflow.orchestrator.expert_hazards import (ExpertOp, check_expert_step, check_lane,
                                                    check_ring)
-
-E, H, I, K = 12, 16, 8, 3
-LAYERS = (1, 3, 4, 6)  # decoder indices of the chosen MoE layers
-
-
-def layer_experts(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return {"w13": torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
-            "w2": torch.randn(E, H, I, generator=g) / I ** 0.5}
-
-
-def routing(seed: int, tokens: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
-    return ids, torch.softmax(torch.randn(tokens, K, generator=g), -1)
+from tests.helpers.expert_lanes import (E, H, I, LAYERS, SIZES, hosts_on, layer_experts,
+                                        on_a_gpu, replay_small_step_after_large_steps, routing,
+                                        run_step)
 
 
 def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="cpu",
               stream=None, poison_reads=False, from_slots=True, lend=True, hold=False):
     """The lane over LAYERS; with ``hold``, the ring's first ``buffers`` layers held for small
     steps and only the others cached (Note [Small steps read the held layers])."""
-    hosts = {i: layer_experts(i) for i in LAYERS}
-    if device != "cpu":
-        hosts = {i: {k: v.pin_memory() for k, v in h.items()} for i, h in hosts.items()}
+    hosts = hosts_on(device)
     held = LAYERS[:buffers] if hold else ()
     caches = {i: ExpertCache(h, slots, device) for i, h in hosts.items() if i not in held}
     ring = (ExpertLayerRing([hosts[i] for i in LAYERS], buffers, device, stream,
@@ -47,21 +33,6 @@ def make_lane(buffers: int = 2, slots: int = 4, layer_tokens: int = 6, device="c
                             lend_slots=lend and not hold, hold=hold)
             if buffers else None)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, ring, layer_tokens), hosts
-
-
-def run_step(lane, hosts, tokens: int, seed: int, device="cpu"):
-    """One step through every chosen layer; returns each layer's output and its float64 want."""
-    g = torch.Generator().manual_seed(seed)
-    got, want = {}, {}
-    for i in LAYERS:
-        ids, weights = routing(seed * 31 + i, tokens)
-        x = torch.randn(tokens, H, generator=g)
-        got[i] = lane.forward(i, x.to(device), weights.to(device), ids.to(device))
-        want[i] = moe_ref(x, hosts[i]["w13"], hosts[i]["w2"], weights, ids)
-    return got, want
-
-
-SIZES = [8, 1, 2, 9, 12, 1, 6, 5, 7, 7, 1]  # >= 6 tokens: the ring; fewer: the slot cache
 
 
 @pytest.mark.parametrize("lend", [False, True])
@@ -512,28 +483,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA GPU; run `pytest -m cuda` on one")
 
 
-class SlowCompute(TorchCompute):
-    """The torch MoE after ~``cycles`` GPU clock cycles of sleep on the compute stream: a copy
-    that does not wait for the read's retire lands while the read is still to come."""
-
-    def __init__(self, cycles: int) -> None:
-        super().__init__()
-        self.cycles = cycles
-
-    def __call__(self, x, weights, *args, **kwargs):
-        torch.cuda._sleep(self.cycles)
-        return super().__call__(x, weights, *args, **kwargs)
-
-
 def gpu_lane(slow: int, poison_reads: bool = True, hold: bool = False):
-    from ringflow.graphs.streams import dedicated_streams
-    owner = type("Owner", (), {})()
-    stream = dedicated_streams(owner, torch.device("cuda", 0), ["copy"], 0)["copy"]
-    lane, hosts = make_lane(buffers=2, device="cuda", stream=stream, poison_reads=poison_reads,
-                            hold=hold)
-    lane.computes = {i: SlowCompute(slow) for i in LAYERS}
-    lane._owner = owner
-    return lane, hosts
+    return on_a_gpu(make_lane, slow, buffers=2, poison_reads=poison_reads, hold=hold)
 
 
 @cuda
@@ -562,40 +513,7 @@ def test_a_captured_small_step_reads_the_held_layers_each_large_step_carried_aga
     each large step, whose slow reads poison the held buffers and whose tail carries them
     again from host memory: each replay equals the float64 MoE with its new routing."""
     lane, hosts = gpu_lane(slow=2_000_000, hold=True)
-    dev = torch.device("cuda", 0)
-    ids_in = torch.zeros(2, K, dtype=torch.int64, device=dev)
-    weights_in = torch.zeros(2, K, device=dev)
-    hidden_in = torch.zeros(2, H, device=dev)
-    outs = {i: torch.empty(2, H, device=dev) for i in LAYERS}
-
-    def small_step():
-        for i in LAYERS:
-            outs[i].copy_(lane.forward(i, hidden_in, weights_in, ids_in))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        small_step()  # warm: the caches' kernels compiled, their state allocated
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        small_step()
-    g = torch.Generator().manual_seed(8)
-    for s in range(4):
-        run_step(lane, hosts, 8, 40 + s, device="cuda")  # large: poisons, then carries again
-        ids, w = routing(90 + s, 2)
-        hidden = torch.randn(2, H, generator=g)
-        ids_in.copy_(ids)
-        weights_in.copy_(w)
-        hidden_in.copy_(hidden)
-        for out in outs.values():
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in LAYERS:
-            want = moe_ref(hidden, hosts[i]["w13"], hosts[i]["w2"], w, ids)
-            torch.testing.assert_close(outs[i].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    replay_small_step_after_large_steps(lane, hosts)
     assert lane.ring.steps == lane.ring.carried_steps == 4
 
 
