@@ -85,7 +85,7 @@ import torch
 from ringflow.cudart import copy_async
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import poison
-from ringflow.integrations.torch.expert_cache import ExpertCache
+from ringflow.integrations.torch.expert_cache import ExpertCache, device_ints
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
 
@@ -359,11 +359,7 @@ class ExpertArena:
     def _write_map(self, w: int, where: list[int]) -> None:
         """Window ``w``'s expert -> row map, on the compute stream (the layer that reads it
         next is issued there, and the one before it was)."""
-        t = torch.tensor(where, dtype=torch.int64)
-        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
-            self.maps[w].copy_(t.pin_memory(), non_blocking=True)
-        else:
-            self.maps[w].copy_(t)
+        self.maps[w].copy_(device_ints(where, self.device))
 
     def _poison_copied(self, w: int) -> None:
         """Poison the rows of window ``w`` a fill wrote (not the caches' own entries) and forget

@@ -64,6 +64,14 @@ from ringflow.orchestrator.expert_hazards import ExpertOp
 _LATEST = torch.iinfo(torch.int64).max
 
 
+def device_ints(values: list, device: torch.device) -> torch.Tensor:
+    """``values`` (a list of ints, or of tuples of them) as an int64 tensor on ``device``,
+    without a host sync: through pinned memory on a GPU (the copy is queued on the current
+    stream, and torch keeps the pinned block until it ran)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class ExpertCache:
     """``slots`` GPU copies of one MoE layer's routed experts, whose host copies are ``host``
     (parameter name → tensor [experts, ...]: pinned on the CPU, or a CUDA view of pinned host
@@ -336,13 +344,9 @@ class ExpertCache:
             return
         if self.trace is not None:
             self.trace.append(ExpertOp("drop", self.trace_stream(), tuple((-1, s) for s in slots)))
-        at = torch.tensor(slots, dtype=torch.int64)
-        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
-            at = at.pin_memory().to(self.device, non_blocking=True)
-        old = self.expert_in[at]
-        self.slot_of.index_fill_(0, torch.where(old >= 0, old, self.experts), -1)
+        at = device_ints(slots, self.device)
+        self._evict(at)
         self.expert_in.index_fill_(0, at, -1)
-        self.last_used.index_fill_(0, at, -1)
 
     def adopt(self, pairs: list[tuple[int, int]]) -> None:
         """Enter expert ``e`` in slot ``s`` for each ``(s, e)`` (none held elsewhere here; the
@@ -351,14 +355,17 @@ class ExpertCache:
         wait for that copy."""
         if not pairs:
             return
-        at = torch.tensor(pairs, dtype=torch.int64)
-        if self.device.type == "cuda":  # pinned: the copy is queued, the host goes on
-            at = at.pin_memory().to(self.device, non_blocking=True)
+        at = device_ints(pairs, self.device)
         slots, experts = at[:, 0], at[:, 1]
-        old = self.expert_in[slots]
-        self.slot_of.index_fill_(0, torch.where(old >= 0, old, self.experts), -1)
+        self._evict(slots)
         self.expert_in.index_copy_(0, slots, experts)
         self.slot_of.index_copy_(0, experts, slots)
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        """The holders of ``slots`` leave the expert -> slot map; the slots become least
+        recently used."""
+        old = self.expert_in[slots]
+        self.slot_of.index_fill_(0, torch.where(old >= 0, old, self.experts), -1)
         self.last_used.index_fill_(0, slots, -1)
 
     def forget(self) -> None:
