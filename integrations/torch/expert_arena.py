@@ -123,7 +123,6 @@ class ExpertArena:
         self.experts = caches[0].experts
         self.device = caches[0].device
         self._owner: list[tuple[int, int]] = []  # arena row -> (position, slot)
-        self.starts: list[int] = []
         for q, cache in enumerate(caches):
             start = len(self._owner)
             if cache.experts != self.experts or set(cache.weights) != set(self.rows) or any(
@@ -132,7 +131,6 @@ class ExpertArena:
                     or cache.weights[n].dtype != self.rows[n].dtype for n in self.rows):
                 raise ConfigError(f"an expert arena's caches are its rows in order (arena_rows):"
                                   f" position {q}'s slots are not rows {start}.. of the arena")
-            self.starts.append(start)
             self._owner += [(q, s) for s in range(cache.slots)]
         total = next(iter(self.rows.values())).shape[0]
         if len(self._owner) != total:

@@ -203,11 +203,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     held = held_layers(spec, sorted(found), profile.source)
     auto, auto_said = _auto_slots(spec, hosts, found, on_gpu, vllm_config, profile.source,
                                   cached=len(found) - len(held))
-    arena = spec.layer_buffers == "slots"
-    if arena and spec.lend_slots:
-        raise ProfileError("experts.layer_buffers", "'slots' streams large steps through the "
-                           "slots' memory; lend_slots lends slots to a ring of layer buffers: "
-                           "set one of them", profile.source)
+    arena = streams_through_slots(spec, profile.source)
     cached = [i for i in sorted(found) if i not in held]  # held: the ring holds them (Note
     slots = {}                                             # [Small steps read the held layers])
     for i in sorted(found):
@@ -221,13 +217,12 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                               held=len(held), chosen=len(found))
     device = found[cached[0]][0].routed_experts.w13_weight.device
     rows, views = (arena_rows(hosts[cached[0]], [slots[i] for i in cached], device) if arena
-                   else (None, {}))
-    for n, i in enumerate(cached):
-        experts = found[i][0].routed_experts
+                   else (None, [None] * len(cached)))  # None: each cache allocates its own
+    for i, view in zip(cached, views):
         caches[i] = ExpertCache(hosts[i], slots[i], device,
                                 in_place_tokens=spec.in_place_tokens,
-                                whole_in_place=scales_across_rows(experts),
-                                rows=views[n] if arena else None)
+                                whole_in_place=scales_across_rows(found[i][0].routed_experts),
+                                rows=view)
     ring = None
     if spec.layer_buffers:
         stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
@@ -292,12 +287,29 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     return lane
 
 
+def streams_through_slots(spec, source: str | None) -> bool:
+    """Whether large steps stream through the slots' memory (``layer_buffers: slots``, Note
+    [Large steps stream through the slots]); refused beside ``lend_slots``, which lends slots
+    to a ring of layer buffers."""
+    if spec.layer_buffers != "slots":
+        return False
+    if spec.lend_slots:
+        raise ProfileError("experts.layer_buffers", "'slots' streams large steps through the "
+                           "slots' memory; lend_slots lends slots to a ring of layer buffers: "
+                           "set one of them", source)
+    return True
+
+
 def held_layers(spec, chosen: list[int], source: str | None) -> list[int]:
     """The chosen layers the layer ring holds for small steps (``decode_from_ring``, Note
     [Small steps read the held layers]): the first ``layer_buffers``; none when off."""
     if not spec.decode_from_ring:
         return []
-    if spec.layer_buffers == "slots" or not 0 < spec.layer_buffers < len(chosen):
+    if spec.layer_buffers == "slots":
+        raise ProfileError("experts.decode_from_ring", "holds layers in the ring's buffers; "
+                           "layer_buffers: slots has none (it streams large steps through the "
+                           "slots): set one of them", source)
+    if not 0 < spec.layer_buffers < len(chosen):
         raise ProfileError("experts.decode_from_ring", f"holds the first layer_buffers chosen "
                            f"layers in the ring and serves the rest from slots: it needs "
                            f"1 <= layer_buffers < the {len(chosen)} chosen layers, got "

@@ -37,6 +37,8 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"lookahead": "often"}, "experts.lookahead"),
     ({"in_place_tokens": -1}, "experts.in_place_tokens"),
     ({"decode_from_ring": "yes"}, "experts.decode_from_ring"),
+    ({"layer_buffers": "ring"}, "experts.layer_buffers"),
+    ({"layer_buffers": -1}, "experts.layer_buffers"),
 ])
 def test_bad_experts_sections_name_their_field(section, field):
     with pytest.raises(ProfileError) as err:
@@ -48,6 +50,7 @@ def test_bad_experts_sections_name_their_field(section, field):
     ({"decode_from_ring": True, "layer_buffers": 0}, "layer_buffers 0"),
     ({"decode_from_ring": True, "layer_buffers": 4}, "the 4 chosen layers, got layer_buffers 4"),
     ({"decode_from_ring": True, "lend_slots": True}, "set one of them"),
+    ({"decode_from_ring": True, "layer_buffers": "slots"}, "layer_buffers: slots has none"),
 ])
 def test_held_layers_that_cannot_be_held_are_refused_by_name(section, words):
     """``decode_from_ring`` (Note [Small steps read the held layers]) needs a ring smaller
@@ -333,3 +336,18 @@ def test_vllm_s_offloader_meeting_weights_quantized_at_load_gets_one_line(caplog
     (line,) = [r.getMessage() for r in caplog.records]
     assert "cannot take routed experts quantized at load (--quantization fp8" in line
     assert "serve an fp8 checkpoint" in line
+
+
+def test_slots_as_layer_buffers_round_trip_and_refuse_lend_slots():
+    """``layer_buffers: slots`` (Note [Large steps stream through the slots]) loads, dumps and
+    loads again as itself; beside ``lend_slots`` it is refused by name."""
+    from ringflow.integrations.vllm.experts import streams_through_slots
+    arena = load({"layer_buffers": "slots"})
+    assert arena.experts.layer_buffers == "slots"
+    assert Profile.from_mapping(arena.to_mapping(), vllm=True) == arena
+    assert streams_through_slots(arena.experts, None)
+    assert not streams_through_slots(load({}).experts, None)
+    with pytest.raises(ProfileError, match="lend_slots lends slots to a ring") as err:
+        streams_through_slots(load({"layer_buffers": "slots", "lend_slots": True}).experts,
+                              None)
+    assert err.value.field == "experts.layer_buffers"
