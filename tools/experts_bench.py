@@ -15,17 +15,17 @@ gets the same device memory for the experts: the lane's, 32 of 128 slots per lay
 ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 
 * ``resident``: every expert in device memory (the ceiling);
-* ``ringflow``: every layer's experts in pinned host memory (vLLM's UVA offloader loads them
-  there), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
+* ``ringflow``: every layer's experts in pinned host memory (ringflow puts them there as vLLM
+  builds the layers: no offload flags), the expert lane as shipped: steps under ``layer_tokens`` (1024) through the slot
   cache, larger ones through the layer ring (Note [Expert lane modes]);
 * ``ringflow-lend``: the lane whose large steps' tails lend the carried layers' slots to the
   next layer (``lend_slots: true``, Note [Ring lends the carried layers' slots]);
 * ``ringflow-held``: the lane whose ring holds its first two layers for decode steps too
   (``decode_from_ring: true``, Note [Small steps read the held layers]): those layers have no
   slots, the others ``held_slots(layers)`` each, the same device memory;
-* ``ringflow-arena``: the first ``layers - 2`` layers' experts in pinned host memory, the
-  last two resident (the prefetch offloader's layout at 4 layers), the lane over the first
-  with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
+* ``ringflow-arena``: all but two layers' experts in pinned host memory, layers 0 and
+  ``layers // 2`` resident (at 4 layers the prefetch offloader's layout: 1 and 3 offloaded),
+  the lane over the others with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
   windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
   through the slots]), the same device memory;
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
@@ -145,20 +145,21 @@ def expert_bytes(fp8: str | None = None) -> int:
     return EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
 
 
-def scale_bytes(fp8: str | None = None) -> int:
-    """One layer's weight scales (float32): per 128x128 block of ``w13`` [2 x 768, 2048] and
-    ``w2`` [2048, 768], or one per expert and weight (``w13``'s gate and up apart)."""
-    if fp8 == "block":
-        return 128 * 4 * (2 * 768 // 128 * 2048 // 128 + 2048 // 128 * 768 // 128)
-    return 128 * 4 * 3 if fp8 else 0
+def arena_layers(layers: int) -> list[int]:
+    """``ringflow-arena``'s layers: all but ``RING`` resident ones spread evenly (0 and
+    ``layers // 2``): at 4 layers 1 and 3, the prefetch offloader's layout, so each window's
+    fill has a resident layer's compute to hide behind."""
+    resident = {k * layers // RING for k in range(RING)}
+    return [i for i in range(layers) if i not in resident]
 
 
 def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     layer_gib = 128 * expert_bytes(fp8) / 2**30
     layer_mib = math.ceil((128 * expert_bytes(fp8) + 60 * 2**20) / 2**20)  # experts + attention
-    lane = {"moe_backend": "triton", "cpu_offload_gb": math.ceil(layers * layer_gib),
-            "cpu_offload_params": {"experts"}}
+    # no offload flags: ringflow puts the chosen layers' experts in pinned host memory as vLLM
+    # builds them (Note [Ringflow places the chosen experts])
+    lane = {"moe_backend": "triton"}
 
     def experts(name, **more):
         return {"ringflow": {"name": name, "experts": {"layers": "all", "slots": SLOTS,
@@ -174,15 +175,10 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
                                                                 lend_slots=True)},
         "ringflow-held": {**lane, "additional_config": experts(
             "experts-bench-held", decode_from_ring=True, slots=held_slots(layers))},
-        # vLLM's UVA offloader takes the first layers' experts to host memory, each
-        # parameter whole while its count is under cpu_offload_gb: the chosen layers' exact
-        # bytes, scales included, so it stops right after them
-        "ringflow-arena": {**lane, "cpu_offload_gb": (layers - RING) * (
-            128 * expert_bytes(fp8) + scale_bytes(fp8)) / 2**30,
-                           "additional_config": {"ringflow": {
-                               "name": "experts-bench-arena", "experts": {
-                                   "layers": list(range(layers - RING)),
-                                   "slots": held_slots(layers), "layer_buffers": "slots"}}}},
+        "ringflow-arena": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-arena", "experts": {
+                "layers": arena_layers(layers), "slots": held_slots(layers),
+                "layer_buffers": "slots"}}}},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",

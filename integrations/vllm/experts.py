@@ -6,11 +6,12 @@ Note [Experts in vLLM]
     method's kernel over all of the layer's experts. For each chosen layer ringflow:
 
     1. finds the layer's routed experts in host memory:
-       * on a GPU, where vLLM's UVA offloader put them (``--cpu-offload-gb G
-         --cpu-offload-params experts``): vLLM loads them straight into pinned host memory
-         and keeps a CUDA view of it as the parameter, so the experts never occupy device
-         memory, and the fetch kernel reads that view as it is (Note [Device-indexed expert
-         fetch]); a layer whose experts are in device memory is refused with the flags;
+       * on a GPU, where ringflow put them as vLLM built the layer (Note [Ringflow places
+         the chosen experts], ``expert_placement.py``; vLLM's UVA offloader, ``--cpu-offload-gb
+         G --cpu-offload-params experts``, still may): vLLM loads them straight into pinned
+         host memory and keeps a CUDA view of it as the parameter, so the experts never
+         occupy device memory, and the fetch kernel reads that view as it is (Note
+         [Device-indexed expert fetch]);
        * on vLLM's CPU build, as a copy taken while vLLM loads the model, just before the
          quant method processes them (``process_weights_after_loading``: vLLM-CPU repacks
          them there into its grouped-GEMM layout, which no cache slot could hold);
@@ -50,7 +51,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -179,20 +179,16 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                            f"(no MoE); list MoE layers (this model's: {moe}), or 'all'",
                            profile.source)
     on_gpu = any(r.routed_experts.w13_weight.is_cuda for (r,) in found.values())
-    if on_gpu:
-        need = sum(_store_bytes(r.routed_experts) for (r,) in found.values())
-        offload = (f"start vLLM with --cpu-offload-gb {math.ceil(need / 2**30)} "
-                   f"--cpu-offload-params experts (its UVA offloader then loads the chosen "
-                   f"layers' experts, {need / 2**30:.1f} GiB, into pinned host memory; on "
-                   f"vLLM 0.26 also VLLM_USE_V2_MODEL_RUNNER=0: its V2 runner makes no "
-                   f"offloader)")
+    offload = ("ringflow puts the chosen layers' experts in pinned host memory as vLLM "
+               "builds the decoder stack it hands its offloader (make_layers), and did not "
+               "see this one built there; drop the layer from experts.layers")
     caches: dict[int, ExpertCache] = {}
     modules: dict[int, object] = {}
     computes: dict[int, object] = {}
     hosts: dict[int, dict] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
-        check_layer(i, runner, experts, offload if on_gpu else None)
+        check_layer(i, runner, experts, offload)
         host = copies.get(id(experts)) if not on_gpu else expert_tensors(experts)
         if host is None:
             raise UnsupportedModelError(f"experts: layer {i}'s routed experts were not seen "
@@ -411,10 +407,6 @@ def _may_fork() -> bool:
                  "are guessed (unless they need several passes)" if may else
                  "are not guessed: a piecewise graph would end between the fork and its join")
     return may
-
-
-def _store_bytes(experts) -> int:
-    return sum(t.numel() * t.element_size() for t in (experts.w13_weight, experts.w2_weight))
 
 
 def expert_tensors(experts) -> dict[str, torch.Tensor]:

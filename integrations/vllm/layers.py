@@ -16,25 +16,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from torch import nn
 
 from ringflow.errors import UnsupportedModelError
 from ringflow.integrations.vllm.state import PluginState
 
-# the stacks recorded during the current model load (None: not loading). A dynamic extent (the
-# worker's load_model), not process state: it lives in a ContextVar of its own, set and reset by
+
+
+@dataclass
+class _Load:
+    """One model load's recording: the stacks, and who is told of each as it is built."""
+    stacks: list[list[nn.Module]]
+    on_stack: tuple[Callable[[list[nn.Module]], None], ...]
+
+
+# the current model load's recording (None: not loading). A dynamic extent (the worker's
+# load_model), not process state: it lives in a ContextVar of its own, set and reset by
 # recording(), so it cannot outlive the load that set it (record_stack ignores the plugin state)
-_recording: contextvars.ContextVar[list[list[nn.Module]] | None] = \
+_recording: contextvars.ContextVar[_Load | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
 
 
 def record_stack(state: PluginState, original, offloader, modules_generator, *args, **kwargs):
-    """The hook on an offloader's ``wrap_modules``: record the stack it was handed (when a
-    model load is recording), then let it wrap them as usual."""
-    stacks = _recording.get()
-    if stacks is None:
+    """The hook on an offloader's ``wrap_modules``: let it wrap the stack it was handed as
+    usual, then (when a model load is recording) record the stack and tell each of the
+    load's ``on_stack`` callbacks of it, before vLLM loads its weights."""
+    load = _recording.get()
+    if load is None:
         return original(offloader, modules_generator, *args, **kwargs)
     token = _recording.set(None)  # an offloader calling its parent's wrap_modules: one record
     try:
@@ -42,19 +53,30 @@ def record_stack(state: PluginState, original, offloader, modules_generator, *ar
     finally:
         _recording.reset(token)
     if not (args or kwargs.get("prefix")):  # with a prefix: a vision tower, not make_layers
-        stacks.append(list(result))
+        stack = list(result)
+        for told in load.on_stack:
+            told(stack)
+        load.stacks.append(stack)
     return result
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[list[nn.Module]]]:
-    """Collects the layer stacks ``make_layers`` builds inside the block (one model load)."""
-    stacks: list[list[nn.Module]] = []
-    token = _recording.set(stacks)
+def recording(*on_stack: Callable[[list[nn.Module]], None]) -> Iterator[list[list[nn.Module]]]:
+    """Collects the layer stacks ``make_layers`` builds inside the block (one model load),
+    calling each of ``on_stack`` with every stack as it is built (its weights not yet loaded:
+    Note [Ringflow places the chosen experts])."""
+    load = _Load([], on_stack)
+    token = _recording.set(load)
     try:
-        yield stacks
+        yield load.stacks
     finally:
         _recording.reset(token)
+
+
+def stage_layers(stack: list[nn.Module]) -> list[nn.Module]:
+    """A recorded stack's layers on this pipeline stage (vLLM fills the other stages' places
+    with ``PPMissingLayer``): what profiles index."""
+    return [layer for layer in stack if type(layer).__name__ != "PPMissingLayer"]
 
 
 def decoder_layers(model: nn.Module, stacks: list[list[nn.Module]]) -> list[nn.Module]:
@@ -83,4 +105,4 @@ def decoder_layers(model: nn.Module, stacks: list[list[nn.Module]]) -> list[nn.M
             f"{name} has {len(mine)} layer stacks built by make_layers ({sizes} layers); "
             f"ringflow cannot tell which is the decoder: weight streaming does not support this "
             f"model (remove the offload section)")
-    return [layer for layer in mine[0] if type(layer).__name__ != "PPMissingLayer"]
+    return stage_layers(mine[0])

@@ -129,6 +129,11 @@ SURFACES: tuple[Surface, ...] = (
             "experts to host memory before vLLM processes (on CPU: repacks) them",
             hook="ringflow.integrations.vllm.experts:before_processing",
             params=("self", "layer")),
+    Surface("vllm.utils.torch_utils", "get_accelerator_view_from_cpu_tensor", "read",
+            "experts", "read: the CUDA view of the pinned host memory ringflow gives the chosen "
+            "layers' routed experts as vLLM builds them, marked _vllm_is_uva_offloaded as vLLM's "
+            "UVA offloader marks its own (Note [Ringflow places the chosen experts])",
+            params=("cpu_tensor",)),
     Surface("vllm.model_executor.layers.fused_moe.routed_experts",
             "RoutedExperts.forward_modular", "instance", "experts",
             "replaced on each chosen layer's routed experts: the expert cache installs the "

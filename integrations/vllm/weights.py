@@ -32,6 +32,7 @@ from ringflow.integrations.torch import layer_ops
 from ringflow.integrations.torch.weight_stream import WeightStreamer
 from ringflow.integrations.vllm import (compat, experts, frontend, graph_mode, layers, memory,
                                         startup_errors, surfaces)
+from ringflow.integrations.vllm.expert_placement import HostPlacement, check_placed
 from ringflow.integrations.vllm.state import PluginState, dump_rank
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
@@ -61,7 +62,9 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         log.info("RINGFLOW_LAYER_OPS_ONLY=1: profile '%s''s offload section is not streamed "
                  "(the layer ops run with nothing moved, as the switch says)", profile.name)
     wants_experts = profile is not None and profile.experts is not None
-    with state.loading_with_plain_weights(streaming or plain), layers.recording() as stacks, \
+    placement = HostPlacement(state, profile) if wants_experts else None
+    with state.loading_with_plain_weights(streaming or plain), \
+            layers.recording(*([placement] if placement else [])) as stacks, \
             experts.taking_host_copies(wants_experts) as expert_copies:
         try:
             result = original(worker, *args, **kwargs)
@@ -69,12 +72,15 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
             if wants_experts:
                 experts.explain_load_failure(worker.vllm_config, exc)
             raise
+        except RingflowError as exc:  # the placement refused a layer as vLLM built it
+            startup_errors.fail(exc)
     try:
         if wants_experts:
             model = worker.model_runner.get_model()
+            decoder = layers.decoder_layers(model, stacks)
+            check_placed(placement, decoder)
             state.expert_lanes[model] = experts.enable(
-                state, profile, layers.decoder_layers(model, stacks), expert_copies,
-                worker.vllm_config)
+                state, profile, decoder, expert_copies, worker.vllm_config)
         if streaming:
             _enable(state, worker, profile, stacks)
         elif layer_ops_only:

@@ -102,22 +102,25 @@ def test_the_uva_offloader_keeps_on_the_device_what_the_lane_keeps(layers, fp8):
     gb = bench.configs(layers, fp8)["vllm-uva"]["cpu_offload_gb"]
     offloaded = uva_offloaded_layers(layers, gb, bench.expert_bytes(fp8))
     assert offloaded == pytest.approx(layers - bench.device_layers(layers))
-    lane = bench.configs(layers, fp8)["ringflow"]["cpu_offload_gb"]
-    assert uva_offloaded_layers(layers, lane, bench.expert_bytes(fp8)) == layers
+    for name in bench.LANES:  # ringflow puts its layers' experts in host memory itself
+        assert "cpu_offload_gb" not in bench.configs(layers, fp8)[name], name
 
 
 @pytest.mark.parametrize("layers", [4, 8])
 def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(layers):
-    """``ringflow-arena``: vLLM's UVA offloader moves exactly the chosen (first) layers'
-    experts to host memory, so the last two stay resident, and those two with the slots hold
-    no more than every peer's memory; the slots hold at least one whole layer (a window)."""
+    """``ringflow-arena``: ringflow moves the chosen layers' experts to host memory (all but
+    layers 0 and ``layers // 2``: at 4 layers 1 and 3, as the prefetch offloader's layout), so
+    two stay resident, and those two with the slots hold no more than every peer's memory;
+    the slots hold at least one whole layer (a window)."""
     bench = _bench()
     config = bench.configs(layers)["ringflow-arena"]
     section = config["additional_config"]["ringflow"]["experts"]
-    assert section["layer_buffers"] == "slots"
-    assert section["layers"] == list(range(layers - bench.RING))
-    assert uva_offloaded_layers(layers, config["cpu_offload_gb"],
-                                bench.expert_bytes()) == layers - bench.RING
+    assert section["layer_buffers"] == "slots" and "cpu_offload_gb" not in config
+    resident = [i for i in range(layers) if i not in section["layers"]]
+    assert resident == [0, layers // 2] and len(section["layers"]) == layers - bench.RING
+    if layers == 4:
+        group, num, _ = bench.prefetch_layout(layers, bench.device_layers(layers))
+        assert section["layers"] == [i for i in range(layers) if i % group >= group - num]
     chosen = layers - bench.RING
     assert chosen * section["slots"] >= 128
     assert chosen * section["slots"] / 128 + bench.RING <= bench.device_layers(layers)

@@ -142,14 +142,15 @@ def test_layers_the_lane_cannot_compute_are_refused_by_name(change, words):
 
 
 @pytest.mark.parametrize("in_host, kernel, words", [
-    (False, "TritonExperts", "device memory: start vLLM with --cpu-offload-gb"),
+    (False, "TritonExperts", "device memory: ringflow puts the chosen layers' experts"),
     (True, "FlashInferExperts", "FlashInferExperts, which ignores an expert map: start vLLM "
                                 "with --moe-backend triton"),
 ])
 def test_gpu_layers_need_their_experts_in_host_memory_and_a_kernel_that_maps(
         monkeypatch, in_host, kernel, words):
-    """On a GPU (Note [Experts in vLLM]): the experts must be where vLLM's UVA offloader puts
-    them, and the kernel must honour expert_map; each refusal says which flag to pass."""
+    """On a GPU (Note [Experts in vLLM]): the experts must be in host memory (where ringflow
+    or vLLM's UVA offloader put them), and the kernel must honour expert_map; each refusal
+    says what to change."""
     from ringflow.errors import UnsupportedModelError
     from ringflow.integrations.vllm import experts as lane
     monkeypatch.setattr(lane, "_in_host_memory", lambda t: t.host)
@@ -162,7 +163,8 @@ def test_gpu_layers_need_their_experts_in_host_memory_and_a_kernel_that_maps(
                                moe_config=SimpleNamespace(), quant_method=method,
                                global_num_experts=16, local_num_experts=16,
                                layer_name="model.layers.2.mlp", w13_weight=w, w2_weight=w)
-    flags = "start vLLM with --cpu-offload-gb 3 --cpu-offload-params experts"
+    flags = ("ringflow puts the chosen layers' experts in pinned host memory as vLLM builds "
+             "them, and did not see this one built there")
     lane.check_layer(2, SimpleNamespace(), layer(True, "TritonExperts"), flags)  # taken
     with pytest.raises(UnsupportedModelError, match=words):
         lane.check_layer(2, SimpleNamespace(), layer(in_host, kernel), flags)

@@ -57,7 +57,7 @@ LAYERS = {
         ".layers", ".memory", ".metadata", ".graph_mode", ".startup_errors", ".weights",
         ".mla_check", ".dcp", ".context_recording", ".context_ring", ".context_session",
         ".context_hooks", ".context_attach", ".attention", ".expert_kernel", ".expert_host",
-        ".experts")],
+        ".experts", ".expert_placement")],
         "vllm"),
     "ringflow.integrations.vllm.plugin": "plugin",
     # test helpers users can reuse, then measurement

@@ -21,7 +21,9 @@ vLLM's default FULL_AND_PIECEWISE graphs:
 * ``arena-64-sampled`` / ``arena-all-64``: ``layer_buffers: slots``: the large steps compute
   each chosen layer from a window of the slots' own rows, through an expert map (Note [Large
   steps stream through the slots]): layers 0 and 1 on 64 slots (one window), or all four
-  (two windows);
+  (two windows); ``arena-placed-13``: layers 1 and 3, with no offload flags: ringflow puts
+  their experts in host memory as vLLM builds them (Note [Ringflow places the chosen
+  experts]);
 * fp8 experts (Note [fp8 experts]): an fp8 checkpoint in 128x128 blocks (``qwen3_moe128_fp8``,
   the layout of Qwen3-30B-A3B-FP8 and DeepSeek-V3) through the cache, the ring and passes, bit
   for bit its all-resident run; an fp8 checkpoint with one scale per matrix
@@ -30,8 +32,9 @@ vLLM's default FULL_AND_PIECEWISE graphs:
   store, bit for bit (Note [fp8 experts]). vLLM 0.26's UVA offloader cannot take weights quantized at load
   (``quantization="fp8"`` creates them on the meta device): that start ends on vLLM's error
   and ringflow's line naming it;
-* a refusal: experts left in device memory (the line names the flags). Other quantized
-  formats are refused by name (tests/unit/test_experts_profile.py).
+* a refusal: vLLM's prefetch offloader holding chosen layers' experts (the line names the
+  layer and the fix). Other quantized formats are refused by name
+  (tests/unit/test_experts_profile.py).
 
 vLLM 0.26's V2 model runner makes no offloader, so these engines run its V1 runner.
 
@@ -55,7 +58,8 @@ if importlib.util.find_spec("vllm") is None:
 MODES = ("eager", "default")
 MOE = "qwen3_moe128"
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # vLLM 0.26's V2 runner makes no offloader (0.33 does)
-UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], "moe_backend": "triton"}
+TRITON = {"moe_backend": "triton"}
+UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], **TRITON}
 SAMPLED = 1.0  # temperature of the sampled cases (seeded per request)
 
 
@@ -89,6 +93,11 @@ ARENA_LANES = {
     "arena-64-sampled": ({"slots": 64, "layer_tokens": 8, "layers": [0, 1],
                           "layer_buffers": "slots"}, True),
     "arena-all-64": ({"slots": 64, "layer_tokens": 8, "layer_buffers": "slots"}, False),
+    # no offload flags: ringflow puts layers 1 and 3's experts in host memory as vLLM builds
+    # them (Note [Ringflow places the chosen experts]); layers 0 and 2 resident, the prefetch
+    # offloader's layout
+    "arena-placed-13": ({"slots": 64, "layer_tokens": 8, "layers": [1, 3],
+                         "layer_buffers": "slots", "engine": TRITON}, True),
 }
 
 
@@ -136,12 +145,12 @@ def mode_cases(mode, lanes=LANES):
              {"name": f"{mode}/resident-sampled", **base, "engine": {"moe_backend": "triton"},
               "temperature": SAMPLED}]
     for name, (section, sampled) in lanes.items():
-        slots = section.pop("slots")
-        cases.append({"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
+        section = dict(section)
+        slots, engine = section.pop("slots"), section.pop("engine", UVA)
+        cases.append({"name": f"{mode}/{name}", **base, "engine": engine, "env": POISON,
                       "additional_config": lane(slots, **section),
                       **({"temperature": SAMPLED} if sampled else {}),
                       **({"repeat": True} if name == "lane-32" else {})})
-        section["slots"] = slots
     return cases
 
 
@@ -176,10 +185,14 @@ def host_cases(mode):
         for name, section in HOST_LANES.items()]
 
 
-REFUSALS = [
-    {"name": "refused/device-memory", "model": MOE, "mode": "eager",
-     "engine": {"moe_backend": "triton"}, "additional_config": lane(3)},
-    # not a refusal: slots sized from vLLM's memory budget, in the same (eager) process
+#: vLLM's prefetch offloader on every other layer's experts (layers 1 and 3)
+PREFETCH = {"offload_backend": "prefetch", "offload_group_size": 2, "offload_num_in_group": 1,
+            "offload_prefetch_step": 1, "offload_params": ["experts"], **TRITON}
+#: a process of its own, so that ``pytest -k prefetch_offloader`` starts only it
+PREFETCH_REFUSAL = [{"name": "refused/prefetch-offloader", "model": MOE, "mode": "eager",
+                     "engine": PREFETCH, "additional_config": lane(32)}]
+AUTO = [
+    # slots sized from vLLM's memory budget
     {"name": "auto/eager", "model": MOE, "mode": "eager", "max_tokens": 12, "serial": True,
      "long_prompt": True, "engine": UVA, "env": POISON, "additional_config": lane("auto")},
 ]
@@ -189,8 +202,13 @@ REFUSALS = [
 def runs():
     started = [run(mode_cases(mode), f"experts-{mode}", env=V1) for mode in MODES]
     started += [run(fp8_cases(mode), f"experts-fp8-{mode}", env=V1) for mode in MODES]
-    started.append(run(REFUSALS, "experts-refusals", env=V1))
+    started.append(run(AUTO, "experts-auto", env=V1))
     return collect(started)
+
+
+@pytest.fixture(scope="module")
+def prefetch_refusal():
+    return collect([run(PREFETCH_REFUSAL, "experts-prefetch-refusal", env=V1)])
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +219,11 @@ def arena_runs():
 
 @pytest.fixture(scope="module")
 def host_runs():
-    return collect([run(host_cases(mode), f"experts-host-{mode}", env=V1) for mode in MODES])
+    """With DeepGEMM's power-of-two activation scales (vLLM's default on Hopper and later) the
+    host's block-fp8 rows are refused (``host_rows_unlike_vllms``): these processes turn them off,
+    for the all-resident controls too."""
+    env = {**V1, "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    return collect([run(host_cases(mode), f"experts-host-{mode}", env=env) for mode in MODES])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -267,6 +289,11 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
     said = [line for line in got["log"] if line.startswith("experts: layers")
             and "are not in experts.layers" not in line]  # (layers vLLM's offloader took)
     assert len(said) == 1, got["log"]
+    placed = [line for line in got["log"] if line.startswith("experts: ringflow put layers")]
+    if section.get("engine") is TRITON:  # no offload flags: ringflow placed every chosen layer
+        assert len(placed) == 1 and f"layers {section['layers']}'s" in placed[0], got["log"]
+    else:  # vLLM's UVA offloader took every layer (1 GiB): nothing left to place
+        assert not placed, got["log"]
 
 
 def gap_until_divergence(got, want) -> tuple[float, int]:
@@ -336,13 +363,21 @@ def test_auto_slots_take_a_share_of_vllms_budget_and_give_the_resident_bits(runs
     assert max_logprob_diff(got, want) == 0.0
 
 
-@pytest.mark.parametrize("name, words", [
-    ("refused/device-memory", "--cpu-offload-gb 1 --cpu-offload-params experts"),
-    ("refused/fp8-at-load", "quantized at load"),
-])
-def test_layers_the_gpu_lane_cannot_serve_stop_the_start_with_the_fix(runs, name, words):
-    said = [runs[name].get("error", "")] + runs[name].get("log", [])
-    assert any(words in line for line in said), runs[name]
+def test_layers_quantized_at_load_stop_the_start_with_the_fix(runs):
+    said = [runs["refused/fp8-at-load"].get("error", "")] + runs["refused/fp8-at-load"].get(
+        "log", [])
+    assert any("quantized at load" in line for line in said), runs["refused/fp8-at-load"]
+
+
+def test_vllms_prefetch_offloader_on_chosen_layers_stops_the_start_with_the_fix(
+        prefetch_refusal):
+    """vLLM's prefetch offloader took layers 1 and 3's experts (every other layer): ringflow
+    would serve them itself (Note [Ringflow places the chosen experts]), so the start stops
+    with one line naming the first and the fix."""
+    got = prefetch_refusal["refused/prefetch-offloader"]
+    said = [got.get("error", "")] + got.get("log", [])
+    assert any("layer 1's routed experts (w13_weight) are on cpu, where vLLM's prefetch "
+               "offloader" in line and "--offload-params" in line for line in said), got
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,0 +1,175 @@
+"""ringflow puts the chosen layers' routed experts in host memory as vLLM builds them (Note
+[Ringflow places the chosen experts]): which parameters move, what is refused, and the hook on
+vLLM's offloader that tells it of each stack. On the CPU the move is a stand-in (a copy); the
+pinned memory and vLLM's CUDA view run in the GPU engine tests."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ringflow.errors import ProfileError, UnsupportedModelError
+from ringflow.integrations.vllm import layers
+from ringflow.integrations.vllm.expert_placement import HostPlacement, check_placed, to_place
+from ringflow.integrations.vllm.state import PluginState
+from ringflow.orchestrator.profile import Profile
+
+
+class RoutedExperts(nn.Module):  # the class name is what moe_runners_of looks for
+    def __init__(self, seed: int, scales: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w13_weight = nn.Parameter(torch.randn(4, 6, 3, generator=g), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.randn(4, 3, 3, generator=g), requires_grad=False)
+        if scales:  # vLLM's fp8 scales start at one before the checkpoint loads
+            self.w13_weight_scale = nn.Parameter(torch.ones(4), requires_grad=False)
+
+
+class Runner(nn.Module):
+    def __init__(self, seed: int, scales: bool = False):
+        super().__init__()
+        self.routed_experts = RoutedExperts(seed, scales)
+        self.gate = nn.Linear(3, 4)
+
+
+class Decoder(nn.Module):
+    def __init__(self, seed: int, moe: bool = True, scales: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(3)
+        self.mlp = Runner(seed, scales) if moe else nn.Linear(3, 3)
+
+
+class PPMissingLayer(nn.Module):  # vLLM's place-holder for another pipeline stage's layer
+    pass
+
+
+def profile(layers="all"):
+    return Profile.from_mapping({"experts": {"layers": layers, "slots": 2}}, vllm=True)
+
+
+def moved(data):
+    """The stand-in for pinned memory and vLLM's view: a copy in new memory."""
+    return data.clone()
+
+
+def expert_params(layer):
+    return dict(layer.mlp.routed_experts.named_parameters())
+
+
+def test_the_chosen_layers_experts_move_with_their_values_and_vllms_mark(caplog):
+    stack = [Decoder(0), Decoder(1, moe=False), Decoder(2, scales=True), Decoder(3)]
+    before = {i: {n: (p.data_ptr(), p.detach().clone()) for n, p in expert_params(layer).items()}
+              for i, layer in enumerate(stack) if i != 1}
+    others = [p.data_ptr() for layer in stack for n, p in layer.named_parameters()
+              if "routed_experts" not in n]
+    placement = HostPlacement(PluginState(), profile([0, 2]), move=moved)
+    with caplog.at_level(logging.INFO, logger="ringflow"):
+        placement(stack)
+    assert placement.layers == [0, 2] and placement.stack == stack
+    for i, layer in enumerate(stack):
+        if i == 1:
+            continue
+        for name, p in expert_params(layer).items():
+            ptr, value = before[i][name]
+            assert torch.equal(p.detach(), value)  # the values it held (scales at one)
+            placed = i in (0, 2)
+            assert (p.data_ptr() != ptr) == placed, (i, name)
+            assert getattr(p, "_vllm_is_uva_offloaded", False) == placed, (i, name)
+    assert "w13_weight_scale" in expert_params(stack[2])  # scales move with their weights
+    assert [p.data_ptr() for layer in stack for n, p in layer.named_parameters()
+            if "routed_experts" not in n] == others  # nothing else moves
+    [line] = [r.getMessage() for r in caplog.records if "pinned host memory" in r.getMessage()]
+    assert line.startswith("experts: ringflow put layers [0, 2]'s routed experts")
+
+
+def test_indices_are_this_stages_layers_and_patterns_pick_as_the_lane_does():
+    stack = [PPMissingLayer(), Decoder(0), Decoder(1), Decoder(2), Decoder(3)]
+    placement = HostPlacement(PluginState(), profile({"every": 2, "last": 1}), move=moved)
+    placement(stack)
+    assert placement.layers == [1, 3] and placement.stack == stack[1:]
+    flagged = [i for i, layer in enumerate(stack[1:])
+               if getattr(layer.mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded", False)]
+    assert flagged == [1, 3]
+
+
+def test_parameters_vllms_uva_offloader_took_stay_where_it_put_them():
+    stack = [Decoder(0), Decoder(1)]
+    taken = stack[0].mlp.routed_experts.w13_weight
+    taken._vllm_is_uva_offloaded = True
+    ptr = taken.data_ptr()
+    found = to_place(stack, profile().experts, None, "cpu")
+    assert sorted(found) == [0, 1] and all(p is not taken for p in found[0])
+    assert len(found[0]) == 1 and len(found[1]) == 2
+    HostPlacement(PluginState(), profile(), move=moved)(stack)
+    assert taken.data_ptr() == ptr
+
+
+def test_experts_quantized_at_load_are_refused_by_name():
+    stack = [Decoder(0), Decoder(1)]
+    with torch.device("meta"):
+        stack[1].mlp.routed_experts.w2_weight = nn.Parameter(torch.empty(4, 3, 3),
+                                                             requires_grad=False)
+    with pytest.raises(UnsupportedModelError, match=r"layer 1's routed experts \(w2_weight\) "
+                                                    r"are quantized as vLLM loads them"):
+        HostPlacement(PluginState(), profile(), move=moved)(stack)
+    HostPlacement(PluginState(), profile([0]), move=moved)(stack)  # layer 1 not chosen: fine
+
+
+def test_experts_another_offloader_keeps_elsewhere_are_refused_with_the_fix():
+    """On a GPU, a chosen layer's experts on the CPU were taken by vLLM's prefetch offloader:
+    here the 'device' is the meta device, the experts are on the CPU."""
+    stack = [Decoder(0), Decoder(1)]
+    with pytest.raises(UnsupportedModelError, match="vLLM's prefetch offloader .* leave "
+                                                    "experts out of --offload-params"):
+        to_place(stack, profile().experts, None, "meta")
+
+
+def test_a_listed_layer_that_does_not_exist_is_the_profiles_error():
+    with pytest.raises(ProfileError, match=r"layers \[7\] do not exist"):
+        HostPlacement(PluginState(), profile([7]), move=moved)([Decoder(0), Decoder(1)])
+
+
+def test_only_the_first_moe_stack_is_placed_and_the_lane_must_be_its_decoder():
+    target, draft = [Decoder(0), Decoder(1)], [Decoder(5)]
+    placement = HostPlacement(PluginState(), profile(), move=moved)
+    placement([nn.Linear(2, 2)])  # a stack without MoE (a dense drafter's): not the one
+    placement(target)
+    placement(draft)
+    assert placement.stack == target and placement.layers == [0, 1]
+    assert not hasattr(draft[0].mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded")
+    check_placed(placement, target)
+    check_placed(None, draft)  # nothing placed: nothing to check
+    with pytest.raises(UnsupportedModelError, match="not this model's decoder"):
+        check_placed(placement, draft)
+
+
+def test_on_vllms_cpu_build_nothing_moves():
+    stack = [Decoder(0), Decoder(1)]
+    ptr = stack[0].mlp.routed_experts.w13_weight.data_ptr()
+    placement = HostPlacement(PluginState(), profile())  # vLLM's own move; every param on CPU
+    placement(stack)
+    assert placement.layers == [] and stack[0].mlp.routed_experts.w13_weight.data_ptr() == ptr
+    check_placed(placement, [Decoder(3)])  # nothing placed: any decoder
+
+
+class Offloader:
+    def wrap_modules(self, modules_generator, prefix=""):
+        return [m for m in modules_generator]
+
+
+def test_the_offloader_hook_tells_the_load_of_each_stack_before_its_weights_load():
+    """``record_stack`` (the hook on ``BaseOffloader.wrap_modules``): each make_layers stack
+    reaches the load's callbacks as the offloader returns it; a vision tower's (built with a
+    prefix) does not, and outside a load nothing is told."""
+    seen = []
+    original = Offloader.wrap_modules
+    state, offloader = PluginState(), Offloader()
+    built = [Decoder(0), Decoder(1)]
+    layers.record_stack(state, original, offloader, iter(built))  # not loading: nobody told
+    with layers.recording(seen.append) as stacks:
+        got = layers.record_stack(state, original, offloader, (m for m in built))
+        layers.record_stack(state, original, offloader, iter([Decoder(9)]), prefix="vision")
+    assert got == built and stacks == [built] and seen == [built]
