@@ -126,6 +126,17 @@ class OffloadSpec:
                 "synchronous": self.synchronous, "cross_forward": self.cross_forward}
 
 
+def picks(layers: str | frozenset[int] | tuple[int, int], index: int) -> bool:
+    """Whether a layer pattern picks layer ``index`` (of a stack whose length may not be known
+    yet: :func:`resolve_layers` checks the indices against it)."""
+    if layers == "all":
+        return True
+    if isinstance(layers, tuple):
+        every, last = layers
+        return index % every >= every - last
+    return index in layers
+
+
 def resolve_layers(name: str, layers: str | frozenset[int] | tuple[int, int], count: int,
                    source: str | None) -> list[int]:
     """The indices a layer pattern (``'all'``, a set, or ``(every, last)``) picks of ``count``
@@ -138,7 +149,7 @@ def resolve_layers(name: str, layers: str | frozenset[int] | tuple[int, int], co
         return list(range(count))
     if isinstance(layers, tuple):
         every, last = layers
-        chosen = [i for i in range(count) if i % every >= every - last]
+        chosen = [i for i in range(count) if picks(layers, i)]
         if not chosen:
             raise ProfileError(name, f"{{every: {every}, last: {last}}} selects no layer of a "
                                f"model with {count} decoder layers (0..{count - 1}); accepted: "

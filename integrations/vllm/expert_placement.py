@@ -9,16 +9,21 @@ Note [Ringflow places the chosen experts]
     (its V2 runner makes no offloader).
 
     ringflow now does what that offloader does, for the layers the profile chose:
-    ``make_layers`` hands every freshly built (not yet loaded) decoder stack to the process's
-    offloader (``BaseOffloader.wrap_modules``, where :mod:`layers` records it). Right after
-    the offloader wrapped the stack, :class:`HostPlacement` gives each parameter of a chosen
-    layer's ``RoutedExperts`` (weights and, for fp8, their scales) pinned host memory of its
-    own, copies what the parameter held (scales start at one), and sets ``p.data`` to vLLM's
-    CUDA view of it (``get_accelerator_view_from_cpu_tensor``) with vLLM's own mark
-    ``_vllm_is_uva_offloaded``. vLLM then loads the checkpoint through that view, and its
-    ``device_loading_context`` re-offloads a marked parameter that weight processing replaced
-    (fp8), exactly as for its UVA offloader. The experts never occupy device memory, so a
-    model larger than the GPU loads, and vLLM sizes its KV cache without them.
+    ``make_layers`` hands a generator of freshly built (not yet loaded) decoder layers to the
+    process's offloader (``BaseOffloader.wrap_modules``, where :mod:`layers` records the
+    stack). Without offload flags that is vLLM's no-op offloader, which builds the whole stack
+    before it returns; so :class:`HostPlacement` is told of each layer as the generator yields
+    it, before the next one is built (``StackWatcher.built``), and gives each parameter of a
+    chosen layer's ``RoutedExperts`` (weights and, for fp8, their scales) pinned host memory of
+    its own, copies what the parameter held (scales start at one), and sets ``p.data`` to
+    vLLM's CUDA view of it (``get_accelerator_view_from_cpu_tensor``) with vLLM's own mark
+    ``_vllm_is_uva_offloaded``. At most one layer's experts are then in device memory at a
+    time, as under vLLM's UVA offloader. Under another offloader (UVA, prefetch), which may take
+    parameters itself, the chosen layers move once it returned the stack (``wrapped``), so
+    until then the stack's chosen experts it left are in device memory. vLLM then loads the
+    checkpoint through the views, and its ``device_loading_context`` re-offloads a marked
+    parameter that weight processing replaced (fp8), exactly as for its UVA offloader; vLLM
+    sizes its KV cache without the experts.
 
     * A parameter vLLM's UVA offloader already took (the flags above, still accepted) stays
       as it is.
@@ -42,9 +47,9 @@ import torch
 from ringflow.errors import UnsupportedModelError
 from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.experts import moe_runners_of
-from ringflow.integrations.vllm.layers import stage_layers
+from ringflow.integrations.vllm.layers import StackWatcher, stage_layers
 from ringflow.integrations.vllm.state import PluginState
-from ringflow.orchestrator.sections import resolve_layers
+from ringflow.orchestrator.sections import picks, resolve_layers
 from ringflow.units import mib
 
 log = logging.getLogger("ringflow")
@@ -52,17 +57,23 @@ log = logging.getLogger("ringflow")
 _VIEW = "vllm.utils.torch_utils.get_accelerator_view_from_cpu_tensor"
 
 
-def to_place(stack: list, spec, source: str | None, device: str) -> dict[int, list]:
+def to_place(stack: list, spec, source: str | None, device: str,
+             only: int | None = None) -> dict[int, list]:
     """The parameters of ``stack``'s chosen layers (``spec.layers``, indices of this stage's
-    layers) that are in ``device`` memory and must move to host memory, per layer: each
-    chosen MoE layer's ``RoutedExperts`` parameters, less those vLLM's UVA offloader took.
-    A chosen index without MoE is left to the lane's own refusal (``experts.enable``).
+    layers; ``only``: layer ``only`` alone, ``stack`` being the layers built so far) that are
+    in ``device`` memory and must move to host memory, per layer: each chosen MoE layer's
+    ``RoutedExperts`` parameters, less those vLLM's UVA offloader took. A chosen index without
+    MoE is left to the lane's own refusal (``experts.enable``).
 
     Raises:
+        ProfileError: a listed layer does not exist (checked on the whole stack only).
         UnsupportedModelError: a chosen layer's experts are on the meta device (quantized at
-            load) or in host memory vLLM's prefetch offloader manages.
+            load) or in host memory another offloader manages.
     """
-    chosen = resolve_layers("experts.layers", spec.layers, len(stack), source)
+    if only is None:
+        chosen = resolve_layers("experts.layers", spec.layers, len(stack), source)
+    else:
+        chosen = [only] if picks(spec.layers, only) else []
     found: dict[int, list] = {}
     for i in chosen:
         for runner in moe_runners_of(stack[i]):
@@ -81,10 +92,10 @@ def to_place(stack: list, spec, source: str | None, device: str) -> dict[int, li
                 else:
                     raise UnsupportedModelError(
                         f"experts: layer {i}'s routed experts ({name}) are on {p.device}, "
-                        f"where vLLM's prefetch offloader (--offload-backend prefetch) keeps "
-                        f"them for its own buffers; ringflow serves the chosen layers' experts "
-                        f"itself: leave experts out of --offload-params, or drop layer {i} "
-                        f"from experts.layers")
+                        f"where vLLM's offloader put them (--offload-backend prefetch keeps "
+                        f"them for its own buffers; its UVA offloader does without UVA); "
+                        f"ringflow serves the chosen layers' experts itself: leave experts out "
+                        f"of --offload-params, or drop layer {i} from experts.layers")
     return found
 
 
@@ -106,42 +117,63 @@ def _pinned_view(state: PluginState) -> Callable[[torch.Tensor], torch.Tensor]:
     return move
 
 
-class HostPlacement:
-    """Called with every decoder stack vLLM builds while the model loads (``layers.recording``):
+class HostPlacement(StackWatcher):
+    """Watches the decoder stacks vLLM builds while the model loads (``layers.recording``) and
     puts the first MoE stack's chosen experts in pinned host memory (Note [Ringflow places the
-    chosen experts]). ``move`` turns a parameter's data into its host-memory view (default:
-    pinned memory and vLLM's CUDA view; tests pass their own)."""
+    chosen experts]): each layer as it is built under vLLM's no-op offloader, else (and what is
+    left) once the offloader wrapped the stack. ``move`` turns a parameter's data into its
+    host-memory view (default: pinned memory and vLLM's CUDA view; tests pass their own, and
+    then the load's device may be the CPU)."""
 
     def __init__(self, state: PluginState, profile, move=None):
         self.state, self.spec, self.source = state, profile.experts, profile.source
         self.move = move
         self.stack: list | None = None  # the stack placed (None: none yet)
         self.layers: list[int] = []  # its layers with experts moved here
+        self._built: list = []  # the layers of the stack being built
+        self._moved: dict[int, int] = {}  # its layers moved so far -> bytes
+        self._mover = None
 
-    def __call__(self, stack: list) -> None:
-        if self.stack is not None:
-            return  # a draft model's stack, built after the target's
-        layers = stage_layers(stack)
-        if not any(moe_runners_of(layer) for layer in layers):
-            return
-        self.stack = layers
-        device = next((p.device.type for layer in layers for p in layer.parameters()
-                       if p.device.type not in ("cpu", "meta")), None)
-        if device is None and self.move is None:
-            return  # vLLM's CPU build: the experts are in host memory already
-        found = to_place(layers, self.spec, self.source, device or "cpu")
-        if not found:
-            return
-        move = self.move or _pinned_view(self.state)
-        moved = 0
-        for params in found.values():
+    def _device(self) -> str | None:
+        """The device vLLM builds the layers on (its loader sets torch's default device), or
+        None where nothing is placed (vLLM's CPU build: the experts are in host memory)."""
+        device = torch.get_default_device().type
+        return device if device == "cuda" or self.move is not None else None
+
+    def _place(self, found: dict[int, list]) -> None:
+        move = self._mover = self._mover or self.move or _pinned_view(self.state)
+        for i, params in found.items():
             for p in params:
                 p.data = move(p.data)
                 p._vllm_is_uva_offloaded = True  # vLLM's mark: re-offloaded after processing
-                moved += p.data.numel() * p.data.element_size()
-        self.layers = sorted(found)
-        log.info("experts: ringflow put layers %s's routed experts (%s) in pinned host memory "
-                 "as vLLM built them (no --cpu-offload-gb needed)", self.layers, mib(moved))
+                self._moved[i] = self._moved.get(i, 0) + p.data.numel() * p.data.element_size()
+
+    def built(self, index: int, layer) -> None:
+        if self.stack is not None:
+            return  # a draft model's stack, built after the target's
+        if index == 0:
+            self._built, self._moved = [], {}
+        self._built.append(layer)
+        device = self._device()
+        if device is not None:
+            self._place(to_place(self._built, self.spec, self.source, device, only=index))
+
+    def wrapped(self, stack: list) -> None:
+        if self.stack is not None:
+            return
+        layers = stage_layers(stack)
+        if not any(moe_runners_of(layer) for layer in layers):
+            return  # (so nothing of it was placed as built: it has no routed experts)
+        self.stack = layers
+        device = self._device()
+        if device is None:
+            return
+        self._place(to_place(layers, self.spec, self.source, device))
+        self.layers = sorted(self._moved)
+        if self.layers:
+            log.info("experts: ringflow put layers %s's routed experts (%s) in pinned host "
+                     "memory as vLLM built them (no --cpu-offload-gb needed)", self.layers,
+                     mib(sum(self._moved.values())))
 
 
 def check_placed(placement: HostPlacement | None, decoder: list) -> None:

@@ -16,7 +16,7 @@ import os
 from types import SimpleNamespace
 
 from ringflow import __version__, envs
-from ringflow.errors import ConfigError, RingflowError
+from ringflow.errors import ConfigError, ProfileError, RingflowError
 from ringflow.integrations.vllm import compat, startup_errors, surfaces
 from ringflow.integrations.vllm.config import profile_from
 from ringflow.integrations.vllm.state import PluginState
@@ -82,6 +82,17 @@ def refuse_extensible_kv_cache(profile, vllm_config) -> None:
                           f"the profile")
 
 
+def refuse_streaming_beside_experts(profile) -> None:
+    """Weight streaming takes every parameter of its layers, the routed experts' host views
+    included (Note [Ringflow places the chosen experts]), and would stream them too: an
+    ``offload`` section beside an ``experts`` section was never run, so it is refused."""
+    if streams_weights(profile) and profile.experts is not None:
+        raise ProfileError("experts", "beside an offload section is not supported: weight "
+                           "streaming would also stream the routed experts the expert lane "
+                           "serves from host memory; drop one of the two sections",
+                           profile.source)
+
+
 def check_layers(profile, vllm_config) -> None:
     """The offloaded and expert layers against the model's ``num_hidden_layers`` (its config,
     read in the front end): an index or a count past it can exist in no decoder stack. What needs the loaded
@@ -138,6 +149,7 @@ def on_create_engine_config(state: PluginState, original, engine_args, *args, **
                      "against a KV cache sized once")
         config = original(engine_args, *args, **kwargs)
         profile = state.profile(config)
+        refuse_streaming_beside_experts(profile)
         check_layers(profile, config)  # needs the model's config vLLM just read
         refuse_extensible_kv_cache(profile, config)
     except RingflowError as exc:

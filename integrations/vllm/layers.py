@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,12 +25,24 @@ from ringflow.errors import UnsupportedModelError
 from ringflow.integrations.vllm.state import PluginState
 
 
+class StackWatcher:
+    """Told of the decoder stacks one model load builds (:func:`recording`): ``built`` with
+    each layer as vLLM's no-op offloader takes it from ``make_layers``'s generator (before the
+    next layer is built), ``wrapped`` with the whole stack once the offloader returned it (any
+    offloader), before vLLM loads its weights."""
+
+    def built(self, index: int, layer: nn.Module) -> None:
+        pass
+
+    def wrapped(self, stack: list[nn.Module]) -> None:
+        pass
+
 
 @dataclass
 class _Load:
     """One model load's recording: the stacks, and who is told of each as it is built."""
     stacks: list[list[nn.Module]]
-    on_stack: tuple[Callable[[list[nn.Module]], None], ...]
+    watchers: tuple[StackWatcher, ...]
 
 
 # the current model load's recording (None: not loading). A dynamic extent (the worker's
@@ -40,32 +52,44 @@ _recording: contextvars.ContextVar[_Load | None] = \
     contextvars.ContextVar("ringflow_layer_stacks", default=None)
 
 
+def _told_as_built(layers: Iterator[nn.Module], watchers) -> Iterator[nn.Module]:
+    for index, layer in enumerate(layers):
+        for watcher in watchers:
+            watcher.built(index, layer)
+        yield layer
+
+
 def record_stack(state: PluginState, original, offloader, modules_generator, *args, **kwargs):
     """The hook on an offloader's ``wrap_modules``: let it wrap the stack it was handed as
-    usual, then (when a model load is recording) record the stack and tell each of the
-    load's ``on_stack`` callbacks of it, before vLLM loads its weights."""
+    usual and (when a model load is recording) record the stack and tell the load's watchers
+    of it. Under vLLM's no-op offloader (no offload flags), which keeps every layer where it
+    was built, each layer is told as it is built too: what a watcher moves off the device
+    then leaves before the next layer allocates (Note [Ringflow places the chosen experts]).
+    Other offloaders may take parameters themselves: their layers are told once wrapped."""
     load = _recording.get()
     if load is None:
         return original(offloader, modules_generator, *args, **kwargs)
+    stack_call = not (args or kwargs.get("prefix"))  # with a prefix: a vision tower
+    if stack_call and load.watchers and type(offloader).__name__ == "NoopOffloader":
+        modules_generator = _told_as_built(modules_generator, load.watchers)
     token = _recording.set(None)  # an offloader calling its parent's wrap_modules: one record
     try:
         result = original(offloader, modules_generator, *args, **kwargs)
     finally:
         _recording.reset(token)
-    if not (args or kwargs.get("prefix")):  # with a prefix: a vision tower, not make_layers
+    if stack_call:
         stack = list(result)
-        for told in load.on_stack:
-            told(stack)
+        for watcher in load.watchers:
+            watcher.wrapped(stack)
         load.stacks.append(stack)
     return result
 
 
 @contextlib.contextmanager
-def recording(*on_stack: Callable[[list[nn.Module]], None]) -> Iterator[list[list[nn.Module]]]:
+def recording(*watchers: StackWatcher) -> Iterator[list[list[nn.Module]]]:
     """Collects the layer stacks ``make_layers`` builds inside the block (one model load),
-    calling each of ``on_stack`` with every stack as it is built (its weights not yet loaded:
-    Note [Ringflow places the chosen experts])."""
-    load = _Load([], on_stack)
+    telling each of ``watchers`` of every stack as it is built (:class:`StackWatcher`)."""
+    load = _Load([], watchers)
     token = _recording.set(load)
     try:
         yield load.stacks

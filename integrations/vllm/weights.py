@@ -53,6 +53,7 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
         layer_ops_only = envs.flag("RINGFLOW_LAYER_OPS_ONLY")
         plain = envs.flag("RINGFLOW_CPU_PLAIN_GEMM")
         streaming = frontend.streams_weights(profile)
+        frontend.refuse_streaming_beside_experts(profile)  # (the front end refused it first)
         if getattr(worker.vllm_config, "lora_config", None) is not None:
             frontend.refuse_lora(profile)  # the front end refuses it first, where it runs
     except RingflowError as exc:

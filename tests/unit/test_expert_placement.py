@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ringflow.errors import ProfileError, UnsupportedModelError
-from ringflow.integrations.vllm import layers
+from ringflow.integrations.vllm import layers as layers_mod
 from ringflow.integrations.vllm.expert_placement import HostPlacement, check_placed, to_place
 from ringflow.integrations.vllm.state import PluginState
 from ringflow.orchestrator.profile import Profile
@@ -59,6 +59,30 @@ def expert_params(layer):
     return dict(layer.mlp.routed_experts.named_parameters())
 
 
+class NoopOffloader:  # vLLM's default: keeps every layer where it was built
+    def wrap_modules(self, modules_generator, prefix=""):
+        return list(modules_generator)
+
+
+class UVAOffloader:  # another offloader: may take parameters, so its stacks are told once wrapped
+    def wrap_modules(self, modules_generator, prefix=""):
+        return list(modules_generator)
+
+
+def make_layers(placement, layers, offloader=None, events=None, **kwargs):
+    """vLLM's make_layers: a generator of freshly built layers handed to the offloader's
+    wrap_modules (through ringflow's hook), while a model load records."""
+    offloader = offloader or NoopOffloader()
+
+    def build():
+        for layer in layers:
+            if events is not None:
+                events.append(("built", layer))
+            yield layer
+    return layers_mod.record_stack(PluginState(), type(offloader).wrap_modules, offloader,
+                                   build(), **kwargs)
+
+
 def test_the_chosen_layers_experts_move_with_their_values_and_vllms_mark(caplog):
     stack = [Decoder(0), Decoder(1, moe=False), Decoder(2, scales=True), Decoder(3)]
     before = {i: {n: (p.data_ptr(), p.detach().clone()) for n, p in expert_params(layer).items()}
@@ -66,8 +90,8 @@ def test_the_chosen_layers_experts_move_with_their_values_and_vllms_mark(caplog)
     others = [p.data_ptr() for layer in stack for n, p in layer.named_parameters()
               if "routed_experts" not in n]
     placement = HostPlacement(PluginState(), profile([0, 2]), move=moved)
-    with caplog.at_level(logging.INFO, logger="ringflow"):
-        placement(stack)
+    with caplog.at_level(logging.INFO, logger="ringflow"), layers_mod.recording(placement):
+        make_layers(placement, stack)
     assert placement.layers == [0, 2] and placement.stack == stack
     for i, layer in enumerate(stack):
         if i == 1:
@@ -85,14 +109,67 @@ def test_the_chosen_layers_experts_move_with_their_values_and_vllms_mark(caplog)
     assert line.startswith("experts: ringflow put layers [0, 2]'s routed experts")
 
 
+def place(profile_, stack, offloader=None, **kwargs):
+    """One model load building ``stack`` through make_layers; the placement that watched it."""
+    placement = HostPlacement(PluginState(), profile_, move=moved)
+    with layers_mod.recording(placement):
+        make_layers(placement, stack, offloader, **kwargs)
+    return placement
+
+
+def test_each_layer_moves_as_it_is_built_under_vllms_no_op_offloader():
+    """Without offload flags vLLM's no-op offloader builds every layer on the device before
+    it returns: each chosen layer's experts must leave before the next layer is built, or the
+    whole stack's experts would be in device memory at once."""
+    events = []
+
+    class Watch(layers_mod.StackWatcher):
+        def built(self, index, layer):
+            events.append(("told", layer))
+
+    stack = [Decoder(0), Decoder(1), Decoder(2)]
+    placement = HostPlacement(PluginState(), profile([0, 2]), move=moved)
+    original = placement._place
+
+    def recorded(found):
+        events.extend(("moved", stack[i]) for i in found)
+        original(found)
+    placement._place = recorded
+    with layers_mod.recording(Watch(), placement):
+        make_layers(placement, stack, events=events)
+    assert [(what, stack.index(layer)) for what, layer in events] == [
+        ("built", 0), ("told", 0), ("moved", 0), ("built", 1), ("told", 1), ("built", 2),
+        ("told", 2), ("moved", 2)]
+    assert placement.layers == [0, 2]
+
+
+def test_under_another_offloader_the_stack_moves_once_wrapped():
+    """vLLM's UVA or prefetch offloader may take parameters itself: the layers are placed
+    after it returned, what it took left where it put it."""
+    stack = [Decoder(0), Decoder(1)]
+
+    class Taking(UVAOffloader):
+        def wrap_modules(self, modules_generator, prefix=""):
+            layers = list(modules_generator)
+            for p in expert_params(layers[0]).values():
+                p._vllm_is_uva_offloaded = True  # vLLM's UVA offloader took layer 0
+            return layers
+    ptr = stack[0].mlp.routed_experts.w13_weight.data_ptr()
+    placement = place(profile(), stack, Taking())
+    assert placement.layers == [1] and stack[0].mlp.routed_experts.w13_weight.data_ptr() == ptr
+    assert getattr(stack[1].mlp.routed_experts.w2_weight, "_vllm_is_uva_offloaded", False)
+
+
 def test_indices_are_this_stages_layers_and_patterns_pick_as_the_lane_does():
-    stack = [PPMissingLayer(), Decoder(0), Decoder(1), Decoder(2), Decoder(3)]
-    placement = HostPlacement(PluginState(), profile({"every": 2, "last": 1}), move=moved)
-    placement(stack)
-    assert placement.layers == [1, 3] and placement.stack == stack[1:]
-    flagged = [i for i, layer in enumerate(stack[1:])
-               if getattr(layer.mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded", False)]
-    assert flagged == [1, 3]
+    """Under pipeline parallelism make_layers hands the offloader this stage's layers only
+    (the others are PPMissingLayer in the model's list): indices count from the stage's first,
+    as the lane's ``decoder_layers`` does."""
+    built = [Decoder(0), Decoder(1), Decoder(2), Decoder(3)]
+    placement = place(profile({"every": 2, "last": 1}), built)
+    assert placement.layers == [1, 3] and placement.stack == built
+    model = nn.Module()
+    model.layers = nn.ModuleList([PPMissingLayer(), PPMissingLayer(), *built])
+    check_placed(placement, layers_mod.decoder_layers(model, [built]))
 
 
 def test_parameters_vllms_uva_offloader_took_stay_where_it_put_them():
@@ -103,7 +180,7 @@ def test_parameters_vllms_uva_offloader_took_stay_where_it_put_them():
     found = to_place(stack, profile().experts, None, "cpu")
     assert sorted(found) == [0, 1] and all(p is not taken for p in found[0])
     assert len(found[0]) == 1 and len(found[1]) == 2
-    HostPlacement(PluginState(), profile(), move=moved)(stack)
+    place(profile(), stack)
     assert taken.data_ptr() == ptr
 
 
@@ -114,30 +191,33 @@ def test_experts_quantized_at_load_are_refused_by_name():
                                                              requires_grad=False)
     with pytest.raises(UnsupportedModelError, match=r"layer 1's routed experts \(w2_weight\) "
                                                     r"are quantized as vLLM loads them"):
-        HostPlacement(PluginState(), profile(), move=moved)(stack)
-    HostPlacement(PluginState(), profile([0]), move=moved)(stack)  # layer 1 not chosen: fine
+        place(profile(), stack)
+    place(profile([0]), stack)  # layer 1 not chosen: fine
 
 
 def test_experts_another_offloader_keeps_elsewhere_are_refused_with_the_fix():
     """On a GPU, a chosen layer's experts on the CPU were taken by vLLM's prefetch offloader:
     here the 'device' is the meta device, the experts are on the CPU."""
     stack = [Decoder(0), Decoder(1)]
-    with pytest.raises(UnsupportedModelError, match="vLLM's prefetch offloader .* leave "
+    with pytest.raises(UnsupportedModelError, match="vLLM's offloader put them .* leave "
                                                     "experts out of --offload-params"):
         to_place(stack, profile().experts, None, "meta")
 
 
 def test_a_listed_layer_that_does_not_exist_is_the_profiles_error():
     with pytest.raises(ProfileError, match=r"layers \[7\] do not exist"):
-        HostPlacement(PluginState(), profile([7]), move=moved)([Decoder(0), Decoder(1)])
+        place(profile([7]), [Decoder(0), Decoder(1)])
 
 
 def test_only_the_first_moe_stack_is_placed_and_the_lane_must_be_its_decoder():
     target, draft = [Decoder(0), Decoder(1)], [Decoder(5)]
     placement = HostPlacement(PluginState(), profile(), move=moved)
-    placement([nn.Linear(2, 2)])  # a stack without MoE (a dense drafter's): not the one
-    placement(target)
-    placement(draft)
+    with layers_mod.recording(placement) as stacks:
+        make_layers(placement, [nn.Linear(2, 2)])  # a dense stack (a drafter's): not the one
+        make_layers(placement, target)
+        make_layers(placement, draft)
+        make_layers(placement, [Decoder(6)], prefix="vision")  # a tower: not a stack
+    assert stacks == [[stacks[0][0]], target, draft]
     assert placement.stack == target and placement.layers == [0, 1]
     assert not hasattr(draft[0].mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded")
     check_placed(placement, target)
@@ -149,27 +229,19 @@ def test_only_the_first_moe_stack_is_placed_and_the_lane_must_be_its_decoder():
 def test_on_vllms_cpu_build_nothing_moves():
     stack = [Decoder(0), Decoder(1)]
     ptr = stack[0].mlp.routed_experts.w13_weight.data_ptr()
-    placement = HostPlacement(PluginState(), profile())  # vLLM's own move; every param on CPU
-    placement(stack)
+    placement = HostPlacement(PluginState(), profile())  # vLLM's own move, the CPU's device
+    with layers_mod.recording(placement):
+        make_layers(placement, stack)
     assert placement.layers == [] and stack[0].mlp.routed_experts.w13_weight.data_ptr() == ptr
     check_placed(placement, [Decoder(3)])  # nothing placed: any decoder
 
 
-class Offloader:
-    def wrap_modules(self, modules_generator, prefix=""):
-        return [m for m in modules_generator]
-
-
-def test_the_offloader_hook_tells_the_load_of_each_stack_before_its_weights_load():
-    """``record_stack`` (the hook on ``BaseOffloader.wrap_modules``): each make_layers stack
-    reaches the load's callbacks as the offloader returns it; a vision tower's (built with a
-    prefix) does not, and outside a load nothing is told."""
-    seen = []
-    original = Offloader.wrap_modules
-    state, offloader = PluginState(), Offloader()
-    built = [Decoder(0), Decoder(1)]
-    layers.record_stack(state, original, offloader, iter(built))  # not loading: nobody told
-    with layers.recording(seen.append) as stacks:
-        got = layers.record_stack(state, original, offloader, (m for m in built))
-        layers.record_stack(state, original, offloader, iter([Decoder(9)]), prefix="vision")
-    assert got == built and stacks == [built] and seen == [built]
+def test_outside_a_load_nobody_is_told_and_a_refusal_ends_the_recording():
+    """``record_stack`` outside a model load passes the stack through; a watcher's refusal
+    inside one propagates (vLLM's load fails with it) and leaves nothing recording."""
+    stack = [Decoder(0), Decoder(1)]
+    assert make_layers(None, stack) == stack  # not loading: nothing placed
+    assert not hasattr(stack[0].mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded")
+    with pytest.raises(ProfileError):
+        place(profile([9]), stack)
+    assert layers_mod._recording.get() is None

@@ -353,3 +353,18 @@ def test_slots_as_layer_buffers_round_trip_and_refuse_lend_slots():
         streams_through_slots(load({"layer_buffers": "slots", "lend_slots": True}).experts,
                               None)
     assert err.value.field == "experts.layer_buffers"
+
+
+def test_an_experts_section_beside_streamed_weights_is_refused(monkeypatch):
+    """Weight streaming takes every parameter of its layers, the routed experts' host views
+    included, and would stream them too: the pair was never run, so it is refused by name
+    (in the front end and the worker); with RINGFLOW_LAYER_OPS_ONLY nothing streams."""
+    from ringflow.integrations.vllm.frontend import refuse_streaming_beside_experts
+    both = load({"layers": "all"}).__class__.from_mapping(
+        {"experts": {"layers": "all"}, "offload": {"layers": [1], "depth": 1,
+                                                    "workspace_mib": 64}}, vllm=True)
+    with pytest.raises(ProfileError, match="experts.*beside an offload section is not supported"):
+        refuse_streaming_beside_experts(both)
+    refuse_streaming_beside_experts(load({"layers": "all"}))  # experts alone: fine
+    monkeypatch.setenv("RINGFLOW_LAYER_OPS_ONLY", "1")
+    refuse_streaming_beside_experts(both)
