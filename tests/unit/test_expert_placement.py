@@ -245,3 +245,46 @@ def test_outside_a_load_nobody_is_told_and_a_refusal_ends_the_recording():
     with pytest.raises(ProfileError):
         place(profile([9]), stack)
     assert layers_mod._recording.get() is None
+
+
+class BigDecoder(nn.Module):
+    """A layer whose routed experts take ``mib`` MiB (bf16), built on the default device."""
+
+    def __init__(self, mib: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.mlp = nn.Module()
+        self.mlp.routed_experts = RoutedExperts.__new__(RoutedExperts)
+        nn.Module.__init__(self.mlp.routed_experts)
+        rows = mib * 2**20 // 2 // 1024
+        self.mlp.routed_experts.w13_weight = nn.Parameter(
+            torch.randn(rows, 1024, dtype=torch.bfloat16), requires_grad=False)
+        self.mlp.routed_experts.w2_weight = nn.Parameter(
+            torch.randn(4, 64, dtype=torch.bfloat16), requires_grad=False)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_at_most_one_layers_experts_are_ever_in_device_memory():
+    """vLLM's no-op offloader builds all of a stack on the device before it returns: with 8
+    layers of 64 MiB of experts each, ringflow moving them as they are built keeps the peak
+    near one layer (the first form, moving them once the stack was built, peaked at eight),
+    and every chosen parameter ends as vLLM's CUDA view of pinned host memory, holding the
+    values the layer was built with."""
+    pytest.importorskip("vllm")
+    from ringflow.cudart import in_host_memory
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    placement = HostPlacement(PluginState(), profile({"every": 4, "last": 3}))  # vLLM's move
+    with torch.device("cuda"), layers_mod.recording(placement):
+        built = make_layers(placement, (BigDecoder(64) for _ in range(8)))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert placement.layers == [1, 2, 3, 5, 6, 7]
+    assert peak < 2 * 64 * 2**20, peak / 2**20  # one layer's experts and change, not eight
+    for i, layer in enumerate(built):
+        w = layer.mlp.routed_experts.w13_weight
+        assert w.is_cuda and in_host_memory(w.data_ptr()) == (i % 4 != 0), i
+        assert torch.isfinite(w.float()).all() and w.float().std() > 0.5  # randn survived
+    resident = torch.cuda.memory_allocated() - base
+    assert resident < 3 * 64 * 2**20, resident / 2**20  # layers 0 and 4 only
