@@ -8,8 +8,8 @@ one request at a time (FIELD_NOTES: batched outputs of two GPU engines differ), 
 vLLM's default FULL_AND_PIECEWISE graphs:
 
 * ``resident`` / ``resident-sampled``: vLLM alone, every expert in device memory, Triton MoE;
-* ``lane-32`` / ``lane-32-sampled``: every layer's experts in pinned host memory (vLLM's UVA
-  offloader, ``--cpu-offload-params experts``), 32 slots per layer and a ring of 2 layers,
+* ``lane-32`` / ``lane-32-sampled``: every layer's experts in pinned host memory (ringflow puts
+  them there as vLLM builds the layers: no offload flags), 32 slots per layer and a ring of 2 layers,
   ``layer_tokens: 8``: the prompts of 8 tokens or more through the ring, the rest through the
   cache (Note [Expert lane modes]); slots and ring buffers poisoned;
 * ``lane-8`` / ``passes-8``: 8 slots, no ring: steps of more experts than the slots hold run
@@ -91,8 +91,9 @@ LANES = {
 #: that ``pytest -k arena`` starts only these two
 ARENA_LANES = {
     "arena-64-sampled": ({"slots": 64, "layer_tokens": 8, "layers": [0, 1],
-                          "layer_buffers": "slots"}, True),
-    "arena-all-64": ({"slots": 64, "layer_tokens": 8, "layer_buffers": "slots"}, False),
+                          "layer_buffers": "slots", "engine": UVA}, True),
+    "arena-all-64": ({"slots": 64, "layer_tokens": 8, "layer_buffers": "slots",
+                      "engine": UVA}, False),
     # no offload flags: ringflow puts layers 1 and 3's experts in host memory as vLLM builds
     # them (Note [Ringflow places the chosen experts]); layers 0 and 2 resident, the prefetch
     # offloader's layout
@@ -131,7 +132,8 @@ def fp8_cases(mode):
     for name, (model, _, section) in FP8_LANES.items():
         section = dict(section)
         cases.append({"name": f"{mode}/{name}", **base, "model": model, "env": POISON,
-                      "engine": UVA, "additional_config": lane(section.pop("slots"), **section)})
+                      "engine": TRITON, "additional_config": lane(section.pop("slots"),
+                                                                  **section)})
     if mode == "eager":  # vLLM's offloader and weights quantized at load: vLLM's own stop
         cases.append({"name": "refused/fp8-at-load", **base, "model": MOE,
                       "engine": {**UVA, "quantization": "fp8"},
@@ -146,7 +148,7 @@ def mode_cases(mode, lanes=LANES):
               "temperature": SAMPLED}]
     for name, (section, sampled) in lanes.items():
         section = dict(section)
-        slots, engine = section.pop("slots"), section.pop("engine", UVA)
+        slots, engine = section.pop("slots"), section.pop("engine", TRITON)
         cases.append({"name": f"{mode}/{name}", **base, "engine": engine, "env": POISON,
                       "additional_config": lane(slots, **section),
                       **({"temperature": SAMPLED} if sampled else {}),
@@ -177,9 +179,9 @@ def host_cases(mode):
     return [{"name": f"{mode}/host-resident", **base, "engine": {"moe_backend": "triton"}},
             {"name": f"{mode}/host-fp8-resident", **base, "model": FP8,
              "engine": {"moe_backend": "triton"}},
-            {"name": f"{mode}/host-fp8-half", **base, "model": FP8, "engine": UVA,
+            {"name": f"{mode}/host-fp8-half", **base, "model": FP8, "engine": TRITON,
              "env": POISON, "additional_config": lane(32, layer_buffers=0, host_share=0.5)}] + [
-        {"name": f"{mode}/{name}", **base, "engine": UVA, "env": POISON,
+        {"name": f"{mode}/{name}", **base, "engine": TRITON, "env": POISON,
          "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
                                                         if k != "slots"})}
         for name, section in HOST_LANES.items()]
@@ -194,7 +196,7 @@ PREFETCH_REFUSAL = [{"name": "refused/prefetch-offloader", "model": MOE, "mode":
 AUTO = [
     # slots sized from vLLM's memory budget
     {"name": "auto/eager", "model": MOE, "mode": "eager", "max_tokens": 12, "serial": True,
-     "long_prompt": True, "engine": UVA, "env": POISON, "additional_config": lane("auto")},
+     "long_prompt": True, "engine": TRITON, "env": POISON, "additional_config": lane("auto")},
 ]
 
 
@@ -290,8 +292,9 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
             and "are not in experts.layers" not in line]  # (layers vLLM's offloader took)
     assert len(said) == 1, got["log"]
     placed = [line for line in got["log"] if line.startswith("experts: ringflow put layers")]
-    if section.get("engine") is TRITON:  # no offload flags: ringflow placed every chosen layer
-        assert len(placed) == 1 and f"layers {section['layers']}'s" in placed[0], got["log"]
+    if section.get("engine", TRITON) is TRITON:  # no offload flags: ringflow placed them all
+        chosen = section.get("layers", list(range(4)))
+        assert len(placed) == 1 and f"layers {chosen}'s" in placed[0], got["log"]
     else:  # vLLM's UVA offloader took every layer (1 GiB): nothing left to place
         assert not placed, got["log"]
 
