@@ -44,8 +44,8 @@ from collections.abc import Callable
 
 import torch
 
-from ringflow.errors import UnsupportedModelError
-from ringflow.integrations.vllm import compat
+from ringflow.errors import RingflowError, UnsupportedModelError
+from ringflow.integrations.vllm import compat, startup_errors
 from ringflow.integrations.vllm.experts import moe_runners_of
 from ringflow.integrations.vllm.layers import StackWatcher, stage_layers
 from ringflow.integrations.vllm.state import PluginState
@@ -149,6 +149,18 @@ class HostPlacement(StackWatcher):
                 self._moved[i] = self._moved.get(i, 0) + p.data.numel() * p.data.element_size()
 
     def built(self, index: int, layer) -> None:
+        try:
+            self._built_one(index, layer)
+        except RingflowError as exc:
+            startup_errors.fail(exc)  # one line, last (Note [One line at start-up])
+
+    def wrapped(self, stack: list) -> None:
+        try:
+            self._wrapped(stack)
+        except RingflowError as exc:
+            startup_errors.fail(exc)
+
+    def _built_one(self, index: int, layer) -> None:
         if self.stack is not None:
             return  # a draft model's stack, built after the target's
         if index == 0:
@@ -158,7 +170,7 @@ class HostPlacement(StackWatcher):
         if device is not None:
             self._place(to_place(self._built, self.spec, self.source, device, only=index))
 
-    def wrapped(self, stack: list) -> None:
+    def _wrapped(self, stack: list) -> None:
         if self.stack is not None:
             return
         layers = stage_layers(stack)

@@ -73,8 +73,6 @@ def on_load_model(state: PluginState, original, worker, *args, **kwargs):
             if wants_experts:
                 experts.explain_load_failure(worker.vllm_config, exc)
             raise
-        except RingflowError as exc:  # the placement refused a layer as vLLM built it
-            startup_errors.fail(exc)
     try:
         if wants_experts:
             model = worker.model_runner.get_model()

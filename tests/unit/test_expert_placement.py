@@ -236,14 +236,16 @@ def test_on_vllms_cpu_build_nothing_moves():
     check_placed(placement, [Decoder(3)])  # nothing placed: any decoder
 
 
-def test_outside_a_load_nobody_is_told_and_a_refusal_ends_the_recording():
-    """``record_stack`` outside a model load passes the stack through; a watcher's refusal
-    inside one propagates (vLLM's load fails with it) and leaves nothing recording."""
+def test_outside_a_load_nobody_is_told_and_a_refusal_ends_the_recording(caplog):
+    """``record_stack`` outside a model load passes the stack through; a refusal inside one
+    is one logged line (Note [One line at start-up]), propagates (vLLM's load fails with it)
+    and leaves nothing recording."""
     stack = [Decoder(0), Decoder(1)]
     assert make_layers(None, stack) == stack  # not loading: nothing placed
     assert not hasattr(stack[0].mlp.routed_experts.w13_weight, "_vllm_is_uva_offloaded")
-    with pytest.raises(ProfileError):
+    with caplog.at_level(logging.INFO, logger="ringflow"), pytest.raises(ProfileError):
         place(profile([9]), stack)
+    assert sum("layers [9] do not exist" in r.getMessage() for r in caplog.records) == 1
     assert layers_mod._recording.get() is None
 
 
