@@ -57,46 +57,49 @@ log = logging.getLogger("ringflow")
 _VIEW = "vllm.utils.torch_utils.get_accelerator_view_from_cpu_tensor"
 
 
-def to_place(stack: list, spec, source: str | None, device: str,
-             only: int | None = None) -> dict[int, list]:
-    """The parameters of ``stack``'s chosen layers (``spec.layers``, indices of this stage's
-    layers; ``only``: layer ``only`` alone, ``stack`` being the layers built so far) that are
-    in ``device`` memory and must move to host memory, per layer: each chosen MoE layer's
-    ``RoutedExperts`` parameters, less those vLLM's UVA offloader took. A chosen index without
-    MoE is left to the lane's own refusal (``experts.enable``).
+def layer_params(index: int, layer, device: str) -> list:
+    """Decoder layer ``index``'s routed-expert parameters (all of its MoE runners') that are in
+    ``device`` memory and must move to host memory: those vLLM's UVA offloader took stay.
 
     Raises:
-        ProfileError: a listed layer does not exist (checked on the whole stack only).
-        UnsupportedModelError: a chosen layer's experts are on the meta device (quantized at
-            load) or in host memory another offloader manages.
+        UnsupportedModelError: the experts are on the meta device (quantized at load) or in
+            host memory another offloader manages.
     """
-    if only is None:
-        chosen = resolve_layers("experts.layers", spec.layers, len(stack), source)
-    else:
-        chosen = [only] if picks(spec.layers, only) else []
-    found: dict[int, list] = {}
-    for i in chosen:
-        for runner in moe_runners_of(stack[i]):
-            for name, p in runner.routed_experts.named_parameters():
-                if getattr(p, "_vllm_is_uva_offloaded", False):
-                    continue
-                if p.device.type == device:
-                    found.setdefault(i, []).append(p)
-                elif p.is_meta:
-                    raise UnsupportedModelError(
-                        f"experts: layer {i}'s routed experts ({name}) are quantized as vLLM "
-                        f"loads them (--quantization over a bf16 checkpoint): they have no "
-                        f"data when ringflow puts them in host memory; serve an fp8 "
-                        f"checkpoint (per tensor, or in 128x128 blocks like Qwen3-*-FP8 and "
-                        f"DeepSeek-V3), or the bf16 one without --quantization")
-                else:
-                    raise UnsupportedModelError(
-                        f"experts: layer {i}'s routed experts ({name}) are on {p.device}, "
-                        f"where vLLM's offloader put them (--offload-backend prefetch keeps "
-                        f"them for its own buffers; its UVA offloader does without UVA); "
-                        f"ringflow serves the chosen layers' experts itself: leave experts out "
-                        f"of --offload-params, or drop layer {i} from experts.layers")
+    found = []
+    for runner in moe_runners_of(layer):
+        for name, p in runner.routed_experts.named_parameters():
+            if getattr(p, "_vllm_is_uva_offloaded", False):
+                continue
+            if p.device.type == device:
+                found.append(p)
+            elif p.is_meta:
+                raise UnsupportedModelError(
+                    f"experts: layer {index}'s routed experts ({name}) are quantized as vLLM "
+                    f"loads them (--quantization over a bf16 checkpoint): they have no data "
+                    f"when ringflow puts them in host memory; serve an fp8 checkpoint (per "
+                    f"tensor, or in 128x128 blocks like Qwen3-*-FP8 and DeepSeek-V3), or the "
+                    f"bf16 one without --quantization")
+            else:
+                raise UnsupportedModelError(
+                    f"experts: layer {index}'s routed experts ({name}) are on {p.device}, "
+                    f"where vLLM's offloader put them (--offload-backend prefetch keeps them "
+                    f"for its own buffers; its UVA offloader does without UVA); ringflow "
+                    f"serves the chosen layers' experts itself: leave experts out of "
+                    f"--offload-params, or drop layer {index} from experts.layers")
     return found
+
+
+def to_place(stack: list, spec, source: str | None, device: str) -> dict[int, list]:
+    """:func:`layer_params` of ``stack``'s chosen layers (``spec.layers``, indices of this
+    stage's layers) that have any. A chosen index without MoE is left to the lane's own
+    refusal (``experts.enable``).
+
+    Raises:
+        ProfileError: a listed layer does not exist.
+    """
+    chosen = resolve_layers("experts.layers", spec.layers, len(stack), source)
+    found = {i: layer_params(i, stack[i], device) for i in chosen}
+    return {i: params for i, params in found.items() if params}
 
 
 def _pinned_view(state: PluginState) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -130,7 +133,6 @@ class HostPlacement(StackWatcher):
         self.move = move
         self.stack: list | None = None  # the stack placed (None: none yet)
         self.layers: list[int] = []  # its layers with experts moved here
-        self._built: list = []  # the layers of the stack being built
         self._moved: dict[int, int] = {}  # its layers moved so far -> bytes
         self._mover = None
 
@@ -164,11 +166,10 @@ class HostPlacement(StackWatcher):
         if self.stack is not None:
             return  # a draft model's stack, built after the target's
         if index == 0:
-            self._built, self._moved = [], {}
-        self._built.append(layer)
+            self._moved = {}  # a new stack
         device = self._device()
-        if device is not None:
-            self._place(to_place(self._built, self.spec, self.source, device, only=index))
+        if device is not None and picks(self.spec.layers, index):
+            self._place({index: layer_params(index, layer, device)})
 
     def _wrapped(self, stack: list) -> None:
         if self.stack is not None:
