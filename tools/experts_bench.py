@@ -28,6 +28,9 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   the lane over the others with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
   windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
   through the slots]), the same device memory;
+* ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
+  offloader put the arena's layers until December 2026), the last two resident: whether
+  interleaving the resident layers hides the windows' fills;
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
@@ -103,7 +106,7 @@ FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
+         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -178,6 +181,10 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-arena": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena", "experts": {
                 "layers": arena_layers(layers), "slots": held_slots(layers),
+                "layer_buffers": "slots"}}}},
+        "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-arena-first", "experts": {
+                "layers": list(range(layers - RING)), "slots": held_slots(layers),
                 "layer_buffers": "slots"}}}},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},

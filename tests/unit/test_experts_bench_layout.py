@@ -118,6 +118,8 @@ def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(l
     assert section["layer_buffers"] == "slots" and "cpu_offload_gb" not in config
     resident = [i for i in range(layers) if i not in section["layers"]]
     assert resident == [0, layers // 2] and len(section["layers"]) == layers - bench.RING
+    first = bench.configs(layers)["ringflow-arena-first"]["additional_config"]["ringflow"]
+    assert first["experts"] == {**section, "layers": list(range(layers - bench.RING))}
     if layers == 4:
         group, num, _ = bench.prefetch_layout(layers, bench.device_layers(layers))
         assert section["layers"] == [i for i in range(layers) if i % group >= group - num]
