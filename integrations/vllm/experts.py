@@ -9,9 +9,9 @@ Note [Experts in vLLM]
        * on a GPU, where ringflow put them as vLLM built the layer (Note [Ringflow places
          the chosen experts], ``expert_placement.py``; vLLM's UVA offloader, ``--cpu-offload-gb
          G --cpu-offload-params experts``, still may): vLLM loads them straight into pinned
-         host memory and keeps a CUDA view of it as the parameter, so the experts never
-         occupy device memory, and the fetch kernel reads that view as it is (Note
-         [Device-indexed expert fetch]);
+         host memory and keeps a CUDA view of it as the parameter, so the experts do not
+         stay in device memory (at most one layer's while vLLM builds the layers), and the
+         fetch kernel reads that view as it is (Note [Device-indexed expert fetch]);
        * on vLLM's CPU build, as a copy taken while vLLM loads the model, just before the
          quant method processes them (``process_weights_after_loading``: vLLM-CPU repacks
          them there into its grouped-GEMM layout, which no cache slot could hold);
@@ -179,16 +179,13 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                            f"(no MoE); list MoE layers (this model's: {moe}), or 'all'",
                            profile.source)
     on_gpu = any(r.routed_experts.w13_weight.is_cuda for (r,) in found.values())
-    offload = ("ringflow puts the chosen layers' experts in pinned host memory as vLLM "
-               "builds the decoder stack it hands its offloader (make_layers), and did not "
-               "see this one built there; drop the layer from experts.layers")
     caches: dict[int, ExpertCache] = {}
     modules: dict[int, object] = {}
     computes: dict[int, object] = {}
     hosts: dict[int, dict] = {}
     for i, (runner,) in sorted(found.items()):
         experts = runner.routed_experts
-        check_layer(i, runner, experts, offload)
+        check_layer(i, runner, experts)
         host = copies.get(id(experts)) if not on_gpu else expert_tensors(experts)
         if host is None:
             raise UnsupportedModelError(f"experts: layer {i}'s routed experts were not seen "
@@ -520,14 +517,19 @@ def quant_format(method: str) -> str:
     return next((name for part, name in _FORMATS if part in low), "quantized")
 
 
-def check_layer(index: int, runner, experts, offload: str | None = None) -> None:
+#: why a GPU layer's experts can be in device memory (Note [Ringflow places the chosen experts])
+NOT_PLACED = ("ringflow puts the chosen layers' experts in pinned host memory as vLLM builds the "
+              "decoder stack it hands its offloader (make_layers), and did not see this one "
+              "built there; drop the layer from experts.layers")
+
+
+def check_layer(index: int, runner, experts) -> None:
     """Raise ``UnsupportedModelError`` naming every reason this lane cannot compute layer
-    ``index``'s routed experts exactly (Note [Experts in vLLM]); ``offload`` says how to put
-    a GPU layer's experts in host memory."""
+    ``index``'s routed experts exactly (Note [Experts in vLLM])."""
     why = []
     if experts.w13_weight.is_cuda:
         if not all(_in_host_memory(w) for w in (experts.w13_weight, experts.w2_weight)):
-            why.append(f"its routed experts are in device memory: {offload}")
+            why.append(f"its routed experts are in device memory: {NOT_PLACED}")
         name = _kernel_name(experts)
         if name not in MAPPED_KERNELS:
             why.append(f"its MoE kernel is {name}, which ignores an expert map: start vLLM "

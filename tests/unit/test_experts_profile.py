@@ -163,11 +163,9 @@ def test_gpu_layers_need_their_experts_in_host_memory_and_a_kernel_that_maps(
                                moe_config=SimpleNamespace(), quant_method=method,
                                global_num_experts=16, local_num_experts=16,
                                layer_name="model.layers.2.mlp", w13_weight=w, w2_weight=w)
-    flags = ("ringflow puts the chosen layers' experts in pinned host memory as vLLM builds "
-             "them, and did not see this one built there")
-    lane.check_layer(2, SimpleNamespace(), layer(True, "TritonExperts"), flags)  # taken
+    lane.check_layer(2, SimpleNamespace(), layer(True, "TritonExperts"))  # taken
     with pytest.raises(UnsupportedModelError, match=words):
-        lane.check_layer(2, SimpleNamespace(), layer(in_host, kernel), flags)
+        lane.check_layer(2, SimpleNamespace(), layer(in_host, kernel))
 
 
 def test_each_pass_runs_its_fetch_and_its_moe_in_nvtx_ranges(monkeypatch):
@@ -258,7 +256,7 @@ def test_fp8_layers_on_a_gpu_are_served_with_their_scales(monkeypatch, method, s
     from ringflow.integrations.vllm import experts as lane
     monkeypatch.setattr(lane, "_in_host_memory", lambda t: t.host)
     layer = fp8_layer(scales, method)
-    lane.check_layer(2, SimpleNamespace(), layer, "flags")  # taken
+    lane.check_layer(2, SimpleNamespace(), layer)  # taken
     assert lane.weight_format(layer) == ("fp8, scales per 128x128 block" if len(scales[0]) == 3
                                          else "fp8, one scale per expert and weight")
     # per tensor with dynamic activation scales: a step is never split (Note [fp8 experts])
@@ -276,7 +274,7 @@ def test_fp8_layers_the_slots_cannot_hold_are_refused_by_name(monkeypatch, scale
     from ringflow.integrations.vllm import experts as lane
     monkeypatch.setattr(lane, "_in_host_memory", lambda t: t.host)
     with pytest.raises(UnsupportedModelError, match=words):
-        lane.check_layer(2, SimpleNamespace(), fp8_layer(scales, **config), "flags")
+        lane.check_layer(2, SimpleNamespace(), fp8_layer(scales, **config))
 
 
 def test_a_layer_s_tensors_carry_its_fp8_scales_as_rows_and_each_pass_gets_its_own():
