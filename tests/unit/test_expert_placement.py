@@ -268,8 +268,9 @@ class BigDecoder(nn.Module):
 @pytest.mark.cuda
 def test_on_a_gpu_at_most_one_layers_experts_are_ever_in_device_memory():
     """vLLM's no-op offloader builds all of a stack on the device before it returns: with 8
-    layers of 64 MiB of experts each, ringflow moving them as they are built keeps the peak
-    near one layer (the first form, moving them once the stack was built, peaked at eight),
+    layers of 64 MiB of experts each, 6 of them chosen, ringflow moving them as they are built
+    keeps the peak one layer above the two resident ones (the first form, moving them once the
+    stack was built, peaked at eight),
     and every chosen parameter ends as vLLM's CUDA view of pinned host memory, holding the
     values the layer was built with."""
     pytest.importorskip("vllm")
@@ -282,11 +283,13 @@ def test_on_a_gpu_at_most_one_layers_experts_are_ever_in_device_memory():
         built = make_layers(placement, (BigDecoder(64) for _ in range(8)))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    resident = torch.cuda.memory_allocated() - base
     assert placement.layers == [1, 2, 3, 5, 6, 7]
-    assert peak < 2 * 64 * 2**20, peak / 2**20  # one layer's experts and change, not eight
+    assert resident < 3 * 64 * 2**20, resident / 2**20  # layers 0 and 4 only
+    # above the two resident layers, one layer being built (the H100 at b9654fc: 192 MiB peak,
+    # 128 MiB resident); the first form held every layer's experts at once
+    assert peak - resident < 2 * 64 * 2**20, (peak / 2**20, resident / 2**20)
     for i, layer in enumerate(built):
         w = layer.mlp.routed_experts.w13_weight
         assert w.is_cuda and in_host_memory(w.data_ptr()) == (i % 4 != 0), i
         assert torch.isfinite(w.float()).all() and w.float().std() > 0.5  # randn survived
-    resident = torch.cuda.memory_allocated() - base
-    assert resident < 3 * 64 * 2**20, resident / 2**20  # layers 0 and 4 only
