@@ -501,6 +501,35 @@ def test_host_rates_tool_writes_what_the_model_and_place_experts_read(tmp_path, 
     assert refused.out == "" and "tools/host_rates.py" in refused.err  # before any work
 
 
+def test_the_fp8_sums_tool_measures_against_exact_block_sums():
+    """tools/fp8_dot_accuracy.py (Note [fp8 sums on Hopper]) compares the GPU's block-fp8
+    GEMM with exact block sums: those equal the float64 GEMM of the dequantized values, an
+    error of 0.1% moves most elements' bf16 rounding and none toward zero by chance, and on
+    a machine without a GPU the tool says so and does nothing."""
+    import subprocess
+    import sys
+    sys.path.insert(0, "tools")
+    try:
+        import fp8_dot_accuracy as tool
+    finally:
+        sys.path.remove("tools")
+    g = torch.Generator().manual_seed(3)
+    b, b_scale = tool.weight_codes(256, 384, g)
+    a, a_scale = tool.block_codes(5, 384, g)
+    exact = tool.exact_block_gemm(a, a_scale, b, b_scale)
+    values = (tool.dequantized(a, a_scale, 1).double()
+              @ tool.dequantized(b, b_scale, tool.BLOCK).double().T)
+    torch.testing.assert_close(exact, values, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+    same = tool.compare(exact.float(), exact)
+    assert same["bf16_elements_apart"] == 0.0 and same["max_abs_rel_error"] < 1e-7
+    shrunk = tool.compare((exact * (1 - 1e-3)).float(), exact)
+    assert shrunk["bf16_elements_apart"] > 0.1 and shrunk["share_toward_zero"] == 1.0
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "tools/fp8_dot_accuracy.py"], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr, run.stderr
+
+
 # on a GPU: the host node inside captured graphs (pytest -m cuda)
 
 def _gpu():
