@@ -72,8 +72,15 @@ Note [Large steps stream through the slots]
     chunks 1.20x the held-layer ring at the same memory, the first decode step after a prompt
     16 ms where the held ring waits 78; a lone 8k prompt 0.69x, because vLLM's offloader puts
     the chosen layers first, so the first layer's copies have nothing before them to hide
-    behind. Choosing later layers needs the lane to move its layers' experts to host memory
-    itself (vLLM's UVA offloader takes the first layers).
+    behind. Since ringflow places the chosen layers' experts itself (Note [Ringflow places
+    the chosen experts]), the resident layers sit between them: layers 1 and 3 chosen, five
+    interleaved rounds on an H100 against vLLM's prefetch offloader in the same run
+    (``experts-bench-4l-held-arena-prefetch-h100.json``): a lone 8k prompt 0.79x (was 0.71x
+    with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x. The 8k gap is bytes:
+    after decode the one window holds half of layer 1 and half of layer 3, so the step
+    copies 64 + 128 experts where the prefetch offloader, whose buffer ended decode holding
+    all of layer 1, copies 128. Ending decode with the window full of the first chosen layer
+    would close it only by giving up the other layers' decode slots.
 """
 
 from __future__ import annotations
