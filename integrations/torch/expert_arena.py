@@ -80,7 +80,9 @@ Note [Large steps stream through the slots]
     after decode the one window holds half of layer 1 and half of layer 3, so the step
     copies 64 + 128 experts where the prefetch offloader, whose buffer ended decode holding
     all of layer 1, copies 128. Ending decode with the window full of the first chosen layer
-    would close it only by giving up the other layers' decode slots.
+    would close it only by giving up the other chosen layers' slots (their decode experts
+    then read in place from host memory, as vLLM's UVA offloader reads its layer's): not
+    built; under routing that changes at every token those slots hit little anyway.
 """
 
 from __future__ import annotations
