@@ -203,7 +203,8 @@ class ExpertsSpec:
     """Routed experts from host memory through a per-layer cache (Note [Expert cache])."""
 
     layers: str | frozenset[int] | tuple[int, int]
-    slots: int | str | None  # None: a quarter of the experts, at least top_k; "auto": by memory
+    #: None: a quarter of the experts, at least top_k; "auto": by memory; a mapping: per layer
+    slots: int | str | dict[int, int] | None
     in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
@@ -219,20 +220,42 @@ class ExpertsSpec:
     host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
     host_threads: int = 0  # the host share's CPU threads; 0: the fastest measured
 
-    def slots_for(self, experts: int, top_k: int, held: int = 0, chosen: int = 1) -> int:
-        """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token
+    def slots_for(self, experts: int, top_k: int, held: int = 0, chosen: int = 1,
+                  layer: int | None = None) -> int:
+        """The cache slots of ``layer``, with ``experts`` routed experts, ``top_k`` per token
         (``slots: auto`` is sized by :func:`auto_slots` where the memory is known; here it
-        takes the default). The default, a quarter of the experts, is per chosen layer: with
-        ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps read
-        the held layers]) their share goes to the others, the same memory in all."""
+        takes the default; a mapping names each chosen layer's, checked by
+        :meth:`check_slot_layers`). The default, a quarter of the experts, is per chosen layer:
+        with ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps
+        read the held layers]) their share goes to the others, the same memory in all."""
+        if isinstance(self.slots, dict):
+            return min(self.slots[layer], experts)
         if isinstance(self.slots, int):
             return min(self.slots, experts)
         return min(experts, max(top_k, experts // 4) * chosen // (chosen - held))
 
+    def check_slot_layers(self, chosen: list[int], source: str | None) -> None:
+        """A mapping of ``slots`` names exactly the ``chosen`` layers (none held in the ring:
+        those have no slots)."""
+        if not isinstance(self.slots, dict):
+            return
+        if self.decode_from_ring:
+            raise ProfileError("experts.slots", "is a mapping per layer; with "
+                               "decode_from_ring the held layers have no slots and the others "
+                               "share theirs: give one count, or drop decode_from_ring", source)
+        named, want = sorted(self.slots), sorted(chosen)
+        if named != want:
+            extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
+            raise ProfileError("experts.slots", f"names layers {named}, the chosen MoE layers "
+                               f"are {want}" + (f": {extra} not chosen" if extra else "")
+                               + (f": {missing} without a count" if missing else "")
+                               + "; give every chosen layer its count", source)
+
     def to_mapping(self) -> dict:
         out: dict[str, Any] = {"layers": layers_mapping(self.layers)}
         if self.slots is not None:
-            out["slots"] = self.slots
+            out["slots"] = (dict(sorted(self.slots.items())) if isinstance(self.slots, dict)
+                            else self.slots)
         out["in_place_tokens"] = self.in_place_tokens
         out["lookahead"] = self.lookahead
         out["layer_tokens"] = self.layer_tokens
@@ -252,7 +275,12 @@ class ExpertsSpec:
 def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     doc = section("experts", doc, source)
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
-    if values["slots"] not in (None, "auto"):
+    if isinstance(values["slots"], dict):  # per layer: YAML gives int keys, JSON strings
+        values["slots"] = {_layer_key(k, source): int_in("experts.slots", v, source, 1, 1 << 16)
+                           for k, v in values["slots"].items()}
+        if not values["slots"]:
+            raise rejected("experts.slots", {}, source, "names no layer")
+    elif values["slots"] not in (None, "auto"):
         int_in("experts.slots", values["slots"], source, 1, 1 << 16)
     if values["layer_buffers"] != "slots":
         int_in("experts.layer_buffers", values["layer_buffers"], source, 0, 1 << 10)
@@ -267,6 +295,13 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        host_share=_host_share(values["host_share"], source),
                        host_tokens=values["host_tokens"], host_rates=values["host_rates"],
                        host_threads=values["host_threads"])
+
+
+def _layer_key(key: Any, source: str | None) -> int:
+    """A layer index of ``experts.slots``' mapping: an int, or its decimal string (JSON)."""
+    if isinstance(key, str) and key.isdigit():
+        key = int(key)
+    return int_in("experts.slots", key, source, 0, MAX_LAYERS)
 
 
 def _host_share(value: Any, source: str | None) -> str | float:

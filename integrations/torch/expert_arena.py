@@ -79,10 +79,15 @@ Note [Large steps stream through the slots]
     with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x. The 8k gap is bytes:
     after decode the one window holds half of layer 1 and half of layer 3, so the step
     copies 64 + 128 experts where the prefetch offloader, whose buffer ended decode holding
-    all of layer 1, copies 128. Ending decode with the window full of the first chosen layer
-    would close it only by giving up the other chosen layers' slots (their decode experts
-    then read in place from host memory, as vLLM's UVA offloader reads its layer's): not
-    built; under routing that changes at every token those slots hit little anyway.
+    all of layer 1, copies 128. Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same
+    rows) close it: every large step's tail carries layer 1 back whole into the window, and
+    its 120 slots adopt what the carry wrote, so decode finds all but 8 of it there and a
+    lone 8k step copies at most those 8 and layer 3's 128, the prefetch offloader's bytes.
+    The price is layer 3's decode: 8 slots, so nearly every expert it picks is copied (64
+    slots hit about half under routing that changes at every token), while layer 1 then hits
+    nearly always: about as many copies per decode step as before, on that routing. Tested on
+    the CPU (tests/unit/test_expert_arena.py: a lone large step after decode copies at most
+    what decode displaced of the first layer); not yet measured on a GPU.
 """
 
 from __future__ import annotations

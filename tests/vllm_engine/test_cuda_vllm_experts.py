@@ -99,6 +99,10 @@ ARENA_LANES = {
     # offloader's layout
     "arena-placed-13": ({"slots": 64, "layer_tokens": 8, "layers": [1, 3],
                          "layer_buffers": "slots", "engine": TRITON}, True),
+    # the same rows, layer 1 nearly the whole window (slots per layer: the bench's
+    # ringflow-arena-skewed)
+    "arena-skewed-13": ({"slots": {1: 120, 3: 8}, "layer_tokens": 8, "layers": [1, 3],
+                         "layer_buffers": "slots", "engine": TRITON}, True),
 }
 
 
@@ -260,9 +264,11 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
     layers = got["experts"]
     assert len(layers) == len(section.get("layers", range(4)))
     chosen = len(layers)
+    per_layer = section["slots"] if isinstance(section["slots"], dict) else None
     if section.get("layer_buffers") == "slots":  # one window per 128 rows of the slots
         arena = layers[0]["ring"]
-        assert arena["arena"] and arena["windows"] == chosen * section["slots"] // 128, arena
+        rows = sum(per_layer.values()) if per_layer else chosen * section["slots"]
+        assert arena["arena"] and arena["windows"] == rows // 128, arena
         assert arena["carried_steps"] >= arena["steps"] - 1 >= 2, arena
     if section.get("decode_from_ring"):  # held layers: every small step reads their buffer
         assert [layer.get("held_in_ring_buffer") for layer in layers] == [0, 1, None, None]
@@ -270,7 +276,10 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
         assert ring["held_reads"] >= 2 and ring["carried_steps"] == ring["steps"] >= 3, ring
         layers = layers[2:]
     for layer in layers:
-        assert layer["slots"] == section["slots"] and layer["misses"] > section["slots"]
+        if per_layer:  # (a layer keeping 120 of 128 experts misses little)
+            assert layer["slots"] == per_layer[layer["layer"]] and layer["misses"] > 0
+        else:
+            assert layer["slots"] == section["slots"] and layer["misses"] > section["slots"]
         ring = layer["ring"]
         if section.get("layer_buffers", 2):  # 3 long prompts, plus vLLM's warm-up steps
             assert ring["steps"] >= 3 and ring["fills"] >= chosen * ring["steps"], ring
