@@ -6,6 +6,7 @@ parser that builds it from its mapping (checked against :data:`~ringflow.orchest
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,21 +230,23 @@ class ExpertsSpec:
         with ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps
         read the held layers]) their share goes to the others, the same memory in all."""
         if isinstance(self.slots, dict):
+            if layer not in self.slots:
+                raise ProfileError("experts.slots", f"is a mapping per layer and names no "
+                                   f"layer {layer}; give every chosen layer its count", None)
             return min(self.slots[layer], experts)
         if isinstance(self.slots, int):
             return min(self.slots, experts)
         return min(experts, max(top_k, experts // 4) * chosen // (chosen - held))
 
-    def check_slot_layers(self, chosen: list[int], source: str | None) -> None:
-        """A mapping of ``slots`` names exactly the ``chosen`` layers (none held in the ring:
-        those have no slots)."""
+    def check_slot_layers(self, chosen: list[int], source: str | None,
+                          among: bool = False) -> None:
+        """A mapping of ``slots`` names exactly the ``chosen`` layers (with ``among``: only
+        layers among them, as the front end knows the pattern but not which layers are MoE)."""
         if not isinstance(self.slots, dict):
             return
-        if self.decode_from_ring:
-            raise ProfileError("experts.slots", "is a mapping per layer; with "
-                               "decode_from_ring the held layers have no slots and the others "
-                               "share theirs: give one count, or drop decode_from_ring", source)
         named, want = sorted(self.slots), sorted(chosen)
+        if among:
+            want = [i for i in want if i in self.slots]
         if named != want:
             extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
             raise ProfileError("experts.slots", f"names layers {named}, the chosen MoE layers "
@@ -276,10 +279,7 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     doc = section("experts", doc, source)
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
     if isinstance(values["slots"], dict):  # per layer: YAML gives int keys, JSON strings
-        values["slots"] = {_layer_key(k, source): int_in("experts.slots", v, source, 1, 1 << 16)
-                           for k, v in values["slots"].items()}
-        if not values["slots"]:
-            raise rejected("experts.slots", {}, source, "names no layer")
+        values["slots"] = _slots_per_layer(values, source)
     elif values["slots"] not in (None, "auto"):
         int_in("experts.slots", values["slots"], source, 1, 1 << 16)
     if values["layer_buffers"] != "slots":
@@ -297,11 +297,32 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        host_threads=values["host_threads"])
 
 
-def _layer_key(key: Any, source: str | None) -> int:
-    """A layer index of ``experts.slots``' mapping: an int, or its decimal string (JSON)."""
-    if isinstance(key, str) and key.isdigit():
-        key = int(key)
-    return int_in("experts.slots", key, source, 0, MAX_LAYERS)
+def _slots_per_layer(values: dict, source: str | None) -> dict[int, int]:
+    """``experts.slots`` as a mapping {layer: count} (keys: ints, or their decimal strings as
+    JSON writes them), checked against what the section says without the model: each layer
+    once, among a list of ``layers``, and not beside a knob that sizes every layer alike."""
+    out: dict[int, int] = {}
+    for key, count in values["slots"].items():
+        if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
+            key = int(key)
+        layer = int_in("experts.slots", key, source, 0, MAX_LAYERS)
+        if layer in out:
+            raise ProfileError("experts.slots", f"names layer {layer} twice", source)
+        out[layer] = int_in("experts.slots", count, source, 1, 1 << 16)
+    if not out:
+        raise rejected("experts.slots", {}, source, "names no layer")
+    for knob, off in (("decode_from_ring", False), ("host_share", "off")):
+        if values[knob] not in (off, None, 0):
+            raise ProfileError("experts.slots", f"is a mapping per layer; {knob} sizes every "
+                               f"layer from one count (" + ("the held layers have no slots"
+                               if knob == "decode_from_ring" else "its split is predicted "
+                               "from the first layer's hit rate") + "): give one count, or "
+                               f"leave {knob} off", source)
+    layers = values["layers"]
+    if isinstance(layers, list) and sorted(out) != sorted(set(layers)):
+        spec = ExpertsSpec(layers="all", slots=out, in_place_tokens=0, lookahead=False)
+        spec.check_slot_layers(sorted(set(layers)), source)
+    return out
 
 
 def _host_share(value: Any, source: str | None) -> str | float:

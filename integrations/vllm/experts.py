@@ -246,8 +246,11 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     if envs.text("RINGFLOW_DUMP"):
         _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
-    cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
-           if isinstance(spec.slots, int) and spec.slots > first.experts else "")
+    over = ({i: n for i, n in spec.slots.items() if i in caches and n > caches[i].experts}
+            if isinstance(spec.slots, dict) else
+            spec.slots if isinstance(spec.slots, int) and spec.slots > first.experts else None)
+    cut = (f" (experts.slots: {over} asked, cut to the layer's {first.experts} experts)"
+           if over else "")
     if spec.slots == "auto":
         cut = (f" (experts.slots: auto, {auto_said})" if auto_said
                else " (experts.slots: auto, the default on the CPU build: it has no device "

@@ -76,14 +76,15 @@ def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
     assert lane.ring.rows_in_place >= len(cached)
 
 
-SKEWED = [E - 1, 1, 1, 1]  # one window, nearly all of it the first layer's
+SKEWED = [E - 3, 1, 1, 1]  # the 12 rows of equal slots (3 each): one window, most of it
+# the first layer's
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
 def test_a_first_layer_given_nearly_the_window_keeps_it_between_large_steps(poison_reads):
-    """Per-layer slots (``experts.slots`` as a mapping): the first chosen layer holds all but
-    one of its experts between steps, so a lone large step after decode copies at most
-    what decode displaced of it (where equal slots copy three quarters of it), and every
+    """Per-layer slots (``experts.slots`` as a mapping), the same rows as 3 each: the first
+    chosen layer holds 9 of its 12 experts between steps, so a lone large step after decode
+    copies only the rest of it (where equal slots copy three quarters of it), and every
     step still equals the float64 MoE with the trace proved."""
     lane, hosts = make_lane(SKEWED, poison_reads=poison_reads)
     assert lane.ring.windows == 1
@@ -96,14 +97,14 @@ def test_a_first_layer_given_nearly_the_window_keeps_it_between_large_steps(pois
         run_step(lane, hosts, 2, 20 + s)  # decode after the last large step
     first = lane.caches[LAYERS[0]]
     cached = {e for e in first.expert_in[:first.slots].tolist() if e >= 0}
-    assert len(cached) >= E - 2  # the carried fill gave it back, decode moved at most one
+    assert len(cached) >= E - 4  # the carried fill gave its 9 slots back, decode moved one
     start, before = len(ops), lane.ring.rows_from_host
     assert_exact(*run_step(lane, hosts, 8, 30))
     skewed = lane.ring.rows_from_host - before
     read = next(i for i in range(start, len(ops)) if ops[i].kind == "read" and ops[i].on == 0)
     placed = {e for op in ops[start:read] if op.kind == "place" and op.on == 0
               for e, _ in op.pairs}
-    assert placed == set(range(E)) - cached and len(placed) <= 2
+    assert placed == set(range(E)) - cached and len(placed) <= 4
     # the other layers pass through the one window, and the tail carries the first back
     assert skewed == len(placed) + 3 * E + E
     check_lane(ops, 0)

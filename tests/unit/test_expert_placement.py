@@ -286,9 +286,10 @@ def test_on_a_gpu_at_most_one_layers_experts_are_ever_in_device_memory():
     resident = torch.cuda.memory_allocated() - base
     assert placement.layers == [1, 2, 3, 5, 6, 7]
     assert resident < 3 * 64 * 2**20, resident / 2**20  # layers 0 and 4 only
-    # above the two resident layers, one layer being built (the H100 at b9654fc: 192 MiB peak,
-    # 128 MiB resident); the first form held every layer's experts at once
-    assert peak - resident < 2 * 64 * 2**20, (peak / 2**20, resident / 2**20)
+    # above the two resident layers, one layer being built, not two (the H100 at b9654fc:
+    # a 192 MiB peak, the resident layers' 128 MiB by construction); the first form held
+    # every layer's experts at once
+    assert peak - resident < 1.5 * 64 * 2**20, (peak / 2**20, resident / 2**20)
     for i, layer in enumerate(built):
         w = layer.mlp.routed_experts.w13_weight
         assert w.is_cuda and in_host_memory(w.data_ptr()) == (i % 4 != 0), i

@@ -357,8 +357,19 @@ def test_slots_per_layer_round_trip_and_must_name_exactly_the_chosen_layers():
         with pytest.raises(ProfileError, match=words) as err:
             spec.check_slot_layers(chosen, None)
         assert err.value.field == "experts.slots"
-    with pytest.raises(ProfileError, match="decode_from_ring the held layers have no slots"):
-        load({"slots": {1: 8}, "decode_from_ring": True}).experts.check_slot_layers([1], None)
+    spec.check_slot_layers([0, 1, 2, 3], None, among=True)  # the front end: a pattern's
+    with pytest.raises(ProfileError, match=r"\[5\] not chosen"):      # layers, MoE or not
+        load({"slots": {1: 8, 5: 8}}).experts.check_slot_layers([0, 1, 2, 3], None, among=True)
+    with pytest.raises(ProfileError, match="names no layer 2"):
+        spec.slots_for(128, 8, layer=2)
+    for section, words in (({"decode_from_ring": True}, "the held layers have no slots"),
+                           ({"host_share": "auto"}, "first layer's hit rate"),
+                           ({"layers": [1, 2]}, r"\[3\] not chosen: \[2\] without a count"),
+                           ({"slots": {1: 8, "1": 9}}, "names layer 1 twice"),
+                           ({"slots": {"\u00b2": 8}}, "experts.slots")):
+        with pytest.raises(ProfileError, match=words) as err:
+            load({"slots": {1: 8, 3: 8}, **section})
+        assert err.value.field == "experts.slots"
     load({"slots": 8}).experts.check_slot_layers([0, 5], None)  # one count: any layers
 
 

@@ -508,11 +508,13 @@ def test_the_fp8_sums_tool_measures_against_exact_block_sums():
     a machine without a GPU the tool says so and does nothing."""
     import subprocess
     import sys
-    sys.path.insert(0, "tools")
+    from pathlib import Path
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    sys.path.insert(0, tools)
     try:
         import fp8_dot_accuracy as tool
     finally:
-        sys.path.remove("tools")
+        sys.path.remove(tools)
     g = torch.Generator().manual_seed(3)
     b, b_scale = tool.weight_codes(256, 384, g)
     a, a_scale = tool.block_codes(5, 384, g)
@@ -525,8 +527,8 @@ def test_the_fp8_sums_tool_measures_against_exact_block_sums():
     shrunk = tool.compare((exact * (1 - 1e-3)).float(), exact)
     assert shrunk["bf16_elements_apart"] > 0.1 and shrunk["share_toward_zero"] == 1.0
     if not torch.cuda.is_available():
-        run = subprocess.run([sys.executable, "tools/fp8_dot_accuracy.py"], capture_output=True,
-                             text=True, timeout=120)
+        run = subprocess.run([sys.executable, f"{tools}/fp8_dot_accuracy.py"],
+                             capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr, run.stderr
 
 
