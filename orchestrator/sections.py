@@ -249,8 +249,9 @@ class ExpertsSpec:
             want = [i for i in want if i in self.slots]
         if named != want:
             extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
-            raise ProfileError("experts.slots", f"names layers {named}, the chosen MoE layers "
-                               f"are {want}" + (f": {extra} not chosen" if extra else "")
+            raise ProfileError("experts.slots", f"names layers {named}, the chosen layers "
+                               f"{'among them ' if among else ''}are {want}"
+                               + (f": {extra} not chosen" if extra else "")
                                + (f": {missing} without a count" if missing else "")
                                + "; give every chosen layer its count", source)
 
@@ -319,7 +320,8 @@ def _slots_per_layer(values: dict, source: str | None) -> dict[int, int]:
                                "from the first layer's hit rate") + "): give one count, or "
                                f"leave {knob} off", source)
     layers = values["layers"]
-    if isinstance(layers, list) and sorted(out) != sorted(set(layers)):
+    if (isinstance(layers, list) and all(type(i) is int for i in layers)
+            and sorted(out) != sorted(set(layers))):  # (other lists: layer_pattern says why)
         spec = ExpertsSpec(layers="all", slots=out, in_place_tokens=0, lookahead=False)
         spec.check_slot_layers(sorted(set(layers)), source)
     return out
