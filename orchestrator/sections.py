@@ -242,18 +242,8 @@ class ExpertsSpec:
                           among: bool = False) -> None:
         """A mapping of ``slots`` names exactly the ``chosen`` layers (with ``among``: only
         layers among them, as the front end knows the pattern but not which layers are MoE)."""
-        if not isinstance(self.slots, dict):
-            return
-        named, want = sorted(self.slots), sorted(chosen)
-        if among:
-            want = [i for i in want if i in self.slots]
-        if named != want:
-            extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
-            raise ProfileError("experts.slots", f"names layers {named}, the chosen layers "
-                               f"{'among them ' if among else ''}are {want}"
-                               + (f": {extra} not chosen" if extra else "")
-                               + (f": {missing} without a count" if missing else "")
-                               + "; give every chosen layer its count", source)
+        if isinstance(self.slots, dict):
+            _check_slot_layers(self.slots, chosen, source, among)
 
     def to_mapping(self) -> dict:
         out: dict[str, Any] = {"layers": layers_mapping(self.layers)}
@@ -320,11 +310,24 @@ def _slots_per_layer(values: dict, source: str | None) -> dict[int, int]:
                                "from the first layer's hit rate") + "): give one count, or "
                                f"leave {knob} off", source)
     layers = values["layers"]
-    if (isinstance(layers, list) and all(type(i) is int for i in layers)
-            and sorted(out) != sorted(set(layers))):  # (other lists: layer_pattern says why)
-        spec = ExpertsSpec(layers="all", slots=out, in_place_tokens=0, lookahead=False)
-        spec.check_slot_layers(sorted(set(layers)), source)
+    if isinstance(layers, list) and all(type(i) is int for i in layers):  # (other lists:
+        _check_slot_layers(out, layers, source)                           # layer_pattern's)
     return out
+
+
+def _check_slot_layers(slots: dict[int, int], chosen: list[int], source: str | None,
+                       among: bool = False) -> None:
+    """``slots`` (per layer) names exactly the ``chosen`` layers, or with ``among`` only
+    layers among them."""
+    named = sorted(slots)
+    want = sorted(i for i in set(chosen) if i in slots or not among)
+    if named != want:
+        extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
+        raise ProfileError("experts.slots", f"names layers {named}, the chosen layers "
+                           f"{'among them ' if among else ''}are {want}"
+                           + (f": {extra} not chosen" if extra else "")
+                           + (f": {missing} without a count" if missing else "")
+                           + "; give every chosen layer its count", source)
 
 
 def _host_share(value: Any, source: str | None) -> str | float:
