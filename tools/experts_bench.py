@@ -271,6 +271,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from ringflow.bench import records
+    from ringflow.bench.exit import exit_now
 
     model = Path(tempfile.mkdtemp()) / "qwen3-a3b"
     model.mkdir()
@@ -459,7 +460,8 @@ def main() -> int:
                 print(f"[experts-bench] {name} {key}: x{cell['vs_vllm-prefetch']} vLLM's prefetch "
                       f"offloader, x{cell.get('vs_vllm-uva', '-')} its UVA offloader")
     sys.stdout.flush()
-    os._exit(0)  # engine shutdown can hang; the results are written
+    exit_now()  # engine shutdown can hang; the results are written
+
 
 
 if __name__ == "__main__":

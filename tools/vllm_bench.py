@@ -90,6 +90,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from ringflow.bench import records
+    from ringflow.bench.exit import exit_now
 
     model = Path(tempfile.mkdtemp()) / "llama8b"
     model.mkdir()
@@ -185,7 +186,7 @@ def main() -> int:
               f"{r.get('decode_vs_resident', '-')} | {r.get('prefill_vs_vllm', '-')} | "
               f"{r.get('decode_vs_vllm', '-')} | {r.get('kv_tokens_vs_vllm', '-')} |")
     sys.stdout.flush()
-    os._exit(0)  # engine shutdown can hang; the results are written
+    exit_now()  # engine shutdown can hang; the results are written
 
 
 if __name__ == "__main__":

@@ -155,7 +155,9 @@ def main() -> int:
         mode, config = args.one.split("/", 1)
         Path(args.out).write_text(json.dumps(census(mode, config)))
         sys.stdout.flush()
-        os._exit(0)  # engine shutdown can hang; the census is written
+        from ringflow.bench.exit import exit_now
+
+        exit_now()  # engine shutdown can hang; the census is written
 
     from vllm_layer_cost import CONFIGS, GRAPH_MODES
 

@@ -96,6 +96,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from ringflow.bench import records
+    from ringflow.bench.exit import exit_now
 
     model = Path(tempfile.mkdtemp()) / "llama8b"
     model.mkdir()
@@ -166,7 +167,7 @@ def main() -> int:
               f"{r['decode_s_median']} | {r['mixed_s_median']} | {r.get('prefill_vs_plain', '-')} "
               f"| {r.get('decode_vs_plain', '-')} | {r.get('mixed_vs_plain', '-')} |")
     sys.stdout.flush()
-    os._exit(0)  # engine shutdown can hang; the results are written
+    exit_now()  # engine shutdown can hang; the results are written
 
 
 if __name__ == "__main__":
