@@ -28,10 +28,6 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   the lane over the others with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
   windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
   through the slots]), the same device memory;
-* ``ringflow-arena-skewed``: the arena's layers and rows, the first chosen layer nearly a
-  window of them (``skewed_slots``: {1: 120, 3: 8} at 4 layers): every large step's tail
-  leaves it whole there, so a lone long prompt copies little of it, as the prefetch
-  offloader finds its first layer prefetched;
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the windows' fills;
@@ -110,7 +106,7 @@ FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-skewed", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
+         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -160,17 +156,6 @@ def arena_layers(layers: int) -> list[int]:
     return [i for i in range(layers) if i not in resident]
 
 
-def skewed_slots(layers: int, top_k: int = 8) -> dict[int, int]:
-    """``ringflow-arena-skewed``'s slots: the arena's rows (as ``ringflow-arena``'s), the first
-    chosen layer as many of them as it has experts short of ``top_k`` per other layer, the
-    others the rest alike: {1: 120, 3: 8} at 4 layers."""
-    chosen = arena_layers(layers)
-    total = len(chosen) * held_slots(layers)
-    first = min(128, total - top_k * (len(chosen) - 1))
-    rest = (total - first) // (len(chosen) - 1)
-    return {chosen[0]: first, **{i: rest for i in chosen[1:]}}
-
-
 def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     layer_gib = 128 * expert_bytes(fp8) / 2**30
@@ -196,10 +181,6 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-arena": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena", "experts": {
                 "layers": arena_layers(layers), "slots": held_slots(layers),
-                "layer_buffers": "slots"}}}},
-        "ringflow-arena-skewed": {**lane, "additional_config": {"ringflow": {
-            "name": "experts-bench-arena-skewed", "experts": {
-                "layers": arena_layers(layers), "slots": skewed_slots(layers),
                 "layer_buffers": "slots"}}}},
         "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena-first", "experts": {
@@ -461,7 +442,6 @@ def main() -> int:
                       f"offloader, x{cell.get('vs_vllm-uva', '-')} its UVA offloader")
     sys.stdout.flush()
     exit_now()  # engine shutdown can hang; the results are written
-
 
 
 if __name__ == "__main__":

@@ -76,18 +76,19 @@ Note [Large steps stream through the slots]
     the chosen experts]), the resident layers sit between them: layers 1 and 3 chosen, five
     interleaved rounds on an H100 against vLLM's prefetch offloader in the same run
     (``experts-bench-4l-held-arena-prefetch-h100.json``): a lone 8k prompt 0.79x (was 0.71x
-    with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x. The 8k gap is bytes:
-    after decode the one window holds half of layer 1 and half of layer 3, so the step
-    copies 64 + 128 experts where the prefetch offloader, whose buffer ended decode holding
-    all of layer 1, copies 128. Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same
-    rows) close it: every large step's tail carries layer 1 back whole into the window, and
-    its 120 slots adopt what the carry wrote, so decode finds all but 8 of it there and a
-    lone 8k step copies at most those 8 and layer 3's 128, the prefetch offloader's bytes.
-    The price is layer 3's decode: 8 slots, so nearly every expert it picks is copied (64
-    slots hit about half under routing that changes at every token), while layer 1 then hits
-    nearly always: about as many copies per decode step as before, on that routing. Tested on
-    the CPU (tests/unit/test_expert_arena.py: a lone large step after decode copies at most
-    what decode displaced of the first layer); not yet measured on a GPU.
+    with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x.
+
+    The 8k gap is not bytes. The window's counters (the bench's worker report) average,
+    over the run's 56 large steps (lone 8k prompts and 32k prompts in 8k chunks alike), three
+    fills per step (layer 1, layer 3, layer 1 carried for the next step) of about 120 rows
+    in place and 265 copied: the prefetch offloader copies 256 experts per step by its
+    design (layer 3 into its one buffer, layer 1 back for the next step). A layout that gave
+    layer 1 nearly the whole window (slots per layer, ``{1: 120, 3: 8}``, built and measured
+    on the H100 in December 2026: ``experts-bench-4l-arena-skewed-prefetch-h100.json``)
+    copied the same rows (14,552 against 14,843 over 56 steps) and ran a lone 8k prompt at
+    0.60x the prefetch offloader (60 ms a step against 36), 32k at 0.96x: it was removed.
+    Where the lone 8k step's extra 10-24 ms go, with the offloader's bytes and ordering, is
+    not known; a profile of that step is the next measurement.
 """
 
 from __future__ import annotations

@@ -19,15 +19,13 @@ from tests.helpers.expert_lanes import (E, H, K, LAYERS, SIZES, assert_exact, ho
                                         layer_experts, on_a_gpu,
                                         replay_small_step_after_large_steps, routing, run_step)
 
-def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_reads=False,
+def make_lane(slots: int = 3, device="cpu", stream=None, poison_reads=False,
               layer_tokens: int = 6):
     """A lane over LAYERS whose large steps stream through its caches' rows: ``slots`` per
-    layer (or each layer's, a list), ``sum // E`` windows."""
+    layer, ``4 * slots // E`` windows."""
     hosts = hosts_on(device)
-    counts = slots if isinstance(slots, list) else [slots] * len(LAYERS)
-    rows, views = arena_rows(hosts[LAYERS[0]], counts, device)
-    caches = {i: ExpertCache(hosts[i], n, device, rows=v)
-              for i, n, v in zip(LAYERS, counts, views)}
+    rows, views = arena_rows(hosts[LAYERS[0]], [slots] * len(LAYERS), device)
+    caches = {i: ExpertCache(hosts[i], slots, device, rows=v) for i, v in zip(LAYERS, views)}
     arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens), hosts
 
@@ -74,46 +72,6 @@ def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
     placed = {e for op in ops[:read] if op.kind == "place" and op.on == 0 for e, _ in op.pairs}
     assert placed == set(range(E)) - cached  # the rest came from host memory
     assert lane.ring.rows_in_place >= len(cached)
-
-
-SKEWED = [E - 3, 1, 1, 1]  # the 12 rows of equal slots (3 each): one window, most of it
-# the first layer's
-
-
-@pytest.mark.parametrize("poison_reads", [False, True])
-def test_a_first_layer_given_nearly_the_window_keeps_it_between_large_steps(poison_reads):
-    """Per-layer slots (``experts.slots`` as a mapping), the same rows as 3 each: the first
-    chosen layer holds 9 of its 12 experts between steps, so a lone large step after decode
-    copies only the rest of it (where equal slots copy three quarters of it), and every
-    step still equals the float64 MoE with the trace proved."""
-    lane, hosts = make_lane(SKEWED, poison_reads=poison_reads)
-    assert lane.ring.windows == 1
-    ops = []
-    lane.trace_all(ops)
-    lane.forget()
-    for s, tokens in enumerate(SIZES):
-        assert_exact(*run_step(lane, hosts, tokens, s))
-    for s in range(4):
-        run_step(lane, hosts, 2, 20 + s)  # decode after the last large step
-    first = lane.caches[LAYERS[0]]
-    cached = {e for e in first.expert_in[:first.slots].tolist() if e >= 0}
-    assert len(cached) >= E - 4  # the carried fill gave its 9 slots back, decode moved one
-    start, before = len(ops), lane.ring.rows_from_host
-    assert_exact(*run_step(lane, hosts, 8, 30))
-    skewed = lane.ring.rows_from_host - before
-    read = next(i for i in range(start, len(ops)) if ops[i].kind == "read" and ops[i].on == 0)
-    placed = {e for op in ops[start:read] if op.kind == "place" and op.on == 0
-              for e, _ in op.pairs}
-    assert placed == set(range(E)) - cached and len(placed) <= 4
-    # the other layers pass through the one window, and the tail carries the first back
-    assert skewed == len(placed) + 3 * E + E
-    check_lane(ops, 0)
-    equal, hosts = make_lane(3)  # the same 12 rows, equal slots: 3 of the first layer's kept
-    for s in range(4):
-        run_step(equal, hosts, 2, 20 + s)
-    before = equal.ring.rows_from_host
-    assert_exact(*run_step(equal, hosts, 8, 30))
-    assert equal.ring.rows_from_host - before >= (E - 3) + 3 * E + E > skewed
 
 
 def joint_trace(steps=SIZES, slots=3, exact=True, poison_reads=False):

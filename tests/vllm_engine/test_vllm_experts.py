@@ -39,11 +39,6 @@ CASES = [
                                   layer_buffers="slots", lookahead=True)},  # their 16 rows
     {"name": "moe/arena-small", "model": MOE,
      "additional_config": experts(layers=[0, 1], slots=4, layer_buffers="slots")},
-    {"name": "moe/arena-skewed", "model": MOE,  # layer 0 nearly the whole window (JSON keys)
-     "additional_config": experts(layers=[0, 1], slots={0: 14, 1: 2}, layer_tokens=8,
-                                  layer_buffers="slots")},
-    {"name": "moe/slots-unchosen", "model": MOE,
-     "additional_config": experts(layers=[0, 1], slots={0: 8, 2: 8}, layer_buffers="slots")},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
@@ -171,25 +166,6 @@ def test_large_steps_stream_through_the_slots_in_vllms_engine(runs):
     refused = runs["moe/arena-small"].get("error", "")
     assert "hold 8 experts, fewer than one layer's 16: give them at least 8 slots" in refused, \
         runs["moe/arena-small"]
-
-
-def test_slots_per_layer_skew_the_window_in_vllms_engine(runs):
-    """``slots`` as a mapping (from JSON: string keys): layer 0 keeps 14 of its 16 experts,
-    layer 1 two, one window of their 16 rows; the tokens are vLLM's and the start-up line
-    gives each layer's count. A mapping naming a layer not chosen stops the start by name."""
-    off, run = runs["moe/off"], runs["moe/arena-skewed"]
-    assert "error" not in run, run["error"]
-    assert run["tokens"] == off["tokens"]
-    assert max_logprob_diff(run, off) < 1e-3
-    assert [layer["slots"] for layer in run["experts"]] == [14, 2]
-    arena = run["experts"][0]["ring"]
-    assert arena["arena"] and arena["windows"] == 1 and arena["steps"] >= 1, arena
-    said = [l for l in run["log"] if l.startswith("experts: layers [0, 1]")]
-    assert len(said) == 1 and "kept on the device per layer {0: 14, 1: 2}" in said[0], \
-        run["log"]
-    refused = runs["moe/slots-unchosen"].get("error", "")
-    assert "experts.slots" in refused and "[2] not chosen" in refused and \
-        "[1] without a count" in refused, runs["moe/slots-unchosen"]
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
