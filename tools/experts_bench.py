@@ -68,6 +68,12 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
   request over dummy weights (new experts at every token), and ``easy``, greedy (the same
   token, so the same experts, every step).
 
+``--trace DIR``: after the rounds, each engine decodes a few sampled tokens and then runs one
+lone prompt of the first ``--prefills`` size under vLLM's torch profiler (``profiler_config``,
+traces in ``DIR``); ``ringflow/bench/gpu_trace.py`` reads each trace into where the step's GPU
+time went (kernels, host-to-device copies and their rate, copies with no kernel beside them,
+idle stretches and the host calls across them), in the JSON under ``traces`` and printed.
+
 The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
 than the difference it would show says nothing. ``copy bound`` rows: the time every expert of
 every layer takes at the pinned copy rate (``PINNED_GBPS``, orchestrator/expert_model.py) next
@@ -235,6 +241,8 @@ def main() -> int:
     parser.add_argument("--fp8", choices=sorted(FP8), default=None,
                         help="fp8 experts: a checkpoint in 128x128 blocks or per tensor")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--trace", default=None,
+                        help="after the rounds, profile one lone prompt per engine; traces here")
     args = parser.parse_args()
     begun = time.perf_counter()
     prefills = [int(p) for p in args.prefills.split(",") if p]
@@ -383,6 +391,14 @@ def main() -> int:
             records.write(args.json, doc)
         return doc
 
+    traces: dict[str, dict] = {}
+    profiler = {}
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        profiler = {"profiler_config": {
+            "profiler": "torch", "torch_profiler_dir": str(Path(args.trace).resolve()),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+            "ignore_frontend": True}}
     engines, results = {}, {}
     for name, extra in chosen.items():
         t0 = time.perf_counter()
@@ -393,7 +409,7 @@ def main() -> int:
                                 enable_prefix_caching=False, kv_cache_memory_bytes=4 << 30,
                                 gpu_memory_utilization=utilization(torch),
                                 compilation_config={"cudagraph_capture_sizes": [1, 8, 64]},
-                                **extra)
+                                **profiler, **extra)
         except Exception as exc:  # a peer that cannot start is a row that says why
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
             print(f"[experts-bench] {name}: did not start: {results[name]['error']}", flush=True)
@@ -418,7 +434,40 @@ def main() -> int:
         done = round_ + 1
         summary(done)
         print(f"[experts-bench] round {done} done", flush=True)
+    if args.trace:
+        from ringflow.bench import gpu_trace
+
+        lone = prefills[0]
+        for name, llm in engines.items():
+            llm.generate(short[:1], params(routings[0], 16), use_tqdm=False)  # decode first
+            before = set(Path(args.trace).rglob("*.json"))
+            llm.start_profile(f"{name}-{lone}")
+            took = timed(llm, prompts[lone], first)
+            llm.stop_profile()
+            written = sorted(set(Path(args.trace).rglob("*.json")) - before)
+            if not written:
+                traces[name] = {"error": f"vLLM's profiler wrote no trace under {args.trace}"}
+                continue
+            traces[name] = {"prompt": lone, "wall_ms": round(1000 * took, 2),
+                            "file": str(written[-1]),
+                            **gpu_trace.summarize(gpu_trace.load(written[-1]))}
     doc = summary(done)
+    if traces:
+        doc["traces"] = traces
+        if args.json:
+            records.write(args.json, doc)
+        print("| trace | wall ms | GPU window | kernels | h2d (GB/s) | copies alone | idle | "
+              "longest gaps (ms: host calls across) |")
+        print("| --- " * 8 + "|")
+        for name, t in traces.items():
+            if "error" in t:
+                print(f"| {name} | {t['error']} |")
+                continue
+            gaps = "; ".join(f"{g['ms']} at {g['at_ms']}: {', '.join(g['host'][:2])}"
+                             for g in t["gaps"][:3])
+            print(f"| {name} | {t['wall_ms']} | {t['window_ms']} | {t['kernel_ms']} | "
+                  f"{t['h2d_ms']} ({t['h2d_gbps']}) | {t['copy_only_ms']} | {t['idle_ms']} | "
+                  f"{gaps} |")
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
         f"next_token_after_{p}_ms" for p in prefills] + [
         f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]

@@ -49,6 +49,7 @@ import torch
 
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.host_node import HostNode
+from ringflow.graphs.streams import dedicated_streams
 from ringflow.kernels.host_moe import scripted
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
@@ -247,7 +248,10 @@ class CopyLoad:
     def __init__(self, device: torch.device | str, mib: int) -> None:
         self.src = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
         self.dst = torch.empty_like(self.src, device=device)
-        self.stream = torch.cuda.Stream(self.dst.device)
+        # ringflow's own stream (Note [Dedicated streams]): torch's pool may hand out the
+        # stream vLLM captures on
+        self.stream = dedicated_streams(self, self.dst.device, ["host-rates-copy-load"],
+                                        priority=0)["host-rates-copy-load"]
         self.bytes, self.seconds, self._stop = 0, 0.0, threading.Event()
 
     def _run(self) -> None:

@@ -66,7 +66,7 @@ LAYERS = {
         ".busy_python")], "testing"),
     **dict.fromkeys([f"ringflow.bench{m}" for m in (
         "", ".names", ".records", ".workload", ".hand_ring", ".timeline", ".scenarios", ".tune",
-        ".dcp", ".exit")],
+        ".dcp", ".exit", ".gpu_trace")],
         "bench"),
     # the top: the command line and the scripts that run on a lent GPU
     "ringflow.cli": "cli", "ringflow.__main__": "cli",

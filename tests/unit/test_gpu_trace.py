@@ -1,0 +1,98 @@
+"""Where a step's GPU time went, read from a torch.profiler trace (ringflow/bench/gpu_trace.py):
+against a trace built by hand here, and on a GPU against a real one."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from ringflow.bench import gpu_trace
+from ringflow.errors import OutputError
+
+
+def x(cat, name, start_ms, end_ms, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": start_ms * 1e3,
+            "dur": (end_ms - start_ms) * 1e3, "args": args}
+
+
+def test_a_hand_made_trace_gives_its_overlap_copy_rate_and_the_sync_across_its_gap():
+    events = [
+        x("kernel", "moe", 0, 10, stream=7), x("kernel", "moe", 13, 20, stream=7),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 5, 11, stream=9, bytes=330_000_000),
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 19.5, 19.6, stream=7, bytes=8),
+        x("cuda_runtime", "cudaEventSynchronize", 10.5, 13.2),
+        x("cuda_runtime", "cudaLaunchKernel", 11.5, 11.6),
+        x("cpu_op", "aten::mm", 0, 30),  # host ops outside the GPU's window count for nothing
+    ]
+    got = gpu_trace.summarize(events)
+    assert got["window_ms"] == 20 and got["kernel_ms"] == 17
+    assert got["h2d_ms"] == 6 and got["h2d_gb"] == 0.33 and got["h2d_gbps"] == 55.0
+    assert got["overlap_ms"] == 5 and got["copy_only_ms"] == 1 and got["kernel_only_ms"] == 12
+    assert got["idle_ms"] == 2
+    (gap,) = got["gaps"]
+    assert gap["at_ms"] == 11 and gap["ms"] == 2
+    assert gap["host"][0] == "cudaEventSynchronize 2.0 ms"
+    assert gap["host"][1] == "cudaLaunchKernel 0.1 ms"
+    assert got["streams"]["9"]["copies_ms"] == 6 and got["streams"]["7"]["kernels_ms"] == 17
+
+
+def test_short_gaps_are_not_listed_and_the_longest_come_first():
+    events = [x("kernel", "k", a, a + 1, stream=1) for a in (0, 1.1, 3, 7)]
+    got = gpu_trace.summarize(events, min_gap_ms=0.5)
+    assert [g["ms"] for g in got["gaps"]] == [3.0, 0.9]  # not the 0.1 after the first
+    assert got["idle_ms"] == pytest.approx(4.0, abs=1e-9)
+    assert got["h2d_gbps"] is None
+
+
+def test_a_trace_without_gpu_work_or_a_file_that_is_no_trace_is_refused(tmp_path):
+    with pytest.raises(OutputError, match="no GPU activity"):
+        gpu_trace.summarize([x("cpu_op", "aten::mm", 0, 1)])
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"schemaVersion": 1}))
+    with pytest.raises(OutputError, match="no traceEvents"):
+        gpu_trace.load(bad)
+    with pytest.raises(OutputError, match="cannot read"):
+        gpu_trace.load(tmp_path / "missing.json")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_copy_beside_matmuls_overlaps_and_a_host_sleep_is_a_gap(tmp_path):
+    """A real trace: a pinned 256 MiB copy on ringflow's own stream beside a loop of matmuls
+    overlaps them at a host link's rate, and a host sleep between two kernels (after a
+    synchronize) is the trace's longest gap, with the synchronize across it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run `pytest -m cuda` on one")
+    from torch.profiler import ProfilerActivity, profile
+
+    from ringflow.graphs.streams import dedicated_streams
+
+    src = torch.randn(64 << 20).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    side = dedicated_streams(src, dst.device, ["trace-test"], priority=0)["trace-test"]
+    for _ in range(3):  # warm: cuBLAS handles, the copy path
+        a @ a
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        for _ in range(40):
+            a @ a
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        time.sleep(0.01)
+        a @ a
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    got = gpu_trace.summarize(gpu_trace.load(path))
+    assert torch.equal(dst.cpu(), src)
+    assert got["h2d_gb"] == pytest.approx(src.numel() * 4 / 1e9, rel=1e-3), got
+    assert 5 < got["h2d_gbps"] < 200, got
+    assert got["overlap_ms"] > 0.5 * got["h2d_ms"], got  # the matmuls outlast the copy
+    longest = got["gaps"][0]
+    assert longest["ms"] >= 9, got
+    print(json.dumps({k: v for k, v in got.items() if k != "streams"}))
