@@ -725,3 +725,20 @@ def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkey
     torch.testing.assert_close(out, want)
     with pytest.raises(KernelError, match="one pass over the slots"):
         kernel(x, {"w13": w13, "w2": w2}, weights, ids, None, True, host_rows)
+
+
+@pytest.mark.cuda
+def test_the_copy_load_copies_on_a_stream_of_ringflows_own():
+    """The start-up's host-rate measurement loads the host link on a dedicated stream (Note
+    [Dedicated streams]), never one of torch's pool that vLLM may capture on, and the copies
+    run at a host link's rate while it measures."""
+    device = _gpu()
+    from ringflow.integrations.torch.host_experts import CopyLoad
+
+    pool = {torch.cuda.Stream(device).cuda_stream for _ in range(64)}  # every pooled stream
+    with CopyLoad(device, 64) as load:
+        time.sleep(0.3)
+    assert load.stream.cuda_stream not in pool
+    assert load.stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream
+    assert load.bytes >= 2 * (64 << 20) and 5 < load.gbps < 200, (load.bytes, load.gbps)
+    assert torch.equal(load.dst[:4096].cpu(), load.src[:4096])
