@@ -78,17 +78,27 @@ Note [Large steps stream through the slots]
     (``experts-bench-4l-held-arena-prefetch-h100.json``): a lone 8k prompt 0.79x (was 0.71x
     with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x.
 
-    The 8k gap is not bytes. The window's counters (the bench's worker report) average,
-    over the run's 56 large steps (lone 8k prompts and 32k prompts in 8k chunks alike), three
-    fills per step (layer 1, layer 3, layer 1 carried for the next step) of about 120 rows
-    in place and 265 copied: the prefetch offloader copies 256 experts per step by its
-    design (layer 3 into its one buffer, layer 1 back for the next step). A layout that gave
-    layer 1 nearly the whole window (slots per layer, ``{1: 120, 3: 8}``, built and measured
-    on the H100 in December 2026: ``experts-bench-4l-arena-skewed-prefetch-h100.json``)
-    copied the same rows (14,552 against 14,843 over 56 steps) and ran a lone 8k prompt at
-    0.60x the prefetch offloader (60 ms a step against 36), 32k at 0.96x: it was removed.
-    Where the lone 8k step's extra 10-24 ms go, with the offloader's bytes and ordering, is
-    not known; a profile of that step is the next measurement.
+    Where a lone 8k prompt's time goes, traced on that H100 (``experts_bench.py --trace``,
+    ``profiles/results/experts-trace-arena-8k-h100.json``): 48.5 ms wall, kernels 12.5 ms,
+    3.02 GB copied at 55.4 GB/s in the GPU's 64 ms window (the step and its tail), 49.7 ms
+    of it with no kernel beside it, 2 ms idle. Copy-bound, not host-bound. On its critical
+    path: the start's top-up of layer 1 (decode left half of it, 64 experts, 11 ms) and layer
+    3's fill (128, 22 ms) once layer 1 retires; the tail's 128 for the next step run after
+    the token is out. The prefetch offloader's buffer ends decode holding layer 1 whole (its
+    decode copies both layers every step, 21 tok/s), so its critical path holds layer 3's
+    copy only: 11 ms of 48 less, 0.77x, as measured (0.79x). The bytes that count are those
+    before the step's last chosen layer, not the step's total (over all large steps the
+    window's counters, about 120 rows in place and 265 copied per step, equal the
+    offloader's 256).
+
+    Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
+    top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128
+    experts, about 36 ms. Measured on that H100 (five rounds,
+    ``experts-bench-4l-arena-skewed-prefetch-h100.json``) a lone 8k prompt took 60 ms, 0.60x
+    the prefetch offloader, 32k 0.96x; the second call (the same prompt and one decode step)
+    took no longer than the first, so the first waited about 24 ms, a layer's copy, for a
+    reason not found. The mapping was removed (it is in the history, 2939c4b..3d9c6a3); a
+    trace of it would say where those 24 ms went.
 """
 
 from __future__ import annotations
