@@ -251,6 +251,8 @@ def main() -> int:
     if (args.rounds < 1 or args.layers < 4 or args.chunk < 1
             or not set(routings) <= set(ROUTINGS)):
         parser.error("--rounds >= 1, --layers >= 4, --chunk >= 1, --routings among hard,easy")
+    if args.trace and not prefills:
+        parser.error("--trace profiles a prompt of the first --prefills size: give one")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloaders need V1 (0.26)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(function)
 
@@ -398,7 +400,7 @@ def main() -> int:
         profiler = {"profiler_config": {
             "profiler": "torch", "torch_profiler_dir": str(Path(args.trace).resolve()),
             "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
-            "ignore_frontend": True}}
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}}
     engines, results = {}, {}
     for name, extra in chosen.items():
         t0 = time.perf_counter()

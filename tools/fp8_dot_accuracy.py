@@ -17,9 +17,9 @@ Note [fp8 sums on Hopper]
     fp8 codes and scales of Qwen3-30B-A3B's widths, and compares each element with the exact
     sum (float64, which holds every fp8 product and their sums): the relative error, its sign
     (a truncating accumulator pulls toward zero), and how many elements round to another
-    bf16 than the exact sum would. A bf16 GEMM (cuBLAS, float32 sums) over the same values
+    bf16 than the exact sum would. A float32 GEMM (cuBLAS, TF32 off) over the same values
     is the control. If the fp8 GEMM's bf16 elements differ in more than a few per thousand
-    where the control's do not, the gap is the GPU's sums, and the host's rows (exact sums,
+    where the control's do not, the GPU's sums are not exact, and the host's rows (exact sums,
     tests/unit/test_host_experts.py) cannot give vLLM's bits without a model of the tensor
     cores; the README states the gap.
 

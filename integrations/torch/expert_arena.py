@@ -87,18 +87,26 @@ Note [Large steps stream through the slots]
     the token is out. The prefetch offloader's buffer ends decode holding layer 1 whole (its
     decode copies both layers every step, 21 tok/s), so its critical path holds layer 3's
     copy only: 11 ms of 48 less, 0.77x, as measured (0.79x). The bytes that count are those
-    before the step's last chosen layer, not the step's total (over all large steps the
-    window's counters, about 120 rows in place and 265 copied per step, equal the
-    offloader's 256).
+    before the step's last chosen layer, not the step's total: over the five-round run's 56
+    large steps the window's counters (``experts-bench-4l-held-arena-prefetch-h100.json``)
+    average 119 rows in place and 265 copied per step, 3% over the offloader's 256.
+
+    The top-up starts late, too: 6.4 ms into the window, after layer 0 and layer 1's router,
+    as ``begin`` is first reached at the first chosen layer's MoE; the copy engine idles
+    until then, and no kernel runs during the top-up's 11 ms. A top-up issued when the
+    step's forward starts would hide up to those 6 ms (not built: the lane is not called
+    before the first chosen layer).
 
     Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
     top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128
-    experts, about 36 ms. Measured on that H100 (five rounds,
-    ``experts-bench-4l-arena-skewed-prefetch-h100.json``) a lone 8k prompt took 60 ms, 0.60x
-    the prefetch offloader, 32k 0.96x; the second call (the same prompt and one decode step)
-    took no longer than the first, so the first waited about 24 ms, a layer's copy, for a
-    reason not found. The mapping was removed (it is in the history, 2939c4b..3d9c6a3); a
-    trace of it would say where those 24 ms went.
+    experts, about 39 ms (the traced 48.5 less 11 ms of top-up plus 1.4). Measured on that
+    H100 (five rounds, ``experts-bench-4l-arena-skewed-prefetch-h100.json``) a lone 8k prompt
+    took 60 ms, 0.60x the prefetch offloader, 32k 0.96x; the second call (the same prompt and
+    one decode step) took no longer than the first, so the first waited about 21 ms, about a
+    layer's copy, for a reason not found (the arena's own logic, replayed on the CPU with
+    those slots, copies 1 + 12 + 12 of 12-expert layers at such a step, as designed). The
+    mapping was removed (it is in the history, 2939c4b..3d9c6a3); a trace of it would say
+    where those 21 ms went.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"slots": 0}, "experts.slots"),
     ({"slots": "Auto"}, "experts.slots"),
     ({"slots": 1.5}, "experts.slots"),
+    ({"slots": {"1": 120, "3": 8}}, "experts.slots"),  # one count for every layer
     ({"auto_percent": 0}, "experts.auto_percent"),
     ({"auto_percent": 101}, "experts.auto_percent"),
     ({"lookahead": "often"}, "experts.lookahead"),

@@ -37,6 +37,29 @@ def test_a_hand_made_trace_gives_its_overlap_copy_rate_and_the_sync_across_its_g
     assert got["streams"]["9"]["copies_ms"] == 6 and got["streams"]["7"]["kernels_ms"] == 17
 
 
+def test_copies_across_kernel_edges_memsets_and_a_lone_device_to_host_copy():
+    """Two copies each straddling a kernel's edge (the overlap is summed over every pair), a
+    memset counted as a kernel, a device-to-host copy alone in a stretch (busy, but neither a
+    kernel nor a host-to-device copy), and ``gaps=1`` keeping only the longest."""
+    events = [
+        x("kernel", "a", 0, 4, stream=1), x("kernel", "b", 6, 10, stream=1),
+        x("gpu_memset", "Memset (Device)", 12, 13, stream=1),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3, 7, stream=2, bytes=4_000_000),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 9, 12.5, stream=2, bytes=3_500_000),
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 14, 16, stream=1, bytes=8),
+        x("kernel", "c", 17, 18, stream=1),
+    ]
+    got = gpu_trace.summarize(events, gaps=1)
+    assert got["window_ms"] == 18
+    assert got["kernel_ms"] == 10  # 4 + 4 + the memset's 1 + 1
+    assert got["h2d_ms"] == 7.5 and got["h2d_gbps"] == 1.0
+    # [3, 4] and [6, 7] of the first copy, [9, 10] and [12, 12.5] of the second
+    assert got["overlap_ms"] == 3.5 and got["copy_only_ms"] == 4
+    # busy: [0, 13], the DtoH [14, 16], [17, 18]: idle 1 + 1
+    assert got["idle_ms"] == 2
+    assert len(got["gaps"]) == 1 and got["gaps"][0]["ms"] == 1
+
+
 def test_short_gaps_are_not_listed_and_the_longest_come_first():
     events = [x("kernel", "k", a, a + 1, stream=1) for a in (0, 1.1, 3, 7)]
     got = gpu_trace.summarize(events, min_gap_ms=0.5)
@@ -60,7 +83,7 @@ def test_a_trace_without_gpu_work_or_a_file_that_is_no_trace_is_refused(tmp_path
 def test_on_a_gpu_a_copy_beside_matmuls_overlaps_and_a_host_sleep_is_a_gap(tmp_path):
     """A real trace: a pinned 256 MiB copy on ringflow's own stream beside a loop of matmuls
     overlaps them at a host link's rate, and a host sleep between two kernels (after a
-    synchronize) is the trace's longest gap, with the synchronize across it."""
+    synchronize) is the trace's longest gap."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; run `pytest -m cuda` on one")
     from torch.profiler import ProfilerActivity, profile
