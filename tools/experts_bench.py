@@ -70,9 +70,11 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
 
 ``--trace DIR``: after the rounds, each engine decodes a few sampled tokens and then runs one
 lone prompt of the first ``--prefills`` size under vLLM's torch profiler (``profiler_config``,
-traces in ``DIR``); ``ringflow/bench/gpu_trace.py`` reads each trace into where the step's GPU
-time went (kernels, host-to-device copies and their rate, copies with no kernel beside them,
-idle stretches and the host calls across them), in the JSON under ``traces`` and printed.
+traces in ``DIR``), then one request of 16 prompt tokens and 34 new ones at batch 1 (its
+kernels per token: the lane's bookkeeping beside vLLM's MoE);
+``ringflow/bench/gpu_trace.py`` reads each trace into where the GPU time went (kernels,
+host-to-device copies and their rate, copies with no kernel beside them, idle stretches and
+the host calls across them), in the JSON under ``traces`` and printed.
 
 The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
 than the difference it would show says nothing. ``copy bound`` rows: the time every expert of
@@ -439,27 +441,36 @@ def main() -> int:
     if args.trace:
         from ringflow.bench import gpu_trace
 
-        lone = prefills[0]
-        for name, llm in engines.items():
-            llm.generate(short[:1], params(routings[0], 16), use_tqdm=False)  # decode first
+        lone, burst = prefills[0], 34  # a short prompt's prefill and 33 decode steps
+
+        def traced(name: str, llm, label: str, batch, p) -> dict:
             before = set(Path(args.trace).rglob("*.json"))
-            llm.start_profile(f"{name}-{lone}")
-            took = timed(llm, prompts[lone], first)
+            llm.start_profile(f"{name}-{label}")
+            took = timed(llm, batch, p)
             llm.stop_profile()
             written = sorted(set(Path(args.trace).rglob("*.json")) - before)
             if not written:
-                traces[name] = {"error": f"vLLM's profiler wrote no trace under {args.trace}"}
-                continue
-            traces[name] = {"prompt": lone, "wall_ms": round(1000 * took, 2),
-                            "file": str(written[-1]),
-                            **gpu_trace.summarize(gpu_trace.load(written[-1]))}
+                return {"error": f"vLLM's profiler wrote no trace under {args.trace}"}
+            return {"wall_ms": round(1000 * took, 2), "file": str(written[-1]),
+                    **gpu_trace.summarize(gpu_trace.load(written[-1]))}
+
+        for name, llm in engines.items():
+            llm.generate(short[:1], params(routings[0], 16), use_tqdm=False)  # decode first
+            traces[name] = {"prompt": lone, **traced(name, llm, str(lone), prompts[lone], first)}
+            # batch-1 decode under the first routing: its kernels per token (the lane's
+            # bookkeeping beside vLLM's MoE) and its copies
+            row = traced(name, llm, "decode", short[:1], params(routings[0], burst))
+            if "kernels" in row:
+                row["kernels_per_token"] = round(row["kernels"] / burst, 1)
+                row["wall_ms_per_token"] = round(row["wall_ms"] / burst, 3)
+            traces[f"{name}/decode-b1"] = {"tokens": burst, "routing": routings[0], **row}
     doc = summary(done)
     if traces:
         doc["traces"] = traces
         if args.json:
             records.write(args.json, doc)
-        print("| trace | wall ms | GPU window | kernels | h2d (GB/s) | copies alone | idle | "
-              "longest gaps (ms: host calls across) |")
+        print("| trace | wall ms | GPU window | kernel ms (count) | h2d (GB/s) | copies alone | "
+              "idle | longest gaps (ms: host calls across) |")
         print("| --- " * 8 + "|")
         for name, t in traces.items():
             if "error" in t:
@@ -467,7 +478,8 @@ def main() -> int:
                 continue
             gaps = "; ".join(f"{g['ms']} at {g['at_ms']}: {', '.join(g['host'][:2])}"
                              for g in t["gaps"][:3])
-            print(f"| {name} | {t['wall_ms']} | {t['window_ms']} | {t['kernel_ms']} | "
+            print(f"| {name} | {t['wall_ms']} | {t['window_ms']} | {t['kernel_ms']} "
+                  f"({t['kernels']}) | "
                   f"{t['h2d_ms']} ({t['h2d_gbps']}) | {t['copy_only_ms']} | {t['idle_ms']} | "
                   f"{gaps} |")
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [

@@ -74,7 +74,8 @@ def _is_h2d(e: dict) -> bool:
 
 
 def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dict:
-    """One step's GPU time, in ms from its first GPU event to its last (see the module).
+    """One step's GPU time, in ms from its first GPU event to its last (see the module);
+    ``kernels`` counts the kernels launched (a CUDA graph's, one per node).
 
     ``copy_only_ms``: host-to-device copies with no kernel running (a layer waiting for its
     experts); ``kernel_only_ms``: kernels with no such copy; ``overlap_ms``: both; ``idle_ms``:
@@ -114,6 +115,7 @@ def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
     return {
         "window_ms": round((end - start) / 1e3, 3),
         "kernel_ms": round(_length(kernels) / 1e3, 3),
+        "kernels": sum(1 for e in gpu if e["cat"] == "kernel"),
         "h2d_ms": round(h2d_us / 1e3, 3),
         "h2d_gb": round(h2d_bytes / 1e9, 4),
         "h2d_gbps": round(h2d_bytes / h2d_us / 1e3, 1) if h2d_us else None,

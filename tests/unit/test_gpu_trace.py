@@ -26,7 +26,7 @@ def test_a_hand_made_trace_gives_its_overlap_copy_rate_and_the_sync_across_its_g
         x("cpu_op", "aten::mm", 0, 30),  # host ops outside the GPU's window count for nothing
     ]
     got = gpu_trace.summarize(events)
-    assert got["window_ms"] == 20 and got["kernel_ms"] == 17
+    assert got["window_ms"] == 20 and got["kernel_ms"] == 17 and got["kernels"] == 2
     assert got["h2d_ms"] == 6 and got["h2d_gb"] == 0.33 and got["h2d_gbps"] == 55.0
     assert got["overlap_ms"] == 5 and got["copy_only_ms"] == 1 and got["kernel_only_ms"] == 12
     assert got["idle_ms"] == 2
@@ -51,7 +51,7 @@ def test_copies_across_kernel_edges_memsets_and_a_lone_device_to_host_copy():
     ]
     got = gpu_trace.summarize(events, gaps=1)
     assert got["window_ms"] == 18
-    assert got["kernel_ms"] == 10  # 4 + 4 + the memset's 1 + 1
+    assert got["kernel_ms"] == 10 and got["kernels"] == 3  # 4 + 4 + the memset's 1 + 1
     assert got["h2d_ms"] == 7.5 and got["h2d_gbps"] == 1.0
     # [3, 4] and [6, 7] of the first copy, [9, 10] and [12, 12.5] of the second
     assert got["overlap_ms"] == 3.5 and got["copy_only_ms"] == 4
