@@ -244,7 +244,8 @@ def main() -> int:
                         help="fp8 experts: a checkpoint in 128x128 blocks or per tensor")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--trace", default=None,
-                        help="after the rounds, profile one lone prompt per engine; traces here")
+                        help="after the rounds, profile one lone prompt and one batch-1 decode "
+                             "request per engine; traces here")
     args = parser.parse_args()
     begun = time.perf_counter()
     prefills = [int(p) for p in args.prefills.split(",") if p]

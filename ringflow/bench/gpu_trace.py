@@ -14,6 +14,7 @@ it the same.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -24,9 +25,11 @@ HOST_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def load(path: str | Path) -> list[dict]:
-    """The trace's events (a Chrome trace file as ``export_chrome_trace`` writes it)."""
+    """The trace's events (a Chrome trace file as ``export_chrome_trace`` writes it, or
+    gzipped, ``.gz``, as vLLM's profiler writes it by default)."""
     try:
-        doc = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        doc = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
     except (OSError, ValueError) as exc:
         raise OutputError(f"cannot read the trace {path}: {exc}") from exc
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
@@ -89,7 +92,7 @@ def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
     end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in gpu)
     kernels = _union(_spans(events, ("kernel", "gpu_memset")))
     copies = _union(_spans(events, ("gpu_memcpy",), _is_h2d))
-    busy = _union(kernels + copies + _spans(events, ("gpu_memcpy",)))
+    busy = _union(kernels + _spans(events, ("gpu_memcpy",)))  # copies either way
     overlap = _length(_intersect(kernels, copies))
     idle = [(a, b) for a, b in zip([start] + [b for _, b in busy], [a for a, _ in busy] + [end])
             if b - a >= min_gap_ms * 1e3]

@@ -79,6 +79,15 @@ def test_a_trace_without_gpu_work_or_a_file_that_is_no_trace_is_refused(tmp_path
         gpu_trace.load(tmp_path / "missing.json")
 
 
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
+    """vLLM's profiler gzips its traces unless told not to."""
+    import gzip
+
+    doc = {"traceEvents": [x("kernel", "k", 0, 2, stream=1)]}
+    (tmp_path / "t.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    assert gpu_trace.summarize(gpu_trace.load(tmp_path / "t.json.gz"))["kernel_ms"] == 2
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_a_copy_beside_matmuls_overlaps_and_a_host_sleep_is_a_gap(tmp_path):
     """A real trace: a pinned 256 MiB copy on ringflow's own stream beside a loop of matmuls
