@@ -37,8 +37,9 @@ Note [Host rows round as the kernel]
     smallest scale is 1 / (448 * 512). The host follows it: on the H100 its rows rounded
     as the unfused path put the block-fp8 test model's top-5 logprobs 0.58-0.83 away from
     all-resident, where bf16 rows sat within 0.06; following the fused kernel, 0.31-0.59
-    (b9654fc): the GPU's fp8 sums themselves are the suspect (Note [fp8 sums on Hopper] in
-    tools/fp8_dot_accuracy.py, which measures them). With DeepGEMM's E8M0 scales (vLLM's
+    (b9654fc): the likely cause is the GPU's fp8 sums, 5.9-7.0% of whose outputs round to
+    another bf16 than the exact sums the host takes (Note [fp8 sums on Hopper] in
+    tools/fp8_dot_accuracy.py, measured on an H100). With DeepGEMM's E8M0 scales (vLLM's
     choice where the deep_gemm package is installed) vLLM skips the fused kernel and rounds
     every activation scale to a power of two; the host does not model that, so the host
     share refuses block-fp8 experts there (``host_rows_unlike_vllms`` in
