@@ -37,6 +37,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-host``: the lane with ``host_share: auto``: decode steps of up to 8 tokens hand
   part of each layer's misses to the host's CPU, the share the host's rates (measured at the
   engine's start) predict makes the copy and the CPU finish together (Note [Host split]);
+* ``ringflow-held-host``: ``ringflow-held`` with ``host_share: auto`` on the layers it does
+  not hold: at batch 1 the fastest copy-only layout, its remaining misses split with the CPU;
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -113,8 +115,9 @@ FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
        "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
+#: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host")  # the expert lane's variants (worker_report rows)
+         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host", "ringflow-held-host")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -198,6 +201,11 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",
                                                                 host_share="auto")},
+        # held layers for decode (the fastest copy-only layout at batch 1) with the host
+        # computing its share of the other layers' misses (Note [Host split])
+        "ringflow-held-host": {**lane, "additional_config": experts(
+            "experts-bench-held-host", decode_from_ring=True, slots=held_slots(layers),
+            host_share="auto")},
         # vLLM offloads whole parameters until its count reaches cpu_offload_gb: the exact
         # layers' worth (a float), where a whole GiB rounded up (2 at 4 layers, as this bench
         # gave it until December 2026) took 2 of the 4 layers off the device, not 1

@@ -742,3 +742,45 @@ def test_the_copy_load_copies_on_a_stream_of_ringflows_own():
     assert load.stream.cuda_stream != torch.cuda.current_stream(device).cuda_stream
     assert load.bytes >= 2 * (64 << 20) and 5 < load.gbps < 200, (load.bytes, load.gbps)
     assert torch.equal(load.dst[:4096].cpu(), load.src[:4096])
+
+
+# the host share beside the lane's large-step layouts (held layers, the arena)
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+@pytest.mark.parametrize("layout", ["held", "arena"])
+def test_a_host_share_beside_held_layers_or_the_arena_equals_the_float64_moe(layout, share):
+    """The bench's fastest decode layouts with a host share: held layers (no cache, so no host
+    share) or the arena's windows (its carried fills may still write the slots a small step
+    reads). Small steps hand the cached layers' misses to the host, large steps take the ring
+    or the windows; every step equals the float64 MoE, each cached layer's host ran at every
+    small step, and the lane's joint trace, host operations among the caches', proves."""
+    from ringflow.orchestrator.expert_hazards import check_lane
+    from tests.helpers.expert_lanes import LAYERS, SIZES, run_step
+    from tests.unit import test_expert_arena, test_expert_layers
+    if layout == "held":
+        base, hosts = test_expert_layers.make_lane(2, slots=6, hold=True, from_slots=False)
+    else:
+        base, hosts = test_expert_arena.make_lane(slots=6)
+    cached = sorted(base.caches)
+    host = HostExperts({i: base.caches[i].host for i in cached}, H, K, 4, "cpu", torch.float32)
+    host.out.fill_(float("nan"))
+    policy = HostPolicy({t: share for t in range(1, 5)}, "test")
+    lane = ExpertLane(base.caches, base.computes, base.ring, base.layer_tokens, host=host,
+                      host_policy=policy)
+    ops: list = []
+    lane.trace_all(ops)
+    lane.forget()  # the held layers carried again, now traced (the proof starts from empty)
+    try:
+        for s, tokens in enumerate(SIZES):
+            got, want = run_step(lane, hosts, tokens, s)
+            for i in LAYERS:
+                torch.testing.assert_close(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+        small = sum(t <= 4 for t in SIZES)
+        rows = {r["layer"]: r for r in lane.report()}
+        assert sorted(i for i, r in rows.items() if "host_share" in r) == cached
+        assert all(rows[i]["host_share"]["runs"] == small for i in cached)
+        assert sum(rows[i]["host_share"]["computed"] for i in cached) > 0
+        assert {op.kind for op in ops} >= {"stage", "cpu", "sum"}
+        check_lane(ops, lane.ring.buffers if layout == "held" else 0)
+    finally:
+        lane.close()

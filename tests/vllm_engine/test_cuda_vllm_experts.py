@@ -163,6 +163,14 @@ HOST_LANES = {
     "host-half": {"slots": 32, "layer_buffers": 0, "host_share": 0.5},
     "host-all": {"slots": 32, "layer_buffers": 0, "host_share": 1.0},
     "host-auto": {"slots": 32, "layer_buffers": 0, "host_share": "auto"},
+    # beside the bench's decode layouts: layers 0 and 1 held whole in the ring (no cache, so
+    # no host share there), 2 and 3 on 64 slots; the arena over layers 1 and 3 (placed by
+    # ringflow), its prompts through a window of the slots. Prompts of 8+ tokens take the
+    # held ring or the window, decode steps the caches with half their misses on the CPU
+    "host-held-half": {"slots": 64, "layer_tokens": 8, "decode_from_ring": True,
+                       "host_share": 0.5},
+    "host-arena-half": {"slots": 64, "layer_tokens": 8, "layers": [1, 3],
+                        "layer_buffers": "slots", "host_share": 0.5},
 }
 #: the CPU computes its experts' rows with its own GEMMs, rounded where vLLM's kernel rounds
 #: but summed in another order (Note [Host rows round as the kernel]), and vLLM's moe_sum sums
@@ -441,7 +449,9 @@ def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(host_runs, 
     gap, diverged = gap_until_divergence(got, want)
     assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
     decode_steps = 4 * 11  # 4 prompts, 12 tokens each: the first from the prefill
-    for layer in layers:
+    cached = [layer for layer in layers if "held_in_ring_buffer" not in layer]
+    assert len(cached) == (2 if name in ("host-held-half", "host-arena-half") else 4), layers
+    for layer in cached:
         host = layer["host_share"]
         # a run at every decode step; experts at most steps (a step whose experts all hit
         # hands none)
