@@ -44,12 +44,14 @@ Note [Host node]
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import platform
 import threading
 import time
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 
@@ -82,12 +84,15 @@ def _driver() -> ctypes.CDLL:
 
 class HostNode:
     """Runs ``serve(flags, *args)`` (a TorchScript loop, Note [Host node]) on a thread of its
-    own with ``threads`` CPU threads (0: torch's default), woken at each ``post()`` and
-    joined at each ``join()`` on ``device``'s current stream; ``fail()`` marks the work's
-    output bad when the loop raised. ``name`` names the thread."""
+    own with ``threads`` CPU threads (0: torch's default), inside the context ``ranges()``
+    makes on that thread (the profiler that turns the loop's ranges into NVTX ones: Note
+    [Host work in NVTX] in graphs/nvtx_ranges.py), woken at each ``post()`` and joined at
+    each ``join()`` on ``device``'s current stream; ``fail()`` marks the work's output bad
+    when the loop raised. ``name`` names the thread."""
 
     def __init__(self, serve, args: tuple, device: torch.device | str, name: str,
-                 fail: Callable[[], None] = lambda: None, threads: int = 0) -> None:
+                 fail: Callable[[], None] = lambda: None, threads: int = 0,
+                 ranges: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.device = (device if isinstance(device, torch.device)
                        else torch.empty(0, device=device).device)
         if self.device.type == "cuda" and platform.machine() not in ("x86_64", "AMD64"):
@@ -95,7 +100,7 @@ class HostNode:
                               f"x86's store order; on {platform.machine()} the GPU could see "
                               f"the flag first: set experts.host_share to off")
         self.serve, self.args, self.fail, self.name = serve, args, fail, name
-        self.threads = threads
+        self.threads, self.ranges = threads, ranges
         self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.error: BaseException | None = None
         self._stopping = False
@@ -110,7 +115,8 @@ class HostNode:
         if self.threads:  # torch's CPU threads are per thread: these are this worker's
             torch.set_num_threads(self.threads)
         try:
-            self.serve(self.flags, *self.args)
+            with self.ranges():  # on this thread: a profiler's state is per thread
+                self.serve(self.flags, *self.args)
             return
         except BaseException as exc:  # noqa: BLE001: the stream must not wait for good
             self.error = exc

@@ -5,6 +5,19 @@ the per-node cost is one push and one pop); without it, torch's own NVTX binding
 build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
 ``RINGFLOW_NVTX=0`` (or ``off``, ``false``, ``no``) turns ranges off.
 
+Note [Host work in NVTX]
+    A host node's worker (Note [Host node]) runs no Python, so it cannot push ranges through
+    this module. Its TorchScript loop wraps each run in a profiler range (``record_function``,
+    ``ringflow/experts/host/L<layer>``), and while a tool records ranges its thread runs the
+    loop under torch's NVTX profiler (``emit_nvtx``), which turns that range, and every torch
+    op inside it, into NVTX ranges on the worker's own thread (default domain). That profiler
+    adds a callback to every op, which the host's runs carry while Nsight records them (not
+    measured: the ranges may read long); without a tool (``NVTX_INJECTION64_PATH`` unset, or
+    ranges off) the loop runs under no profiler, and a range in a TorchScript loop with no
+    profiler cost nothing measurable on this project's CPU machine. A profiler's
+    state is per thread: vLLM's own torch profiler (``--trace``) sees vLLM's thread, not the
+    worker's.
+
 .. note::
     Ranges are host-side. Under a CUDA graph they appear once, at capture, not at replay; a
     replay gets one range (``ringflow/replay/<bucket>``) and per-node detail comes from
@@ -13,10 +26,14 @@ build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
 
 from __future__ import annotations
 
-from ringflow import envs
+import contextlib
+import os
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
+
+from ringflow import envs
 
 
 class _Null:
@@ -126,3 +143,20 @@ def ranged(message: str, fn: Callable[[], None]) -> Callable[[], None]:
             backend.pop()
 
     return run
+
+
+def tool_attached() -> bool:
+    """Whether ranges are on and a tool records them: NVTX finds its tool through
+    ``NVTX_INJECTION64_PATH``, which Nsight sets in the process it launches."""
+    return (bool(os.environ.get("NVTX_INJECTION64_PATH"))
+            and os.environ.get("NVTX_DISABLE", "0") in ("", "0")
+            and not isinstance(select_backend(), _Null))
+
+
+def host_thread_ranges() -> ContextManager:
+    """The context a host node's worker thread runs its loop in (Note [Host work in NVTX]):
+    torch's NVTX profiler on that thread while a tool records ranges on a CUDA build, else
+    nothing."""
+    if tool_attached() and torch.cuda.is_available():
+        return torch.autograd.profiler.emit_nvtx()
+    return contextlib.nullcontext()

@@ -157,12 +157,14 @@ def serve_experts(flags: torch.Tensor, meta: torch.Tensor, rows: torch.Tensor,
                   ids: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor,
                   out: torch.Tensor, w13s: List[torch.Tensor], w2s: List[torch.Tensor],
                   w13_scales: List[Optional[torch.Tensor]],
-                  w2_scales: List[Optional[torch.Tensor]], counts: torch.Tensor) -> int:
+                  w2_scales: List[Optional[torch.Tensor]], counts: torch.Tensor,
+                  names: List[str]) -> int:
     """A host node's loop (Note [Host node]) for the expert lane's host share (Note [Host
     experts]): at each doorbell (``flags[0]`` set), the staged step (``meta``: its tokens and
-    its layer's position) from that layer's store, into ``out``; ``counts[position]`` gains
-    one run and the experts computed; then ``flags[1]`` says done. A negative doorbell ends
-    it. Returns the runs."""
+    its layer's position) from that layer's store, into ``out``, inside a profiler range
+    named ``names[position]`` (an NVTX range where the thread emits them: Note [Host work
+    in NVTX]); ``counts[position]`` gains one run and the experts computed; then ``flags[1]``
+    says done. A negative doorbell ends it. Returns the runs."""
     runs = 0
     while True:
         go = int(flags[0])
@@ -173,8 +175,10 @@ def serve_experts(flags: torch.Tensor, meta: torch.Tensor, rows: torch.Tensor,
             break
         t = min(max(int(meta[0]), 0), rows.shape[0])
         p = min(max(int(meta[1]), 0), len(w13s) - 1)
+        span = torch.ops.profiler._record_function_enter_new(names[p], None)
         n = moe_on_host(rows[:t], w13s[p], w2s[p], weights[:t], ids[:t], mine, out[:t],
                         w13_scales[p], w2_scales[p])
+        torch.ops.profiler._record_function_exit(span)  # a raise ends the loop and the thread
         counts[p, 0] += 1
         counts[p, 1] += n
         runs += 1

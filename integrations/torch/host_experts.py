@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import torch
 
 from ringflow.errors import ConfigError, KernelError
+from ringflow.graphs import nvtx_ranges
 from ringflow.graphs.host_node import HostNode
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.kernels.host_moe import scripted
@@ -132,9 +133,9 @@ class HostExperts:
             (self.meta, self.rows, self.ids, self.weights, self.mine, self.out,
              [s["w13"] for s in stores], [s["w2"] for s in stores],
              [s.get("w13_scale") for s in stores], [s.get("w2_scale") for s in stores],
-             self.counts),
+             self.counts, [f"ringflow/experts/host/L{layer}" for layer in self.layers]),
             self.device, "ringflow/experts/host", fail=lambda: self.out.fill_(float("nan")),
-            threads=threads)
+            threads=threads, ranges=nvtx_ranges.host_thread_ranges)
         self.stream_name = "host"
         self._launched: int | None = None  # the layer launched and not yet joined
 

@@ -205,6 +205,35 @@ def test_no_range_is_wrapped_where_none_would_be_recorded(nvtx_recorder, monkeyp
     assert nvtx_ranges.backend.name == "nvtx" and nvtx_ranges.ranged("x", step) is step
 
 
+def test_a_host_workers_thread_profiles_its_runs_only_while_a_tool_records(monkeypatch):
+    """Note [Host work in NVTX]: the worker's thread runs under torch's NVTX profiler only
+    with ranges on, a tool attached (``NVTX_INJECTION64_PATH``, set by Nsight) and not
+    ``NVTX_DISABLE``, on a CUDA build; otherwise under no profiler (its ranges cost nothing)."""
+    import contextlib
+
+    from ringflow.graphs import nvtx_ranges
+    on = type("Recording", (), {"name": "nvtx"})()
+    real = nvtx_ranges.select_backend
+    monkeypatch.setattr(nvtx_ranges, "select_backend", lambda: on)
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    monkeypatch.delenv("NVTX_DISABLE", raising=False)
+    assert not nvtx_ranges.tool_attached()
+    assert isinstance(nvtx_ranges.host_thread_ranges(), contextlib.nullcontext)
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsight/libToolsInjection64.so")
+    assert nvtx_ranges.tool_attached()
+    made = nvtx_ranges.host_thread_ranges()
+    if torch.cuda.is_available():
+        assert isinstance(made, torch.autograd.profiler.emit_nvtx)
+    else:  # torch's NVTX profiler needs a CUDA build
+        assert isinstance(made, contextlib.nullcontext)
+    monkeypatch.setenv("NVTX_DISABLE", "1")
+    assert not nvtx_ranges.tool_attached()
+    monkeypatch.delenv("NVTX_DISABLE")
+    monkeypatch.setattr(nvtx_ranges, "select_backend", real)
+    monkeypatch.setenv("RINGFLOW_NVTX", "0")  # ranges off: the real choice, before any NVTX
+    assert not nvtx_ranges.tool_attached()
+
+
 def test_a_lease_misused_by_a_hand_built_order_is_a_lease_error():
     # The executor checks lease states as it goes: compute reading a slot never marked ready.
     pool = SlotPool("kv", (4,), torch.float32, depth=0, workspace_bytes=1 << 10)

@@ -260,6 +260,42 @@ def test_a_join_without_its_launch_is_refused_not_left_to_wait():
         host.close()
 
 
+def test_each_host_run_is_a_range_named_by_its_layer_on_the_workers_own_thread(monkeypatch):
+    """Note [Host work in NVTX]: the worker's loop wraps each run in a range named by the
+    layer it computed for, recorded by whatever profiler its thread runs under
+    (``host_thread_ranges``: torch's NVTX one under Nsight; here torch's CPU profiler, which
+    sees the thread it was started on only), one per run."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ringflow.graphs import nvtx_ranges
+    seen: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def recorded():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield
+        seen["worker"] = [e.name for e in prof.events()]
+
+    monkeypatch.setattr(nvtx_ranges, "host_thread_ranges", recorded)
+    w13, w2 = experts()
+    host = HostExperts({1: {"w13": w13, "w2": w2}, 3: {"w13": w13.flip(0), "w2": w2.flip(0)}},
+                       H, K, 2, "cpu", torch.float32)
+    mine = torch.ones(E, dtype=torch.bool)
+    try:
+        for s, layer in enumerate([1, 3, 1]):
+            ids, weights = routing(30 + s, 1)
+            host.launch(layer, torch.randn(1, H), weights, ids, mine)
+            host.join(1)
+    finally:
+        host.close()  # the worker's profiler ends with its loop
+    names = seen["worker"]
+    assert names.count("ringflow/experts/host/L1") == 2, names
+    assert names.count("ringflow/experts/host/L3") == 1, names
+    assert "aten::linear" in names  # the run's own ops, inside it
+
+
 # the host node (Note [Host node])
 
 def doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -586,11 +622,24 @@ def test_a_replayed_graph_rings_the_host_node_at_every_replay():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("nvtx", [False, True])
 @pytest.mark.parametrize("share", [0.5, 1.0])
-def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(share):
+def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(share, nvtx,
+                                                                               monkeypatch):
     """A lane decode step of 2 tokens with a host share, captured once and replayed with new
     routings: each replay equals the float64 MoE (slots and the host's output poisoned), and
-    the host computed experts at every replay."""
+    the host computed experts at every replay; with ``nvtx``, as under Nsight, the worker's
+    thread runs under torch's NVTX profiler (Note [Host work in NVTX])."""
+    from ringflow.graphs import nvtx_ranges
+    made = []
+    real = nvtx_ranges.host_thread_ranges
+
+    def ranges():
+        made.append(real())
+        return made[-1]
+
+    monkeypatch.setattr(nvtx_ranges, "tool_attached", lambda: nvtx)
+    monkeypatch.setattr(nvtx_ranges, "host_thread_ranges", ranges)
     dev = _gpu()
     w13, w2 = experts()
     cache = ExpertCache({"w13": w13.pin_memory(), "w2": w2.pin_memory()}, 2 * K, dev)
@@ -633,6 +682,7 @@ def test_a_captured_lane_step_computes_new_routings_on_the_host_at_every_replay(
             torch.testing.assert_close(out.cpu().double(), moe_ref(hidden, w13, w2, w, ids),
                                        rtol=1e-4, atol=1e-4)
         assert host.describe(0)["runs"] == runs + 6 and int(cache.host_computed) > 0
+        assert [type(m).__name__ for m in made] == ["emit_nvtx" if nvtx else "nullcontext"]
     finally:
         torch.cuda.synchronize()
         lane.close()
