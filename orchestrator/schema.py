@@ -319,6 +319,12 @@ FIELDS: dict[str, ProfileField] = {
                                       "than layer_buffers; off by default (measured on an "
                                       "H100 only: profiles/results/README.md)",
                                       False),
+    "experts.early_start": _flag("with layer_buffers: slots, a large step starts at vLLM's "
+                                 "execute_model, before its forward: the top-up of the carried "
+                                 "window copies while the host prepares the step and the "
+                                 "layers before the first chosen one compute (Note [Large "
+                                 "steps start early]); off by default: built without a GPU, "
+                                 "not measured yet", False),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -213,6 +213,7 @@ class ExpertsSpec:
     ring_from_slots: bool = True  # fills take what the slots hold (Note [Ring fills from the slots])
     lend_slots: bool = False  # the tail lends the carried layers' slots (Note [Ring lends the ...])
     decode_from_ring: bool = False  # small steps read the held layers (Note [Small steps read ...])
+    early_start: bool = False  # an arena's large step starts before its forward (Note [Large ...])
     auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
     host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
     host_tokens: int = 8  # the host share serves steps of at most this many tokens
@@ -240,6 +241,7 @@ class ExpertsSpec:
         out["ring_from_slots"] = self.ring_from_slots
         out["lend_slots"] = self.lend_slots
         out["decode_from_ring"] = self.decode_from_ring
+        out["early_start"] = self.early_start
         out["auto_percent"] = self.auto_percent
         out["host_share"] = self.host_share
         out["host_tokens"] = self.host_tokens
@@ -263,6 +265,7 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        ring_from_slots=values["ring_from_slots"],
                        lend_slots=values["lend_slots"],
                        decode_from_ring=values["decode_from_ring"],
+                       early_start=values["early_start"],
                        auto_percent=values["auto_percent"],
                        host_share=_host_share(values["host_share"], source),
                        host_tokens=values["host_tokens"], host_rates=values["host_rates"],

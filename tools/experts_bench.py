@@ -28,6 +28,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   the lane over the others with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
   windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
   through the slots]), the same device memory;
+* ``ringflow-arena-early``: ``ringflow-arena`` whose large steps start at vLLM's
+  ``execute_model`` (``early_start: true``, Note [Large steps start early]);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the windows' fills;
@@ -117,7 +119,7 @@ SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host", "ringflow-held-host")
+         "ringflow-arena-early", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host", "ringflow-held-host")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -193,6 +195,10 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
             "name": "experts-bench-arena", "experts": {
                 "layers": arena_layers(layers), "slots": held_slots(layers),
                 "layer_buffers": "slots"}}}},
+        "ringflow-arena-early": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-arena-early", "experts": {
+                "layers": arena_layers(layers), "slots": held_slots(layers),
+                "layer_buffers": "slots", "early_start": True}}}},
         "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena-first", "experts": {
                 "layers": list(range(layers - RING)), "slots": held_slots(layers),

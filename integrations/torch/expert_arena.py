@@ -93,9 +93,24 @@ Note [Large steps stream through the slots]
 
     The top-up starts late, too: 6.4 ms into the window, after layer 0 and layer 1's router,
     as ``begin`` is first reached at the first chosen layer's MoE; the copy engine idles
-    until then, and no kernel runs during the top-up's 11 ms. A top-up issued when the
-    step's forward starts would hide up to those 6 ms (not built: the lane is not called
-    before the first chosen layer).
+    until then, and no kernel runs during the top-up's 11 ms. Hence the early start below.
+
+Note [Large steps start early]
+    ``prepare`` runs step 1 of Note [Large steps stream through the slots] (the copy stream's
+    wait, the tables, the carried fills' top-up, the fills ahead) before the step's forward
+    is issued: in vLLM, at the model runner's ``execute_model``, from the step's scheduled
+    token count (``experts.early_start``). The top-up then copies while the host prepares
+    the step's inputs and the layers before the first chosen one compute, where ``begin(0)``
+    would have issued it at the first chosen layer's MoE; the table read's host sync then
+    waits for the previous step, not for this step's first layers. ``begin(0)`` goes on from
+    there. What a prepare issued stays correct whatever follows it: a small step instead
+    (``before_small``) waits for the windows' fills and makes the next large step start
+    afresh, as after a tail's carried fill; a forward that starts at another position
+    restarts there; a second prepare tops up again. The order it relies on: everything that
+    read or wrote the rows before it was issued on the stream current at the prepare, which
+    the step's layers must run on too (``begin`` refuses another). What it should gain, by
+    the trace above: up to the 6.4 ms the copy engine idled at a lone 8k prompt's start,
+    plus the host's input preparation (not measured yet: built without a GPU).
 
     Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
     top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128
@@ -205,6 +220,8 @@ class ExpertArena:
         self._table_event = torch.cuda.Event() if cuda else None
         self.trace: list[ExpertOp] | None = None
         self.steps = self.carried_steps = self.fills = self.topped_up = 0
+        self.early_starts = 0
+        self._early: object | None = None  # the stream a prepare ordered its fills after
         self.rows_in_place = self.rows_from_host = 0
 
     @property
@@ -225,8 +242,15 @@ class ExpertArena:
                               f"{position}")
         if self._reading is not None:  # the layer before raised: its read never ended
             self._drop_reading()
+        if self._early is not None and position == 0 and self._early != self._stream_id():
+            raise KernelError(f"the expert arena's large step was prepared on stream "
+                              f"{self._early} and its first layer runs on "
+                              f"{self._stream_id()}: its early fills are ordered after the "
+                              f"first only (Note [Large steps start early]); set "
+                              f"experts.early_start to false")
         if self.starting(position):
             self._start(position)
+        self._early = None
         self._fill_ahead()
         w = self._at.pop(position)
         compute = self._current()
@@ -255,10 +279,22 @@ class ExpertArena:
             self._next -= self.layers  # what was filled past the end is the next step's
         self._fill_ahead()
 
+    def prepare(self) -> bool:
+        """A large step is about to run, its forward not yet issued: start it now (Note [Large
+        steps start early]); its ``begin(0)`` goes on from here. Returns True (it started)."""
+        if self._reading is not None:
+            self._drop_reading()
+        self._start(0)
+        self._fill_ahead()
+        self._expected, self._early = 0, self._stream_id()
+        self.early_starts += 1
+        return True
+
     def before_small(self, position: int) -> None:
         """A small step of ``position`` reads and installs its slots next (and its lookahead
         the next layer's): order it after every window's latest fill (step 4 of the Note)."""
-        self._expected = None  # the next large step starts afresh: tables read, copy waits
+        self._expected = self._early = None  # the next large step starts afresh: tables
+        # read, copy waits
         compute = self._current()
         for w in range(self.windows):
             if compute is not None:
@@ -267,7 +303,11 @@ class ExpertArena:
 
     def starting(self, position: int) -> bool:
         """Whether ``begin(position)`` starts a step (step 1 of the Note: the tables are read
-        there, so the caller joins any side stream still installing into the slots first)."""
+        there, so the caller joins any side stream still installing into the slots first):
+        at position 0, unless ``prepare`` started it; anywhere the step in progress did not
+        expect."""
+        if self._early is not None and position == 0:
+            return False
         return position == 0 or position != self._expected
 
     def forget(self) -> None:
@@ -436,6 +476,11 @@ class ExpertArena:
     def _current(self) -> torch.cuda.Stream | None:
         return None if self.stream is None else torch.cuda.current_stream(self.device)
 
+    def _stream_id(self) -> object:
+        """The current compute stream's handle ("compute" on the CPU)."""
+        current = self._current()
+        return "compute" if current is None else current.cuda_stream
+
     def _trace_rows(self, kind: str, stream: str, position: int, w: int) -> None:
         if self.trace is None:
             return
@@ -453,7 +498,8 @@ class ExpertArena:
     def describe(self) -> dict:
         return {"arena": True, "layers": self.layers, "windows": self.windows,
                 "rows": len(self._owner), "steps": self.steps,
-                "carried_steps": self.carried_steps, "fills": self.fills,
+                "carried_steps": self.carried_steps, "early_starts": self.early_starts,
+                "fills": self.fills,
                 "topped_up": self.topped_up, "rows_in_place": self.rows_in_place,
                 "rows_from_host": self.rows_from_host}
 

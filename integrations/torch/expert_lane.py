@@ -83,14 +83,15 @@ class ExpertLane:
     """The chosen layers' ``caches`` (decoder index → cache), one ``ring`` over the same layers
     in index order (None: no ring), ``computes`` per layer, and the lookaheads (layer → its
     guess of the next chosen layer, Note [Expert lookahead]) and the engine's ``modules`` per
-    layer; see Note [Expert lane modes]."""
+    layer; with ``early_start``, ``prepare_step`` starts large steps before their forward
+    (Note [Large steps start early]); see Note [Expert lane modes]."""
 
     def __init__(self, caches: Mapping[int, ExpertCache], computes: Mapping[int, Compute],
                  ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
                  lookaheads: Mapping[int, Lookahead] | None = None,
                  modules: Mapping[int, object] | None = None,
                  host: HostExperts | None = None,
-                 host_policy: HostPolicy | None = None) -> None:
+                 host_policy: HostPolicy | None = None, early_start: bool = False) -> None:
         layers = sorted(computes)
         #: the ring's held layers (Note [Small steps read the held layers]): no cache
         self.held = layers[:ring.held] if ring is not None else []
@@ -112,6 +113,8 @@ class ExpertLane:
         self._ranges = {layer: {kind: nvtx_ranges.handle(f"ringflow/experts/{kind}/L{layer}")
                                 for kind in ("fetch", "moe", "lookahead", "layer", "stage")}
                         for layer in layers}
+        self.early_start = early_start  # prepare_step starts large steps (Note [Large ...])
+        self._prepare_range = nvtx_ranges.handle("ringflow/experts/prepare")
         self.said_capture = False
         if (host is None) != (host_policy is None) or not set(
                 host.layers if host else ()) <= set(caches):
@@ -147,6 +150,18 @@ class ExpertLane:
                          "ring", tokens)
             return False
         return True
+
+    def prepare_step(self, tokens: int) -> bool:
+        """The engine is about to issue a step of ``tokens`` tokens (its forward not yet
+        begun): with ``early_start``, a large one starts its ring now where the ring has
+        something to start early (the arena: Note [Large steps start early]). Returns
+        whether it did."""
+        device = next(iter(self.caches.values())).device
+        if not self.early_start or not self.uses_ring(tokens, device):
+            return False
+        for lookahead in self.ahead.values():  # as at a start in forward: a decode step that
+            lookahead.join()  # raised may have left guesses installing into the slots
+        return nvtx_ranges.call(self._prepare_range, self.ring.prepare)
 
     def forward(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, may_fork: Callable[[], bool] = lambda: True

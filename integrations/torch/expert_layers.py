@@ -359,6 +359,12 @@ class ExpertLayerRing:
         any side stream still installing into the slots first)."""
         return position == 0 or self._reading is not None or self._head() != position
 
+    def prepare(self) -> bool:
+        """A large step is about to run: nothing to start early (the arena's differs, Note
+        [Large steps start early]); small steps never write the ring's buffers, so the
+        carried ones need no top-up. Returns False."""
+        return False
+
     def before_small(self, position: int) -> None:
         """A small step of cached layer ``position`` is next: the ring's buffers are not its
         slots, nothing to order (the arena's differs, Note [Large steps stream through the

@@ -233,7 +233,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     ahead = _lookaheads(decoder, caches, sorted(found)) if spec.lookahead else {}
     on_host, policy = host_shares(spec, caches, modules, vllm_config)
     lane = ExpertLane(caches, computes, ring, spec.layer_tokens, ahead, modules, on_host,
-                      policy)
+                      policy, early_start=spec.early_start)
     for i, experts in modules.items():
         if not compat.shadow(state, _FORWARD, experts, _forward(i, lane)):
             raise UnsupportedModelError(f"experts: layer {i}'s {type(experts).__qualname__}."
@@ -283,8 +283,12 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
 def streams_through_slots(spec, source: str | None) -> bool:
     """Whether large steps stream through the slots' memory (``layer_buffers: slots``, Note
     [Large steps stream through the slots]); refused beside ``lend_slots``, which lends slots
-    to a ring of layer buffers."""
+    to a ring of layer buffers; ``early_start`` without it is refused."""
     if spec.layer_buffers != "slots":
+        if spec.early_start:
+            raise ProfileError("experts.early_start", "starts a large step's windows of the "
+                               "slots before its forward; it needs layer_buffers: slots (a "
+                               "ring of layer buffers has nothing to start early)", source)
         return False
     if spec.lend_slots:
         raise ProfileError("experts.layer_buffers", "'slots' streams large steps through the "
@@ -440,6 +444,19 @@ def _kernel_name(experts) -> str:
 #: vLLM's experts classes whose kernels honour ``expert_map`` (blocks of experts mapped to -1
 #: write zeros); FlashInfer's and others' do not, and would compute the wrong experts
 MAPPED_KERNELS = ("TritonExperts",)
+
+
+def on_execute_model(state: PluginState, original, runner, scheduler_output, *args, **kwargs):
+    """The hook on a model runner's ``execute_model``, before vLLM prepares the step: a large
+    step of a lane with ``early_start`` starts its windows now (Note [Large steps start
+    early]), from the step's scheduled token count; vLLM's dummy runs are left alone."""
+    if state.expert_lanes and not kwargs.get("dummy_run"):
+        get_model = getattr(runner, "get_model", None)
+        lane = state.expert_lanes.get(get_model()) if get_model is not None else None
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
+        if lane is not None and lane.early_start and tokens:
+            lane.prepare_step(int(tokens))
+    return original(runner, scheduler_output, *args, **kwargs)
 
 
 def worker_report(worker=None) -> list[dict]:

@@ -163,6 +163,16 @@ SURFACES: tuple[Surface, ...] = (
     Surface("vllm.model_executor.layers.fused_moe.runner.shared_experts", "SharedExpertsOrder",
             "read", "experts", "read: the order in which the lane calls a layer's shared experts "
             "where vLLM's kernel would compute them"),
+    Surface(_V1_RUNNER, "GPUModelRunner.execute_model", "method", "experts",
+            "before vLLM prepares a step: a large step of an expert lane with early_start "
+            "starts its windows of the slots (Note [Large steps start early])",
+            versions=((0, 26), (0, 33)), hook="ringflow.integrations.vllm.experts:"
+            "on_execute_model", params=("self", "scheduler_output"), required=False,
+            group="runner step"),
+    Surface(_V2_RUNNER, "GPUModelRunner.execute_model", "method", "experts",
+            "as the V1 runner's (the V2 runner; the only one from 0.34)",
+            hook="ringflow.integrations.vllm.experts:on_execute_model",
+            params=("self", "scheduler_output"), required=False, group="runner step"),
     Surface(_WORKER, "Worker.initialize_from_config", "method", "order",
             "marks the KV cache sized (no ring may be allocated after it) and logs what the "
             "rings took and what vLLM sized", hook=f"{_W}:on_initialize_from_config",

@@ -27,7 +27,8 @@ def make_lane(slots: int = 3, device="cpu", stream=None, poison_reads=False,
     rows, views = arena_rows(hosts[LAYERS[0]], [slots] * len(LAYERS), device)
     caches = {i: ExpertCache(hosts[i], slots, device, rows=v) for i, v in zip(LAYERS, views)}
     arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
-    return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens), hosts
+    return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens,
+                      early_start=True), hosts
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
@@ -127,6 +128,111 @@ def _before_read(ops, wait):
     return i + 1 < len(ops) and ops[i + 1].kind == "read" and ops[i + 1].on is not None
 
 
+# large steps started before their forward (Note [Large steps start early])
+
+#: what the engine says before each step (``prepare_step``), then the step's own tokens:
+#: prepared and run; a prepare for a step that runs small after all (a small step follows,
+#: then a large one prepared twice); a large step not prepared
+PREPARED = [(8, 8), (1, 1), (2, 2), (9, 9), (12, 1), (6, 6), (7, 7), (7, 7), (1, 1), (None, 8),
+            (1, 1)]
+
+
+def prepared_trace(slots=3, twice=(6,)):
+    lane, hosts = make_lane(slots)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()
+    for s, (said, tokens) in enumerate(PREPARED):
+        if said is not None:
+            started = lane.prepare_step(said)
+            assert started == (said >= lane.layer_tokens)
+            if tokens in twice and started:
+                assert lane.prepare_step(said)  # a second prepare before the forward
+        assert_exact(*run_step(lane, hosts, tokens, s))
+    return lane, ops
+
+
+@pytest.mark.parametrize("slots", [3, 6, 12])
+def test_large_steps_started_early_equal_the_float64_moe_and_the_joint_trace_proves(slots):
+    """Steps prepared by the engine before their forward: each large one's start (the top-up
+    and the fills ahead) is issued at the prepare, its first layer goes on from there;
+    outputs equal the float64 MoE on both sides of the threshold, a prepare whose step runs
+    small leaves nothing wrong behind, each started step is counted once, and the lane's joint
+    trace proves with every early start in it."""
+    lane, ops = prepared_trace(slots)
+    arena = lane.ring
+    large = sum(t >= 6 for _, t in PREPARED)
+    prepared = sum(said is not None and said >= 6 for said, _ in PREPARED)
+    assert arena.early_starts == prepared + 1  # the twice-prepared step: one more
+    # a start per large step, one per prepare whose step ran small, one per second prepare
+    assert arena.steps == large + 1 + 1
+    assert lane.report()[0]["ring"]["early_starts"] == arena.early_starts
+    check_lane(ops, 0)
+
+
+def test_an_early_start_issues_the_top_up_before_the_forward():
+    """After decode steps, a prepared large step's top-up (its first layer's experts the
+    window lacks) is in the trace before the first layer's read, with nothing of the step's
+    forward between the prepare and it; begin(0) starts nothing more."""
+    lane, hosts = make_lane(slots=6)
+    run_step(lane, hosts, 8, 0)
+    for s in range(3):
+        run_step(lane, hosts, 1, 1 + s)  # decode installs over the carried window
+    lane.ring.trace = ops = []
+    steps = lane.ring.steps
+    assert lane.prepare_step(8)
+    prepared = len(ops)
+    assert any(op.kind == "place" and op.on == 0 for op in ops)  # the top-up, issued now
+    assert lane.ring.steps == steps + 1
+    assert_exact(*run_step(lane, hosts, 8, 9))
+    assert lane.ring.steps == steps + 1  # begin(0) went on from the prepare
+    first_read = next(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 0)
+    assert first_read >= prepared
+
+
+def test_an_early_start_without_its_wait_for_earlier_steps_is_caught(monkeypatch):
+    """The mutant: a prepare whose fills skip the copy stream's wait for the compute stream
+    (the decode steps before it read and installed the rows it overwrites): a cross-stream
+    hazard in the joint proof."""
+    real = ExpertArena.prepare
+
+    def unordered(arena):
+        monkeypatch.setattr(arena, "_copy_after_compute", lambda: None)
+        try:
+            return real(arena)
+        finally:
+            monkeypatch.delattr(arena, "_copy_after_compute")
+
+    monkeypatch.setattr(ExpertArena, "prepare", unordered)
+    _, ops = prepared_trace(slots=3)
+    with pytest.raises(HazardError) as err:
+        check_lane(ops, 0)
+    assert err.value.kind == "cross-stream"
+
+
+def test_a_first_layer_on_another_stream_than_its_prepare_is_refused(monkeypatch):
+    lane, hosts = make_lane(slots=6)
+    arena = lane.ring
+    monkeypatch.setattr(arena, "_stream_id", lambda: "side")
+    assert lane.prepare_step(8)
+    monkeypatch.setattr(arena, "_stream_id", lambda: "compute")
+    with pytest.raises(KernelError, match="prepared on stream side and its first layer runs "
+                                          "on compute.*early_start to false"):
+        arena.begin(0)
+    lane.forward(LAYERS[0], torch.randn(1, H), *reversed(routing(1, 1)))  # a small step:
+    assert_exact(*run_step(lane, hosts, 8, 3))  # then a large one starts afresh, exact
+
+
+def test_nothing_starts_early_without_early_start_nor_in_the_layer_ring():
+    from tests.unit.test_expert_layers import make_lane as ring_lane
+    lane, _ = make_lane(slots=6)
+    lane.early_start = False
+    assert not lane.prepare_step(8) and lane.ring.steps == lane.ring.early_starts == 0
+    lane, _ = ring_lane(2)
+    lane.early_start = True
+    assert not lane.prepare_step(8) and not lane.prepare_step(1)
+
+
 def test_rows_a_small_step_rewrote_are_copied_again(monkeypatch):
     """A fill that believes its records over the slot tables (a decode step installed over a
     row since) keeps a row that no longer holds its expert: the proof names it."""
@@ -201,6 +307,32 @@ def test_the_arena_on_a_gpu_is_exact_with_a_slow_reader_and_its_trace_proves(slo
         assert_exact(*run_step(lane, hosts, tokens, s, device="cuda"))
     check_lane(ops, 0)
     assert lane.ring.carried_steps == lane.ring.steps - 1
+
+
+@cuda
+@pytest.mark.cuda
+def test_large_steps_started_early_on_a_gpu_are_exact_and_refuse_another_stream():
+    """Note [Large steps start early] on the copy stream, a slow reader at every layer, small
+    steps installing over the carried window between (poisoned rows after each read): each
+    prepared step equals the float64 MoE, the trace proves; a first layer issued on another
+    stream than its prepare's is refused by name (its early fills were ordered after the
+    prepare's stream only)."""
+    lane, hosts = gpu_lane(slow=2_000_000, slots=3)
+    ops = []
+    lane.trace_all(ops)
+    lane.forget()
+    for s, (said, tokens) in enumerate(PREPARED):
+        if said is not None:
+            lane.prepare_step(said)
+        assert_exact(*run_step(lane, hosts, tokens, s, device="cuda"))
+    check_lane(ops, 0)
+    assert lane.ring.early_starts == sum(x is not None and x >= 6 for x, _ in PREPARED)
+    lane.trace_all(None)
+    assert lane.prepare_step(8)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        with pytest.raises(KernelError, match="prepared on stream"):
+            run_step(lane, hosts, 8, 50, device="cuda")
+    torch.cuda.synchronize()
 
 
 @cuda

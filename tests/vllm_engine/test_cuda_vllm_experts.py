@@ -99,6 +99,10 @@ ARENA_LANES = {
     # offloader's layout
     "arena-placed-13": ({"slots": 64, "layer_tokens": 8, "layers": [1, 3],
                          "layer_buffers": "slots", "engine": TRITON}, True),
+    # the same, each prompt's step started at vLLM's execute_model (Note [Large steps start
+    # early]): its top-up issued before vLLM prepares the inputs, on the stream the step runs on
+    "arena-early-13": ({"slots": 64, "layer_tokens": 8, "layers": [1, 3],
+                        "layer_buffers": "slots", "early_start": True, "engine": TRITON}, True),
 }
 
 
@@ -286,6 +290,10 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
         arena = layers[0]["ring"]
         assert arena["arena"] and arena["windows"] == chosen * section["slots"] // 128, arena
         assert arena["carried_steps"] >= arena["steps"] - 1 >= 2, arena
+        if section.get("early_start"):  # the 8-, 14- and 70-token prompts, one at a time
+            assert 3 <= arena["early_starts"] <= arena["steps"], arena
+        else:
+            assert arena["early_starts"] == 0, arena
     if section.get("decode_from_ring"):  # held layers: every small step reads their buffer
         assert [layer.get("held_in_ring_buffer") for layer in layers] == [0, 1, None, None]
         ring = layers[0]["ring"]

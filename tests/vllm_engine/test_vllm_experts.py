@@ -37,6 +37,11 @@ CASES = [
     {"name": "moe/arena", "model": MOE, "serial": True,  # layers 2, 3 resident; 0, 1 through
      "additional_config": experts(layers=[0, 1], slots=8, layer_tokens=8,  # one window of
                                   layer_buffers="slots", lookahead=True)},  # their 16 rows
+    {"name": "moe/arena-early", "model": MOE, "serial": True,  # the same, each long prompt
+     "additional_config": experts(layers=[0, 1], slots=8, layer_tokens=8,  # started at
+                                  layer_buffers="slots", early_start=True)},  # execute_model
+    {"name": "moe/early-ring", "model": MOE,  # early_start without the windows: refused
+     "additional_config": experts(layers="all", early_start=True)},
     {"name": "moe/arena-small", "model": MOE,
      "additional_config": experts(layers=[0, 1], slots=4, layer_buffers="slots")},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
@@ -166,6 +171,26 @@ def test_large_steps_stream_through_the_slots_in_vllms_engine(runs):
     refused = runs["moe/arena-small"].get("error", "")
     assert "hold 8 experts, fewer than one layer's 16: give them at least 8 slots" in refused, \
         runs["moe/arena-small"]
+
+
+def test_large_steps_started_at_execute_model_give_the_same_output(runs):
+    """``early_start`` (Note [Large steps start early]): vLLM's ``execute_model`` starts each
+    long prompt's step (the top-up of what decode installed over the carried window, the
+    tables read) before vLLM prepares its inputs; the tokens and logprobs are those of the
+    arena that starts at its first layer, and every long prompt started early (vLLM's
+    warm-up runs call the model directly, not through execute_model). Without the windows
+    the flag is refused by name."""
+    off, late, run = runs["moe/off"], runs["moe/arena"], runs["moe/arena-early"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == late["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, late) == 0.0
+    arena = run["experts"][0]["ring"]
+    long_prompts = 2  # of 8 and 14 tokens, one request at a time
+    assert long_prompts <= arena["early_starts"] <= arena["steps"], arena
+    assert late["experts"][0]["ring"]["early_starts"] == 0
+    refused = runs["moe/early-ring"].get("error", "")
+    assert "experts.early_start" in refused and "needs layer_buffers: slots" in refused, \
+        runs["moe/early-ring"]
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
