@@ -54,6 +54,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("RINGFLOW_LAYER_OPS_ONLY", "flag", False,
            "decoder layers run between ringflow's layer ops with nothing streamed (a baseline "
            "with the compiled partition streaming uses)", "vllm", compiled=True),
+    Switch("RINGFLOW_EXPERT_PLAN_KERNEL", "flag", False,
+           "on a GPU, an expert cache plans a one-pass decode step (its hits, victims, "
+           "installs and map) in one Triton kernel instead of about 45 small torch kernels "
+           "(Note [One kernel plans the step]); off until it has run on a GPU",
+           compiled=True),
     Switch("RINGFLOW_HOOK_FRAMES", "flag", False,
            "an error vLLM raises under one of ringflow's hooks keeps ringflow's frames in its "
            "traceback (by default they are dropped: the traceback is vLLM's alone; debug)",

@@ -39,6 +39,9 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-host``: the lane with ``host_share: auto``: decode steps of up to 8 tokens hand
   part of each layer's misses to the host's CPU, the share the host's rates (measured at the
   engine's start) predict makes the copy and the CPU finish together (Note [Host split]);
+* ``ringflow-held-plan``: ``ringflow-held`` with ``RINGFLOW_EXPERT_PLAN_KERNEL=1`` (set while
+  the engine loads): each one-pass decode step's cache bookkeeping in one kernel (Note [One
+  kernel plans the step]);
 * ``ringflow-held-host``: ``ringflow-held`` with ``host_share: auto`` on the layers it does
   not hold: at batch 1 the fastest copy-only layout, its remaining misses split with the CPU;
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
@@ -119,7 +122,8 @@ SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-early", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host", "ringflow-held-host")
+         "ringflow-arena-early", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host",
+         "ringflow-held-host", "ringflow-held-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -207,6 +211,11 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
             "experts-bench-host-fills", ring_from_slots=False)},
         "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",
                                                                 host_share="auto")},
+        # held layers with each one-pass decode step planned by one kernel (Note [One
+        # kernel plans the step]): the bookkeeping's share of the batch-1 step
+        "ringflow-held-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                               "additional_config": experts(
+            "experts-bench-held-plan", decode_from_ring=True, slots=held_slots(layers))},
         # held layers for decode (the fastest copy-only layout at batch 1) with the host
         # computing its share of the other layers' misses (Note [Host split])
         "ringflow-held-host": {**lane, "additional_config": experts(
@@ -421,6 +430,10 @@ def main() -> int:
     engines, results = {}, {}
     for name, extra in chosen.items():
         t0 = time.perf_counter()
+        extra = dict(extra)
+        env = extra.pop("env", {})  # read while the engine loads (its caches are built then)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             engines[name] = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                                 dtype="bfloat16", max_model_len=longest + 512, max_num_seqs=64,
@@ -433,6 +446,12 @@ def main() -> int:
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
             print(f"[experts-bench] {name}: did not start: {results[name]['error']}", flush=True)
             continue
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         results[name] = {"startup_s": round(time.perf_counter() - t0, 1)}
         print(f"[experts-bench] {name}: started in {results[name]['startup_s']} s", flush=True)
         llm = engines[name]  # warm-up: first replays, kernels compiled for every size

@@ -55,9 +55,10 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from ringflow import envs
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import poison
-from ringflow.kernels import expert_fetch
+from ringflow.kernels import expert_fetch, expert_plan
 from ringflow.kernels.expert_fetch import PROGRAMS, check, fetch_experts
 from ringflow.orchestrator.expert_hazards import ExpertOp
 
@@ -143,6 +144,12 @@ class ExpertCache:
         self.generation = 0
         self._positions = torch.arange(s, device=dev)
         self._experts = torch.arange(e, device=dev)
+        #: a one-pass step's bookkeeping in one kernel on a GPU (Note [One kernel plans the
+        #: step]; RINGFLOW_EXPERT_PLAN_KERNEL); its outputs allocated once, where a captured
+        #: step finds them
+        self.plan_kernel = (expert_plan.available(dev, e)
+                            and envs.flag("RINGFLOW_EXPERT_PLAN_KERNEL"))
+        self._plan = expert_plan.PlanBuffers(e, s, dev) if self.plan_kernel else None
         #: a list to append each step's operations to (ExpertOp, Note [Expert lane hazards]),
         #: or None; tracing reads the device state back (a host sync per operation)
         self.trace: list[ExpertOp] | None = None
@@ -191,6 +198,10 @@ class ExpertCache:
             raise KernelError(f"a host share needs a step whose experts fit the slots; "
                               f"{tuple(topk_ids.shape)} choices need more than {s}")
         passes = self.passes(*topk_ids.shape)
+        if (self.plan_kernel and host_share == 0 and not self.looked_ahead
+                and self._through_slots(*topk_ids.shape) == 1):
+            yield self.weights, self._planned(topk_ids)
+            return
         needed = self._chosen(topk_ids)
         if self.whole_in_place and self._through_slots(*topk_ids.shape) > 1:  # step 6
             self.in_place_steps += 1  # one pass, all from the host: no slot serves it
@@ -226,6 +237,22 @@ class ExpertCache:
             installed.index_fill_(0, torch.where(self._positions < count, ids, e), True)
             yield self.weights, self._traced_read(torch.where(installed[:e], self.slot_of[:e],
                                                               -1))
+
+    def _planned(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Pass 0 of a one-pass step by one kernel (Note [One kernel plans the step]): the
+        same tables, installs and map as the torch path; returns the map."""
+        if self._plan is None:  # the CPU under Triton's interpreter (tests)
+            self._plan = expert_plan.PlanBuffers(self.experts, self.slots, self.device)
+        out = self._plan
+        expert_plan.plan_step(topk_ids, self.slot_of, self.expert_in, self.last_used,
+                              self.clock, self.hits, self.misses, out)
+        if self.trace is not None:
+            n = int(out.count)
+            self.trace.append(ExpertOp("install", self.trace_stream(), tuple(
+                zip(out.ids[:n].tolist(), out.slots[:n].tolist()))))
+        for name, w in self.weights.items():
+            fetch_experts(self.host[name], w, out.ids, out.slots, out.count, self.programs)
+        return self._traced_read(out.map)
 
     def _hand_to_host(self, topk_ids: torch.Tensor, miss: torch.Tensor, miss_count: torch.Tensor,
                       share: float) -> tuple[torch.Tensor, torch.Tensor]:

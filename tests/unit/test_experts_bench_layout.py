@@ -126,3 +126,17 @@ def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(l
     chosen = layers - bench.RING
     assert chosen * section["slots"] >= 128
     assert chosen * section["slots"] / 128 + bench.RING <= bench.device_layers(layers)
+
+
+def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
+    """Every ringflow peer but whole-layer streaming reports the lane (``LANES``), and the
+    switches a peer sets while its engine loads (``env``) are ringflow's own, popped before
+    vLLM's engine sees its arguments."""
+    from ringflow.envs import SWITCHES
+    bench = _bench()
+    peers = bench.configs(4)
+    assert {n for n in peers if n.startswith("ringflow") and n != "ringflow-layers"} \
+        == set(bench.LANES)
+    switched = {n: c["env"] for n, c in peers.items() if "env" in c}
+    assert switched == {"ringflow-held-plan": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}}
+    assert all(k in SWITCHES for env in switched.values() for k in env)

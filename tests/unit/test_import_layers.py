@@ -38,7 +38,7 @@ LAYERS = {
     # leaves: the gathers and exchanges, and the tests' CPU references
     **dict.fromkeys([f"ringflow.kernels{m}" for m in (
         "", ".row_gather", ".gathers", ".dcp_rows", ".kv_gathers", ".peer_exchange",
-        ".expert_fetch", ".moe", ".host_moe")], "kernels"),
+        ".expert_fetch", ".expert_plan", ".moe", ".host_moe")], "kernels"),
     "ringflow.kernels.reference": "reference",
     # execute: slots, streams, NVTX, executors
     **dict.fromkeys([f"ringflow.graphs{m}" for m in (

@@ -61,6 +61,7 @@ V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # vLLM 0.26's V2 runner makes no offload
 TRITON = {"moe_backend": "triton"}
 UVA = {"cpu_offload_gb": 1, "cpu_offload_params": ["experts"], **TRITON}
 SAMPLED = 1.0  # temperature of the sampled cases (seeded per request)
+PLAN = {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}  # Note [One kernel plans the step]
 
 
 def lane(slots, **more):
@@ -83,6 +84,11 @@ LANES = {
     # (Note [Small steps read the held layers]): in FULL decode graphs their waits are
     # external event nodes
     "held-64-sampled": ({"slots": 64, "layer_tokens": 8, "decode_from_ring": True}, True),
+    # the same two with each one-pass decode step planned by one kernel (Note [One kernel
+    # plans the step]): eager and inside vLLM's FULL decode graphs
+    "lane-32-sampled-plan": ({"slots": 32, "layer_tokens": 8, "env": PLAN}, True),
+    "held-64-sampled-plan": ({"slots": 64, "layer_tokens": 8, "decode_from_ring": True,
+                              "env": PLAN}, True),
 }
 #: large steps through windows of the slots' own rows (Note [Large steps stream through the
 #: slots]): layers 0 and 1 on 64 slots each, one window (layers 2 and 3 are vLLM's, read in
@@ -153,7 +159,8 @@ def mode_cases(mode, lanes=LANES):
     for name, (section, sampled) in lanes.items():
         section = dict(section)
         slots, engine = section.pop("slots"), section.pop("engine", TRITON)
-        cases.append({"name": f"{mode}/{name}", **base, "engine": engine, "env": POISON,
+        env = {**POISON, **section.pop("env", {})}
+        cases.append({"name": f"{mode}/{name}", **base, "engine": engine, "env": env,
                       "additional_config": lane(slots, **section),
                       **({"temperature": SAMPLED} if sampled else {}),
                       **({"repeat": True} if name == "lane-32" else {})})

@@ -1,0 +1,152 @@
+"""A decode step's expert-cache bookkeeping in one kernel: the ~45 small torch ops of pass 0.
+
+Note [One kernel plans the step]
+    Pass 0 of an expert cache's step (Note [Expert cache], steps 1 to 3) decides on the device
+    which experts the step needs, which are cached, which slots are least recently used, what
+    to install where, and the expert->slot map its MoE reads. In torch that is about 45 small
+    kernels per layer per step (77 torch calls with the views, counted with torch's profiler
+    on the CPU for 128 experts, 64 slots, one token), each a few microseconds under a CUDA
+    graph: at batch 1 with two cached layers (held layers, 4
+    layers of Qwen3-30B-A3B's shape), a few tenths of a millisecond of a 2.3 ms step, about
+    the gap to vLLM's UVA offloader, which does no bookkeeping (measured 0.91x on an H100).
+    This kernel does the same in one program:
+
+    * ``needed``: every choice compared with every expert, in chunks of the step's choices;
+    * ``used``: a slot whose holder is needed; stamped with the step's clock;
+    * victims: the slots by (used last, then least recently used, then index): a sort of one
+      key per slot, ``(stamp + 1) * BS + slot``, which is the torch path's stable argsort;
+    * the i-th missed expert (by index) goes to the i-th victim, for ``i < count = min(misses,
+      slots - used)``: each missed expert's rank is its exclusive prefix count;
+    * the tables' new values (``slot_of``, ``expert_in``, ``last_used``) and the map are
+      computed in registers from the old ones and stored once each: no element is written
+      twice and none is read after a write, so no barrier is needed between the program's
+      warps;
+    * the installs for the fetch (Note [Device-indexed expert fetch]): ``ids[i]``,
+      ``slots[i]`` for ``i < count`` and ``count``, where the torch path passes the same.
+
+    Same results as the torch path to the element (the tables, the stamps, the clock, the
+    counters, the installs and the map; a CPU test runs this kernel in Triton's interpreter
+    against it, step after step). It serves the common decode step only: one pass, no host
+    share, no lookahead scoring; other steps take the torch path. Sizes: up to
+    ``MAX_EXPERTS`` experts (its matrices are experts x slots in registers). Off unless
+    ``RINGFLOW_EXPERT_PLAN_KERNEL=1``: it has run in the interpreter only, not yet compiled
+    on a GPU, and its gain is to be measured (``tools/experts_bench.py``'s ``-plan`` peers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringflow.errors import KernelError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path serves
+    triton = None
+
+MAX_EXPERTS = 256  # DeepSeek-V3's routed experts; an experts x slots matrix per program
+CHUNK = 32  # choices compared with every expert at a time
+#: a used slot's key: after every stamp a clock reaches (2**40 steps)
+USED = 1 << 40
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["choices"])  # one compile for every step size
+    def _plan_kernel(topk, choices, slot_of, expert_in, last_used, clock, hits, misses,
+                     ids_out, slots_out, count_out, map_out,
+                     E: tl.constexpr, S: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
+                     CHUNK: tl.constexpr, USED: tl.constexpr):
+        e = tl.arange(0, BE)
+        s = tl.arange(0, BS)
+        in_e = e < E
+        in_s = s < S
+        # 1. the experts any choice names (a -1 choice names none)
+        needed = tl.zeros([BE], dtype=tl.int32)
+        for start in range(0, choices, CHUNK):
+            c = start + tl.arange(0, CHUNK)
+            ids = tl.load(topk + c, mask=c < choices, other=-1)
+            hit = (ids[:, None] == e[None, :]).to(tl.int32)
+            needed = tl.maximum(needed, tl.max(hit, axis=0))
+        need = (needed > 0) & in_e
+        old_slot = tl.load(slot_of + e, mask=in_e, other=-1)
+        cached = old_slot >= 0
+        miss = need & (old_slot < 0)
+        miss_count = tl.sum(miss.to(tl.int64), axis=0)
+        tl.store(hits, tl.load(hits) + tl.sum((need & cached).to(tl.int64), axis=0))
+        tl.store(misses, tl.load(misses) + miss_count)
+        clk = tl.load(clock) + 1
+        tl.store(clock, clk)
+        # 2. slots whose holder is needed, stamped; the others are victims, oldest first
+        holder = tl.load(expert_in + s, mask=in_s, other=-1)
+        held_needed = (holder[None, :] == e[:, None]) & need[:, None]  # [BE, BS]
+        used = (tl.max(held_needed.to(tl.int32), axis=0) > 0) & in_s
+        stamp = tl.load(last_used + s, mask=in_s, other=0)
+        stamp = tl.where(used, clk, stamp)
+        key = tl.where(used, USED, stamp + 1)
+        key = tl.where(in_s, key, USED + 1)
+        order = tl.sort(key * BS + s)  # stable: ties by slot index
+        victim = (order % BS).to(tl.int64)  # position j -> its slot
+        count = tl.minimum(miss_count, S - tl.sum(used.to(tl.int64), axis=0))
+        # 3. the i-th missed expert (by index) into the i-th victim, i < count
+        rank = tl.cumsum(miss.to(tl.int64), axis=0) - miss.to(tl.int64)  # [BE]
+        installed = miss & (rank < count)
+        j = tl.arange(0, BS)
+        at = (rank[:, None] == j[None, :]) & installed[:, None]  # [BE, BS]: e at position j
+        new_slot = tl.sum(tl.where(at, victim[None, :], 0), axis=1)  # [BE]
+        pos_expert = tl.sum(tl.where(at, e[:, None].to(tl.int64), 0), axis=0)  # [BS]
+        pos_valid = j < count
+        # per slot: its position among the victims, and whom it gets
+        slot_pos = tl.sum(tl.where(victim[:, None] == s[None, :], j[:, None], 0), axis=0)
+        taken = (slot_pos < count) & in_s  # [BS] by slot
+        gets = tl.sum(tl.where((victim[:, None] == s[None, :]) & pos_valid[:, None],
+                               pos_expert[:, None], 0), axis=0)  # [BS] by slot
+        evicted = tl.max(((holder[None, :] == e[:, None]) & taken[None, :]
+                          & (holder[None, :] >= 0)).to(tl.int32), axis=1) > 0  # [BE]
+        # 4. the tables and the map, each stored once
+        slot_now = tl.where(installed, new_slot, tl.where(evicted, -1, old_slot))
+        tl.store(slot_of + e, slot_now, mask=in_e)
+        tl.store(expert_in + s, tl.where(taken, gets, holder), mask=in_s)
+        tl.store(last_used + s, tl.where(taken, clk, stamp), mask=in_s)
+        tl.store(map_out + e, tl.where(need, slot_now, -1), mask=in_e)
+        tl.store(ids_out + j, pos_expert, mask=j < S)
+        tl.store(slots_out + j, victim, mask=j < S)
+        tl.store(count_out, count)
+
+
+def available(device: torch.device, experts: int) -> bool:
+    """Whether the kernel serves a cache of ``experts`` experts on ``device``: a GPU with
+    Triton (on the CPU the torch path runs, except under Triton's interpreter in tests)."""
+    return triton is not None and device.type == "cuda" and experts <= MAX_EXPERTS
+
+
+class PlanBuffers:
+    """The kernel's outputs for one cache, allocated once (a captured step holds their
+    addresses): the installs (``ids``, ``slots``, ``count``) and the map."""
+
+    def __init__(self, experts: int, slots: int, device: torch.device) -> None:
+        if experts > MAX_EXPERTS:
+            raise KernelError(f"the step-plan kernel serves up to {MAX_EXPERTS} experts, not "
+                              f"{experts}")
+        self.ids = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.map = torch.full((experts,), -1, dtype=torch.int64, device=device)
+
+
+def plan_step(topk_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor,
+              last_used: torch.Tensor, clock: torch.Tensor, hits: torch.Tensor,
+              misses: torch.Tensor, out: PlanBuffers) -> None:
+    """Pass 0 of a one-pass step (Note [One kernel plans the step]) over a cache's tables
+    (``slot_of`` [experts + 1], ``expert_in`` and ``last_used`` [slots + 1], the 0-dim
+    ``clock``, ``hits``, ``misses``), updated in place; the installs and the map in ``out``.
+    One program, on the current stream, no host sync."""
+    experts, slots = slot_of.shape[0] - 1, expert_in.shape[0] - 1
+    if topk_ids.dtype != torch.int64:
+        topk_ids = topk_ids.long()
+    flat = topk_ids.reshape(-1)
+    block_e = triton.next_power_of_2(experts)
+    block_s = triton.next_power_of_2(slots)
+    _plan_kernel[(1,)](flat, flat.shape[0], slot_of, expert_in, last_used, clock, hits, misses,
+                       out.ids, out.slots, out.count, out.map,
+                       E=experts, S=slots, BE=block_e, BS=block_s, CHUNK=CHUNK, USED=USED,
+                       num_warps=4 if block_e * block_s <= 8192 else 8)
