@@ -141,9 +141,9 @@ def plan_step(topk_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Te
     ``clock``, ``hits``, ``misses``), updated in place; the installs and the map in ``out``.
     One program, on the current stream, no host sync."""
     experts, slots = slot_of.shape[0] - 1, expert_in.shape[0] - 1
-    if topk_ids.dtype != torch.int64:
-        topk_ids = topk_ids.long()
-    flat = topk_ids.reshape(-1)
+    if topk_ids.dtype.is_floating_point:
+        raise KernelError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    flat = topk_ids.reshape(-1)  # int32 (vLLM's) or int64, read as they are: no conversion
     block_e = triton.next_power_of_2(experts)
     block_s = triton.next_power_of_2(slots)
     _plan_kernel[(1,)](flat, flat.shape[0], slot_of, expert_in, last_used, clock, hits, misses,

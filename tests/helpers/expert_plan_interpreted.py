@@ -42,6 +42,8 @@ def check(experts: int, slots: int, top_k: int, steps: int, seed: int) -> int:
         if step % 7 == 6:  # the same routing again: every expert a hit
             ids = last
         last = ids
+        if step % 3 == 1:  # vLLM's router gives int32 ids
+            ids = ids.int()
         maps = {}
         for cache in (torch_path, kernel):
             cache.trace = []
