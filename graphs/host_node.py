@@ -103,7 +103,7 @@ class HostNode:
         self.threads, self.ranges = threads, ranges
         self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.error: BaseException | None = None
-        self._stopping = False
+        self._stopping = self._closed_capturing = False
         self._address = None
         if self.device.type == "cuda":
             from ringflow import cudart
@@ -115,8 +115,16 @@ class HostNode:
         if self.threads:  # torch's CPU threads are per thread: these are this worker's
             torch.set_num_threads(self.threads)
         try:
-            with self.ranges():  # on this thread: a profiler's state is per thread
-                self.serve(self.flags, *self.args)
+            with contextlib.ExitStack() as on:
+                if self.device.type == "cuda":  # what the ranges' profiler syncs: this GPU,
+                    on.enter_context(torch.cuda.device(self.device))  # not the thread's 0
+                ranges = self.ranges()  # on this thread: a profiler's state is per thread
+                ranges.__enter__()
+                try:
+                    self.serve(self.flags, *self.args)
+                finally:  # torch's NVTX profiler syncs the GPU as it ends: not while a
+                    if not self._closed_capturing:  # graph is being captured (close())
+                        ranges.__exit__(None, None, None)
             return
         except BaseException as exc:  # noqa: BLE001: the stream must not wait for good
             self.error = exc
@@ -177,8 +185,10 @@ class HostNode:
         post this node again."""
         if self._stopping:
             return
+        self._closed_capturing = (self.device.type == "cuda"
+                                  and torch.cuda.is_current_stream_capturing())
         try:
-            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and not self._closed_capturing:
                 torch.cuda.synchronize(self.device)  # a doorbell still queued on a stream
                 # rings after the stop: let it ring first (not while a graph is captured: a
                 # finalizer may close a dropped lane then, and a sync would end the capture)

@@ -17,10 +17,11 @@ Note [One kernel plans the step]
       key per slot, ``(stamp + 1) * BS + slot``, which is the torch path's stable argsort;
     * the i-th missed expert (by index) goes to the i-th victim, for ``i < count = min(misses,
       slots - used)``: each missed expert's rank is its exclusive prefix count;
-    * the tables' new values (``slot_of``, ``expert_in``, ``last_used``) and the map are
-      computed in registers from the old ones and stored once each: no element is written
-      twice and none is read after a write, so no barrier is needed between the program's
-      warps;
+    * the tables' new values (``slot_of``, ``expert_in``, ``last_used``), the map and the
+      scalars (the clock, the counters, the steps planned) are computed in registers from the
+      old ones and stored once each, after every load and a barrier: each warp loads what it
+      needs itself, so a store before another warp's load of the same word (the clock, read by
+      every warp) would be read back;
     * the installs for the fetch (Note [Device-indexed expert fetch]): ``ids[i]``,
       ``slots[i]`` for ``i < count`` and ``count``, where the torch path passes the same.
 
@@ -53,7 +54,7 @@ USED = 1 << 40
 if triton is not None:
     @triton.jit(do_not_specialize=["choices"])  # one compile for every step size
     def _plan_kernel(topk, choices, slot_of, expert_in, last_used, clock, hits, misses,
-                     ids_out, slots_out, count_out, map_out,
+                     planned, ids_out, slots_out, count_out, map_out,
                      E: tl.constexpr, S: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
                      CHUNK: tl.constexpr, USED: tl.constexpr):
         e = tl.arange(0, BE)
@@ -68,19 +69,23 @@ if triton is not None:
             hit = (ids[:, None] == e[None, :]).to(tl.int32)
             needed = tl.maximum(needed, tl.max(hit, axis=0))
         need = (needed > 0) & in_e
+        # every load before any store: each warp loads for itself, and a store another warp
+        # made first would be read back (the stores all come last, after a barrier)
         old_slot = tl.load(slot_of + e, mask=in_e, other=-1)
+        holder = tl.load(expert_in + s, mask=in_s, other=-1)
+        stamp = tl.load(last_used + s, mask=in_s, other=0)
+        clk = tl.load(clock) + 1
+        hit_total = tl.load(hits)
+        miss_total = tl.load(misses)
+        steps = tl.load(planned)
         cached = old_slot >= 0
         miss = need & (old_slot < 0)
         miss_count = tl.sum(miss.to(tl.int64), axis=0)
-        tl.store(hits, tl.load(hits) + tl.sum((need & cached).to(tl.int64), axis=0))
-        tl.store(misses, tl.load(misses) + miss_count)
-        clk = tl.load(clock) + 1
-        tl.store(clock, clk)
+        hit_total += tl.sum((need & cached).to(tl.int64), axis=0)
+        miss_total += miss_count
         # 2. slots whose holder is needed, stamped; the others are victims, oldest first
-        holder = tl.load(expert_in + s, mask=in_s, other=-1)
         held_needed = (holder[None, :] == e[:, None]) & need[:, None]  # [BE, BS]
         used = (tl.max(held_needed.to(tl.int32), axis=0) > 0) & in_s
-        stamp = tl.load(last_used + s, mask=in_s, other=0)
         stamp = tl.where(used, clk, stamp)
         key = tl.where(used, USED, stamp + 1)
         key = tl.where(in_s, key, USED + 1)
@@ -102,8 +107,9 @@ if triton is not None:
                                pos_expert[:, None], 0), axis=0)  # [BS] by slot
         evicted = tl.max(((holder[None, :] == e[:, None]) & taken[None, :]
                           & (holder[None, :] >= 0)).to(tl.int32), axis=1) > 0  # [BE]
-        # 4. the tables and the map, each stored once
+        # 4. the tables, the map and the scalars, each stored once, after every load
         slot_now = tl.where(installed, new_slot, tl.where(evicted, -1, old_slot))
+        tl.debug_barrier()
         tl.store(slot_of + e, slot_now, mask=in_e)
         tl.store(expert_in + s, tl.where(taken, gets, holder), mask=in_s)
         tl.store(last_used + s, tl.where(taken, clk, stamp), mask=in_s)
@@ -111,12 +117,27 @@ if triton is not None:
         tl.store(ids_out + j, pos_expert, mask=j < S)
         tl.store(slots_out + j, victim, mask=j < S)
         tl.store(count_out, count)
+        tl.store(clock, clk)
+        tl.store(hits, hit_total)
+        tl.store(misses, miss_total)
+        tl.store(planned, steps + 1)
 
 
 def available(device: torch.device, experts: int) -> bool:
     """Whether the kernel serves a cache of ``experts`` experts on ``device``: a GPU with
     Triton (on the CPU the torch path runs, except under Triton's interpreter in tests)."""
-    return triton is not None and device.type == "cuda" and experts <= MAX_EXPERTS
+    return why_not(device, experts) is None
+
+
+def why_not(device: torch.device, experts: int) -> str | None:
+    """Why the kernel cannot serve a cache of ``experts`` experts on ``device``, or None."""
+    if device.type != "cuda":
+        return f"the experts compute on {device.type}; the kernel plans GPU caches"
+    if triton is None:
+        return "Triton is not installed"
+    if experts > MAX_EXPERTS:
+        return f"a layer of {experts} experts is more than its {MAX_EXPERTS}"
+    return None
 
 
 class PlanBuffers:
@@ -135,18 +156,20 @@ class PlanBuffers:
 
 def plan_step(topk_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor,
               last_used: torch.Tensor, clock: torch.Tensor, hits: torch.Tensor,
-              misses: torch.Tensor, out: PlanBuffers) -> None:
+              misses: torch.Tensor, planned: torch.Tensor, out: PlanBuffers) -> None:
     """Pass 0 of a one-pass step (Note [One kernel plans the step]) over a cache's tables
     (``slot_of`` [experts + 1], ``expert_in`` and ``last_used`` [slots + 1], the 0-dim
-    ``clock``, ``hits``, ``misses``), updated in place; the installs and the map in ``out``.
-    One program, on the current stream, no host sync."""
+    ``clock``, ``hits``, ``misses`` and ``planned``, the steps it planned), updated in place;
+    the installs and the map in ``out``. One program, on the current stream, no host sync."""
     experts, slots = slot_of.shape[0] - 1, expert_in.shape[0] - 1
     if topk_ids.dtype.is_floating_point:
         raise KernelError(f"topk_ids must be integers, got {topk_ids.dtype}")
     flat = topk_ids.reshape(-1)  # int32 (vLLM's) or int64, read as they are: no conversion
+    if flat.stride(0) != 1:  # a view of strided ids: the kernel reads them one after another
+        flat = flat.contiguous()
     block_e = triton.next_power_of_2(experts)
     block_s = triton.next_power_of_2(slots)
     _plan_kernel[(1,)](flat, flat.shape[0], slot_of, expert_in, last_used, clock, hits, misses,
-                       out.ids, out.slots, out.count, out.map,
+                       planned, out.ids, out.slots, out.count, out.map,
                        E=experts, S=slots, BE=block_e, BS=block_s, CHUNK=CHUNK, USED=USED,
                        num_warps=4 if block_e * block_s <= 8192 else 8)

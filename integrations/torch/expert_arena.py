@@ -106,11 +106,19 @@ Note [Large steps start early]
     there. What a prepare issued stays correct whatever follows it: a small step instead
     (``before_small``) waits for the windows' fills and makes the next large step start
     afresh, as after a tail's carried fill; a forward that starts at another position
-    restarts there; a second prepare tops up again. The order it relies on: everything that
-    read or wrote the rows before it was issued on the stream current at the prepare, which
-    the step's layers must run on too (``begin`` refuses another). What it should gain, by
-    the trace above: up to the 6.4 ms the copy engine idled at a lone 8k prompt's start,
-    plus the host's input preparation (not measured yet: built without a GPU).
+    restarts there; a second prepare tops up again; a step that runs no first layer's
+    ``begin`` at all (vLLM replays it from a CUDA graph: ``layer_tokens`` at or below its
+    largest captured size; or runs no forward) is dropped after ``execute_model``
+    (``drop_prepared``), so the next large step starts afresh, and one line says so once.
+    The order it relies on: everything that read or wrote the rows before it was issued on
+    the stream current at the prepare, which the step's layers must run on too (``begin``
+    refuses another). The report counts prepares (``early_starts``), those a first layer
+    went on from (``early_used``) and those dropped (``early_dropped``: unused after
+    ``execute_model``, replaced by another prepare or start, or followed by a small step);
+    all but the latest are one or the other. What it should gain, by the trace above: up to the 6.4 ms the copy
+    engine idled at a lone 8k prompt's start (not measured yet: built without a GPU). Its
+    cost: the table read's host sync moves to before vLLM prepares the step, so under async
+    scheduling the host's input preparation no longer overlaps the previous step's end.
 
     Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
     top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128
@@ -220,7 +228,7 @@ class ExpertArena:
         self._table_event = torch.cuda.Event() if cuda else None
         self.trace: list[ExpertOp] | None = None
         self.steps = self.carried_steps = self.fills = self.topped_up = 0
-        self.early_starts = 0
+        self.early_starts = self.early_used = self.early_dropped = 0
         self._early: object | None = None  # the stream a prepare ordered its fills after
         self.rows_in_place = self.rows_from_host = 0
 
@@ -249,8 +257,11 @@ class ExpertArena:
                               f"first only (Note [Large steps start early]); set "
                               f"experts.early_start to false")
         if self.starting(position):
+            self._unprepare()  # a prepare this start replaces (another position) is dropped
             self._start(position)
-        self._early = None
+        elif self._early is not None:
+            self.early_used += 1
+            self._early = None
         self._fill_ahead()
         w = self._at.pop(position)
         compute = self._current()
@@ -284,17 +295,36 @@ class ExpertArena:
         steps start early]); its ``begin(0)`` goes on from here. Returns True (it started)."""
         if self._reading is not None:
             self._drop_reading()
+        self._unprepare()  # a prepare not yet used: this one replaces it
         self._start(0)
         self._fill_ahead()
         self._expected, self._early = 0, self._stream_id()
         self.early_starts += 1
         return True
 
+    def drop_prepared(self) -> bool:
+        """After the engine ran a prepared step: if no first layer went on from the prepare
+        (vLLM replayed the step from a CUDA graph, or ran no forward), the next large step
+        starts afresh; what the prepare filled stays, as a tail's carried fill does. Returns
+        whether a prepare was dropped."""
+        if not self._unprepare():
+            return False
+        self._expected = None
+        return True
+
+    def _unprepare(self) -> bool:
+        """Forget a prepare no first layer went on from (counted as dropped)."""
+        if self._early is None:
+            return False
+        self._early = None
+        self.early_dropped += 1
+        return True
+
     def before_small(self, position: int) -> None:
         """A small step of ``position`` reads and installs its slots next (and its lookahead
         the next layer's): order it after every window's latest fill (step 4 of the Note)."""
-        self._expected = self._early = None  # the next large step starts afresh: tables
-        # read, copy waits
+        self._unprepare()  # a prepared step that ran small after all
+        self._expected = None  # the next large step starts afresh: tables read, copy waits
         compute = self._current()
         for w in range(self.windows):
             if compute is not None:
@@ -499,6 +529,7 @@ class ExpertArena:
         return {"arena": True, "layers": self.layers, "windows": self.windows,
                 "rows": len(self._owner), "steps": self.steps,
                 "carried_steps": self.carried_steps, "early_starts": self.early_starts,
+                "early_used": self.early_used, "early_dropped": self.early_dropped,
                 "fills": self.fills,
                 "topped_up": self.topped_up, "rows_in_place": self.rows_in_place,
                 "rows_from_host": self.rows_from_host}

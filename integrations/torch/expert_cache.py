@@ -129,6 +129,7 @@ class ExpertCache:
         self.hits = torch.zeros((), dtype=torch.int64, device=dev)
         self.misses = torch.zeros((), dtype=torch.int64, device=dev)
         self.in_place_steps = torch.zeros((), dtype=torch.int64, device=dev)
+        self.planned = torch.zeros((), dtype=torch.int64, device=dev)  # by the plan kernel
         # the experts a step hands to the host (Note [Host split]), one spare entry, and how
         # many were handed over all steps
         self.host_mine = torch.zeros(e + 1, dtype=torch.bool, device=dev)
@@ -245,7 +246,7 @@ class ExpertCache:
             self._plan = expert_plan.PlanBuffers(self.experts, self.slots, self.device)
         out = self._plan
         expert_plan.plan_step(topk_ids, self.slot_of, self.expert_in, self.last_used,
-                              self.clock, self.hits, self.misses, out)
+                              self.clock, self.hits, self.misses, self.planned, out)
         if self.trace is not None:
             n = int(out.count)
             self.trace.append(ExpertOp("install", self.trace_stream(), tuple(
@@ -413,6 +414,7 @@ class ExpertCache:
                 "hits": hits, "misses": misses, "in_place_tokens": self.in_place_tokens,
                 "whole_in_place": self.whole_in_place,
                 "in_place_steps": int(self.in_place_steps),
+                "planned_steps": int(self.planned),  # Note [One kernel plans the step]
                 "host_computed": int(self.host_computed),
                 **({"lookahead": dict(zip(("predicted", "chosen", "installed"),
                                           self.predictions.tolist()))}

@@ -115,7 +115,7 @@ class ExpertLane:
                         for layer in layers}
         self.early_start = early_start  # prepare_step starts large steps (Note [Large ...])
         self._prepare_range = nvtx_ranges.handle("ringflow/experts/prepare")
-        self.said_capture = False
+        self.said_capture = self.said_dropped = False
         if (host is None) != (host_policy is None) or not set(
                 host.layers if host else ()) <= set(caches):
             raise ConfigError(f"a host share needs host experts of cached layers and a policy: "
@@ -162,6 +162,21 @@ class ExpertLane:
         for lookahead in self.ahead.values():  # as at a start in forward: a decode step that
             lookahead.join()  # raised may have left guesses installing into the slots
         return nvtx_ranges.call(self._prepare_range, self.ring.prepare)
+
+    def finish_step(self, tokens: int) -> bool:
+        """After the engine ran a step ``prepare_step`` started: a prepare no first layer went
+        on from (a CUDA graph replayed the step, or it ran no forward) is dropped (Note
+        [Large steps start early]), said once. Returns whether one was."""
+        if self.ring is None or not self.ring.drop_prepared():
+            return False
+        if not self.said_dropped:
+            self.said_dropped = True
+            log.info("experts.early_start: a step of %d tokens was started early, but vLLM ran "
+                     "it without the lane's large-step path (a CUDA graph replay, or no "
+                     "forward); what it filled stays for the next large step. A layer_tokens "
+                     "above vLLM's largest captured size keeps replayed steps from being "
+                     "started early", tokens)
+        return True
 
     def forward(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, may_fork: Callable[[], bool] = lambda: True

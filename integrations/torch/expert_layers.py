@@ -365,6 +365,10 @@ class ExpertLayerRing:
         carried ones need no top-up. Returns False."""
         return False
 
+    def drop_prepared(self) -> bool:
+        """Nothing was prepared (``prepare``). Returns False."""
+        return False
+
     def before_small(self, position: int) -> None:
         """A small step of cached layer ``position`` is next: the ring's buffers are not its
         slots, nothing to order (the arena's differs, Note [Large steps stream through the

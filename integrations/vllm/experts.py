@@ -67,6 +67,7 @@ from ringflow.integrations.vllm import compat
 from ringflow.integrations.vllm.expert_host import host_shares
 from ringflow.integrations.vllm.expert_kernel import ResidentKernel
 from ringflow.integrations.vllm.state import PluginState, dump_rank
+from ringflow.kernels import expert_plan
 from ringflow.orchestrator import dumps
 from ringflow.orchestrator.profile import Profile
 from ringflow.orchestrator.sections import auto_slots, resolve_layers
@@ -216,6 +217,11 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                 in_place_tokens=spec.in_place_tokens,
                                 whole_in_place=scales_across_rows(found[i][0].routed_experts),
                                 rows=view)
+    first = caches[cached[0]]
+    if envs.flag("RINGFLOW_EXPERT_PLAN_KERNEL") and not first.plan_kernel:
+        log.info("RINGFLOW_EXPERT_PLAN_KERNEL is set, but %s: the torch path plans each step "
+                 "(Note [One kernel plans the step])",
+                 expert_plan.why_not(first.device, first.experts))
     ring = None
     if spec.layer_buffers:
         stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
@@ -449,14 +455,20 @@ MAPPED_KERNELS = ("TritonExperts",)
 def on_execute_model(state: PluginState, original, runner, scheduler_output, *args, **kwargs):
     """The hook on a model runner's ``execute_model``, before vLLM prepares the step: a large
     step of a lane with ``early_start`` starts its windows now (Note [Large steps start
-    early]), from the step's scheduled token count; vLLM's dummy runs are left alone."""
+    early]), from the step's scheduled token count, and after it a prepare its forward did
+    not use (a replayed graph) is dropped; vLLM's dummy runs are left alone."""
+    lane, tokens = None, 0
     if state.expert_lanes and not kwargs.get("dummy_run"):
         get_model = getattr(runner, "get_model", None)
         lane = state.expert_lanes.get(get_model()) if get_model is not None else None
-        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
-        if lane is not None and lane.early_start and tokens:
-            lane.prepare_step(int(tokens))
-    return original(runner, scheduler_output, *args, **kwargs)
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+    prepared = (lane is not None and lane.early_start and tokens > 0
+                and lane.prepare_step(tokens))
+    try:
+        return original(runner, scheduler_output, *args, **kwargs)
+    finally:
+        if prepared:  # the forward was issued in there: a prepare it did not use is dropped
+            lane.finish_step(tokens)
 
 
 def worker_report(worker=None) -> list[dict]:

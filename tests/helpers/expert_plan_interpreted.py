@@ -72,12 +72,16 @@ def check(experts: int, slots: int, top_k: int, steps: int, seed: int) -> int:
                        ids.clamp(min=0))  # a -1 choice contributes nothing
         if not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):
             sys.exit(f"{experts}/{slots}/{top_k} step {step}: output differs from float64")
+    if int(kernel.planned) != planned or int(torch_path.planned) != 0:
+        sys.exit(f"{experts}/{slots}/{top_k}: the kernel counted {int(kernel.planned)} planned "
+                 f"steps, {planned} ran")
     return planned
 
 
 if __name__ == "__main__":
     for experts, slots, top_k in [(16, 4, 2), (128, 64, 8), (128, 42, 8), (128, 120, 8),
-                                  (128, 128, 8), (12, 5, 3), (256, 32, 8)]:
+                                  (128, 128, 8), (12, 5, 3), (256, 32, 8), (8, 1, 1),
+                                  (10, 2, 1)]:
         planned = check(experts, slots, top_k, steps=24, seed=experts + slots)
         print(f"experts {experts} slots {slots} top_k {top_k}: {planned} one-pass steps planned "
               f"by the kernel, equal to the torch path")

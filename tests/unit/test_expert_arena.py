@@ -143,12 +143,13 @@ def prepared_trace(slots=3, twice=(6,)):
     lane.trace_all(ops)
     lane.forget()
     for s, (said, tokens) in enumerate(PREPARED):
-        if said is not None:
-            started = lane.prepare_step(said)
-            assert started == (said >= lane.layer_tokens)
-            if tokens in twice and started:
-                assert lane.prepare_step(said)  # a second prepare before the forward
+        started = said is not None and lane.prepare_step(said)
+        assert started == (said is not None and said >= lane.layer_tokens)
+        if tokens in twice and started:
+            assert lane.prepare_step(said)  # a second prepare before the forward
         assert_exact(*run_step(lane, hosts, tokens, s))
+        if started:  # as vLLM's execute_model hook does after the forward
+            assert not lane.finish_step(said)  # every forward here began from position 0
     return lane, ops
 
 
@@ -166,8 +167,49 @@ def test_large_steps_started_early_equal_the_float64_moe_and_the_joint_trace_pro
     assert arena.early_starts == prepared + 1  # the twice-prepared step: one more
     # a start per large step, one per prepare whose step ran small, one per second prepare
     assert arena.steps == large + 1 + 1
-    assert lane.report()[0]["ring"]["early_starts"] == arena.early_starts
+    # used: every prepared step that ran large; dropped: the one that ran small, and the
+    # first of the two prepares of one step
+    assert (arena.early_used, arena.early_dropped) == (prepared - 1, 2)
+    ring = lane.report()[0]["ring"]
+    assert (ring["early_starts"], ring["early_used"], ring["early_dropped"]) == \
+        (arena.early_starts, arena.early_used, arena.early_dropped)
     check_lane(ops, 0)
+
+
+def test_a_prepared_step_that_a_graph_replays_is_dropped_after_it(caplog):
+    """vLLM replays a step from a CUDA graph (its layer_tokens at or below the largest
+    captured size) after execute_model started it early: no lane Python runs, the captured
+    small steps install over the prepared window. ``finish_step`` drops the unused prepare
+    (said once), so the next large step, not prepared, starts afresh and is exact; left in
+    place, that step would read what the replays overwrote (the mutant below)."""
+    import logging
+
+    def replayed(lane, seed):  # what a replay does: the caches' small steps, no lane Python
+        for i in LAYERS:
+            ids, _ = routing(seed * 7 + i, 1)
+            for _ in lane.caches[i].serve(ids):
+                pass
+
+    for finish in (True, False):
+        lane, hosts = make_lane(slots=6)
+        run_step(lane, hosts, 8, 0)
+        for s in range(2):
+            run_step(lane, hosts, 1, 1 + s)
+        assert lane.prepare_step(8)
+        for s in range(3):
+            replayed(lane, 10 + s)
+        if finish:
+            with caplog.at_level(logging.INFO, logger="ringflow"):
+                assert lane.finish_step(8) and not lane.finish_step(8)
+            got, want = run_step(lane, hosts, 8, 20)
+            assert_exact(got, want)
+            assert (lane.ring.early_used, lane.ring.early_dropped) == (0, 1)
+            said = [r.getMessage() for r in caplog.records if "early_start" in r.getMessage()]
+            assert len(said) == 1 and "a CUDA graph replay" in said[0]
+        else:  # the mutant: the prepare stays, the next step skips its start
+            got, want = run_step(lane, hosts, 8, 20)
+            assert any(not torch.allclose(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
+                       for i in LAYERS)
 
 
 def test_an_early_start_issues_the_top_up_before_the_forward():
@@ -322,11 +364,13 @@ def test_large_steps_started_early_on_a_gpu_are_exact_and_refuse_another_stream(
     lane.trace_all(ops)
     lane.forget()
     for s, (said, tokens) in enumerate(PREPARED):
-        if said is not None:
-            lane.prepare_step(said)
+        started = said is not None and lane.prepare_step(said)
         assert_exact(*run_step(lane, hosts, tokens, s, device="cuda"))
+        if started:
+            lane.finish_step(said)
     check_lane(ops, 0)
-    assert lane.ring.early_starts == sum(x is not None and x >= 6 for x, _ in PREPARED)
+    prepared = sum(x is not None and x >= 6 for x, _ in PREPARED)
+    assert (lane.ring.early_starts, lane.ring.early_used) == (prepared, prepared - 1)
     lane.trace_all(None)
     assert lane.prepare_step(8)
     with torch.cuda.stream(torch.cuda.Stream()):

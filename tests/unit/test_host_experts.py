@@ -576,6 +576,62 @@ def _gpu():
     return torch.device("cuda")
 
 
+class Ranges:
+    """A host node's ranges context that records where and when it was entered and left."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.events.append(("enter", device))
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append(("exit", None))
+        return False
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_the_workers_ranges_are_entered_on_its_thread_and_left_when_it_stops():
+    events: list = []
+    node = HostNode(torch.jit.script(doubler), (torch.ones(2), torch.zeros(2),
+                                                torch.zeros((), dtype=torch.int64)),
+                    "cpu", "ringflow/test/ranges", ranges=Ranges(events))
+    node.post()
+    node.join()
+    node.close()
+    assert [kind for kind, _ in events] == ["enter", "exit"]
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_worker_closed_during_a_capture_leaves_its_ranges_to_keep_the_capture():
+    """Note [Host work in NVTX]: torch's NVTX profiler syncs the GPU as it ends. A lane dropped
+    (its node closed by a finalizer) while a graph is being captured must not end it then: the
+    capture completes and replays; the worker entered its ranges on the node's GPU."""
+    dev = _gpu()
+    events: list = []
+    src, dst = torch.ones(4, pin_memory=True), torch.zeros(4, pin_memory=True)
+    node = HostNode(torch.jit.script(doubler), (src, dst, torch.zeros((), dtype=torch.int64)),
+                    dev, "ringflow/test/capture-close", ranges=Ranges(events))
+    x = torch.arange(4.0, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            y = x * 2
+            node.close()  # a finalizer, mid-capture
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), torch.arange(4.0) * 2)
+    assert events == [("enter", dev.index or 0)], events  # entered on its GPU, never left
+
+
 @pytest.mark.cuda
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_a_replayed_graph_rings_the_host_node_at_every_replay():

@@ -40,6 +40,8 @@ CASES = [
     {"name": "moe/arena-early", "model": MOE, "serial": True,  # the same, each long prompt
      "additional_config": experts(layers=[0, 1], slots=8, layer_tokens=8,  # started at
                                   layer_buffers="slots", early_start=True)},  # execute_model
+    {"name": "moe/plan-on-cpu", "model": MOE, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+     "additional_config": experts(layers=[0], slots=3)},  # the switch, on the CPU build
     {"name": "moe/early-ring", "model": MOE,  # early_start without the windows: refused
      "additional_config": experts(layers="all", early_start=True)},
     {"name": "moe/arena-small", "model": MOE,
@@ -177,20 +179,33 @@ def test_large_steps_started_at_execute_model_give_the_same_output(runs):
     """``early_start`` (Note [Large steps start early]): vLLM's ``execute_model`` starts each
     long prompt's step (the top-up of what decode installed over the carried window, the
     tables read) before vLLM prepares its inputs; the tokens and logprobs are those of the
-    arena that starts at its first layer, and every long prompt started early (vLLM's
-    warm-up runs call the model directly, not through execute_model). Without the windows
-    the flag is refused by name."""
+    arena that starts at its first layer, every long prompt started early and went on from
+    there, and no other step was started (vLLM's warm-up runs call the model directly, not
+    through execute_model). Without the windows the flag is refused by name."""
     off, late, run = runs["moe/off"], runs["moe/arena"], runs["moe/arena-early"]
     assert "error" not in run, run["error"]
     assert run["tokens"] == late["tokens"] == off["tokens"]
     assert max_logprob_diff(run, late) == 0.0
     arena = run["experts"][0]["ring"]
     long_prompts = 2  # of 8 and 14 tokens, one request at a time
-    assert long_prompts <= arena["early_starts"] <= arena["steps"], arena
+    # eager: every prepare's forward went on from it, and only large steps were prepared
+    assert arena["early_used"] == arena["early_starts"] >= long_prompts, arena
+    assert arena["early_dropped"] == 0, arena
     assert late["experts"][0]["ring"]["early_starts"] == 0
     refused = runs["moe/early-ring"].get("error", "")
     assert "experts.early_start" in refused and "needs layer_buffers: slots" in refused, \
         runs["moe/early-ring"]
+
+
+def test_the_plan_kernel_switch_on_the_cpu_build_says_why_it_plans_in_torch(runs):
+    """RINGFLOW_EXPERT_PLAN_KERNEL asks for Note [One kernel plans the step]'s GPU kernel;
+    vLLM's CPU build runs the torch path, said in one line, and serves vLLM's output."""
+    off, run = runs["moe/off"], runs["moe/plan-on-cpu"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    said = [line for line in run["log"] if line.startswith("RINGFLOW_EXPERT_PLAN_KERNEL")]
+    assert len(said) == 1 and "compute on cpu" in said[0], run["log"]
+    assert all(layer["planned_steps"] == 0 for layer in run["experts"])
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
