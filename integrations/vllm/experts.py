@@ -283,6 +283,15 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
               if ring is not None else "; larger ones too (experts.layer_buffers: 0, no ring)")
              + (f"; layers {held} stay whole in the ring's buffers between large steps and "
                 f"small steps compute them there (experts.decode_from_ring)" if held else ""))
+    if spec.early_start:
+        hooked = [k for k in getattr(getattr(state, "surfaces", None), "hooked", ())
+                  if k.endswith("GPUModelRunner.execute_model")]
+        log.info("experts.early_start: %s", (
+            f"each step of {spec.layer_tokens} or more scheduled tokens starts its windows at "
+            f"vLLM's execute_model, before vLLM prepares its inputs (Note [Large steps start "
+            f"early])" if hooked else
+            "this vLLM's model runner has no execute_model ringflow could hook: each large "
+            "step starts at its first chosen layer"))
     return lane
 
 

@@ -192,6 +192,8 @@ def test_large_steps_started_at_execute_model_give_the_same_output(runs):
     assert arena["early_used"] == arena["early_starts"] >= long_prompts, arena
     assert arena["early_dropped"] == 0, arena
     assert late["experts"][0]["ring"]["early_starts"] == 0
+    said = [line for line in run["log"] if line.startswith("experts.early_start")]
+    assert len(said) == 1 and "at vLLM's execute_model" in said[0], run["log"]
     refused = runs["moe/early-ring"].get("error", "")
     assert "experts.early_start" in refused and "needs layer_buffers: slots" in refused, \
         runs["moe/early-ring"]
