@@ -25,10 +25,16 @@ Note [One kernel plans the step]
     * the installs for the fetch (Note [Device-indexed expert fetch]): ``ids[i]``,
       ``slots[i]`` for ``i < count`` and ``count``, where the torch path passes the same.
 
+    * with a host share (Note [Host split]): each expert's tokens counted with ``needed``;
+      of the misses, the ``(misses x share + 512) // 1024`` with the fewest tokens (ties by
+      index: each miss's rank by comparison with every other) are the host's
+      (``host_mine``), and only the others are installed. The cache calls the host's stage
+      after this kernel and before the fetch, so the host's work still overlaps the copies.
+
     Same results as the torch path to the element (the tables, the stamps, the clock, the
-    counters, the installs and the map; a CPU test runs this kernel in Triton's interpreter
-    against it, step after step). It serves the common decode step only: one pass, no host
-    share, no lookahead scoring; other steps take the torch path. Sizes: up to
+    counters, the host's experts, the installs and the map; a CPU test runs this kernel in
+    Triton's interpreter against it, step after step). It serves the common decode step
+    only: one pass, no lookahead scoring; other steps take the torch path. Sizes: up to
     ``MAX_EXPERTS`` experts (its matrices are experts x slots in registers). Off unless
     ``RINGFLOW_EXPERT_PLAN_KERNEL=1``: it has run in the interpreter only, not yet compiled
     on a GPU, and its gain is to be measured (``tools/experts_bench.py``'s ``-plan`` peers).
@@ -52,9 +58,9 @@ CHUNK = 32  # choices compared with every expert at a time
 USED = 1 << 40
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["choices"])  # one compile for every step size
-    def _plan_kernel(topk, choices, slot_of, expert_in, last_used, clock, hits, misses,
-                     planned, ids_out, slots_out, count_out, map_out,
+    @triton.jit(do_not_specialize=["choices", "share"])  # one compile for every step size
+    def _plan_kernel(topk, choices, share, slot_of, expert_in, last_used, clock, hits, misses,
+                     planned, host_mine, host_computed, ids_out, slots_out, count_out, map_out,
                      E: tl.constexpr, S: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr,
                      CHUNK: tl.constexpr, USED: tl.constexpr):
         e = tl.arange(0, BE)
@@ -62,13 +68,12 @@ if triton is not None:
         in_e = e < E
         in_s = s < S
         # 1. the experts any choice names (a -1 choice names none)
-        needed = tl.zeros([BE], dtype=tl.int32)
+        tokens = tl.zeros([BE], dtype=tl.int32)  # the choices naming each expert
         for start in range(0, choices, CHUNK):
             c = start + tl.arange(0, CHUNK)
             ids = tl.load(topk + c, mask=c < choices, other=-1)
-            hit = (ids[:, None] == e[None, :]).to(tl.int32)
-            needed = tl.maximum(needed, tl.max(hit, axis=0))
-        need = (needed > 0) & in_e
+            tokens += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+        need = (tokens > 0) & in_e
         # every load before any store: each warp loads for itself, and a store another warp
         # made first would be read back (the stores all come last, after a barrier)
         old_slot = tl.load(slot_of + e, mask=in_e, other=-1)
@@ -78,11 +83,21 @@ if triton is not None:
         hit_total = tl.load(hits)
         miss_total = tl.load(misses)
         steps = tl.load(planned)
+        handed = tl.load(host_computed)
         cached = old_slot >= 0
         miss = need & (old_slot < 0)
         miss_count = tl.sum(miss.to(tl.int64), axis=0)
         hit_total += tl.sum((need & cached).to(tl.int64), axis=0)
         miss_total += miss_count
+        # 1b. the host's share (Note [Host split]): of the misses, the round(share/1024 x
+        # misses) with the fewest tokens (ties by index) are the host's, not installed
+        take = (miss_count * share + 512) // 1024
+        order = tokens.to(tl.int64) * BE + e
+        before = (miss[None, :] & (order[None, :] < order[:, None])).to(tl.int64)  # [BE, BE]
+        mine = miss & (tl.sum(before, axis=1) < take)
+        miss = miss & ~mine
+        miss_count -= take
+        handed += take
         # 2. slots whose holder is needed, stamped; the others are victims, oldest first
         held_needed = (holder[None, :] == e[:, None]) & need[:, None]  # [BE, BS]
         used = (tl.max(held_needed.to(tl.int32), axis=0) > 0) & in_s
@@ -121,6 +136,9 @@ if triton is not None:
         tl.store(hits, hit_total)
         tl.store(misses, miss_total)
         tl.store(planned, steps + 1)
+        marks = in_e & ((tl.zeros([BE], dtype=tl.int32) + share) > 0)  # as the torch path:
+        tl.store(host_mine + e, mine, mask=marks)  # only a step with a share marks
+        tl.store(host_computed, handed)
 
 
 def available(device: torch.device, experts: int) -> bool:
@@ -156,11 +174,16 @@ class PlanBuffers:
 
 def plan_step(topk_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Tensor,
               last_used: torch.Tensor, clock: torch.Tensor, hits: torch.Tensor,
-              misses: torch.Tensor, planned: torch.Tensor, out: PlanBuffers) -> None:
+              misses: torch.Tensor, planned: torch.Tensor, host_mine: torch.Tensor,
+              host_computed: torch.Tensor, out: PlanBuffers, share: int = 0) -> None:
     """Pass 0 of a one-pass step (Note [One kernel plans the step]) over a cache's tables
     (``slot_of`` [experts + 1], ``expert_in`` and ``last_used`` [slots + 1], the 0-dim
     ``clock``, ``hits``, ``misses`` and ``planned``, the steps it planned), updated in place;
-    the installs and the map in ``out``. One program, on the current stream, no host sync."""
+    with ``share`` (of 1024) the host's experts marked in ``host_mine`` and counted in
+    ``host_computed`` (Note [Host split]); the installs and the map in ``out``. One program,
+    on the current stream, no host sync."""
+    if not 0 <= share <= 1024:
+        raise KernelError(f"a host share is 0..1024 of 1024, got {share}")
     experts, slots = slot_of.shape[0] - 1, expert_in.shape[0] - 1
     if topk_ids.dtype.is_floating_point:
         raise KernelError(f"topk_ids must be integers, got {topk_ids.dtype}")
@@ -169,7 +192,8 @@ def plan_step(topk_ids: torch.Tensor, slot_of: torch.Tensor, expert_in: torch.Te
         flat = flat.contiguous()
     block_e = triton.next_power_of_2(experts)
     block_s = triton.next_power_of_2(slots)
-    _plan_kernel[(1,)](flat, flat.shape[0], slot_of, expert_in, last_used, clock, hits, misses,
-                       planned, out.ids, out.slots, out.count, out.map,
+    _plan_kernel[(1,)](flat, flat.shape[0], share, slot_of, expert_in, last_used, clock, hits,
+                       misses, planned, host_mine, host_computed, out.ids, out.slots,
+                       out.count, out.map,
                        E=experts, S=slots, BE=block_e, BS=block_s, CHUNK=CHUNK, USED=USED,
                        num_warps=4 if block_e * block_s <= 8192 else 8)

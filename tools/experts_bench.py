@@ -42,6 +42,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-held-plan``: ``ringflow-held`` with ``RINGFLOW_EXPERT_PLAN_KERNEL=1`` (set while
   the engine loads): each one-pass decode step's cache bookkeeping in one kernel (Note [One
   kernel plans the step]);
+* ``ringflow-held-host-plan``: both: held layers, the host's share, each decode step planned
+  by one kernel;
 * ``ringflow-held-host``: ``ringflow-held`` with ``host_share: auto`` on the layers it does
   not hold: at batch 1 the fastest copy-only layout, its remaining misses split with the CPU;
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
@@ -123,7 +125,7 @@ RING = 2  # the lane's layer buffers
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-arena-early", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host",
-         "ringflow-held-host", "ringflow-held-plan")
+         "ringflow-held-host", "ringflow-held-plan", "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -216,6 +218,10 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-held-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                "additional_config": experts(
             "experts-bench-held-plan", decode_from_ring=True, slots=held_slots(layers))},
+        "ringflow-held-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                    "additional_config": experts(
+            "experts-bench-held-host-plan", decode_from_ring=True, slots=held_slots(layers),
+            host_share="auto")},
         # held layers for decode (the fastest copy-only layout at batch 1) with the host
         # computing its share of the other layers' misses (Note [Host split])
         "ringflow-held-host": {**lane, "additional_config": experts(

@@ -199,9 +199,9 @@ class ExpertCache:
             raise KernelError(f"a host share needs a step whose experts fit the slots; "
                               f"{tuple(topk_ids.shape)} choices need more than {s}")
         passes = self.passes(*topk_ids.shape)
-        if (self.plan_kernel and host_share == 0 and not self.looked_ahead
+        if (self.plan_kernel and not self.looked_ahead
                 and self._through_slots(*topk_ids.shape) == 1):
-            yield self.weights, self._planned(topk_ids)
+            yield self.weights, self._planned(topk_ids, host_share, on_split)
             return
         needed = self._chosen(topk_ids)
         if self.whole_in_place and self._through_slots(*topk_ids.shape) > 1:  # step 6
@@ -239,14 +239,22 @@ class ExpertCache:
             yield self.weights, self._traced_read(torch.where(installed[:e], self.slot_of[:e],
                                                               -1))
 
-    def _planned(self, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _planned(self, topk_ids: torch.Tensor, host_share: float = 0.0,
+                 on_split: Callable[[], None] | None = None) -> torch.Tensor:
         """Pass 0 of a one-pass step by one kernel (Note [One kernel plans the step]): the
-        same tables, installs and map as the torch path; returns the map."""
+        same tables, host's experts, installs and map as the torch path; ``on_split`` after
+        the plan, before the fetch; returns the map."""
         if self._plan is None:  # the CPU under Triton's interpreter (tests)
             self._plan = expert_plan.PlanBuffers(self.experts, self.slots, self.device)
         out = self._plan
+        if host_share and not 0 < host_share <= 1:
+            raise KernelError(f"a host share is in (0, 1], got {host_share}")
         expert_plan.plan_step(topk_ids, self.slot_of, self.expert_in, self.last_used,
-                              self.clock, self.hits, self.misses, self.planned, out)
+                              self.clock, self.hits, self.misses, self.planned,
+                              self.host_mine, self.host_computed, out,
+                              share=round(host_share * 1024))
+        if host_share and on_split is not None:
+            on_split()
         if self.trace is not None:
             n = int(out.count)
             self.trace.append(ExpertOp("install", self.trace_stream(), tuple(

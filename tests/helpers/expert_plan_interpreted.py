@@ -23,7 +23,8 @@ def tables(cache):
     e, s = cache.experts, cache.slots
     return {"slot_of": cache.slot_of[:e].tolist(), "expert_in": cache.expert_in[:s].tolist(),
             "last_used": cache.last_used[:s].tolist(), "clock": int(cache.clock),
-            "hits": int(cache.hits), "misses": int(cache.misses)}
+            "hits": int(cache.hits), "misses": int(cache.misses),
+            "host_mine": cache.host_mine[:e].tolist(), "host_computed": int(cache.host_computed)}
 
 
 def check(experts: int, slots: int, top_k: int, steps: int, seed: int) -> int:
@@ -44,11 +45,20 @@ def check(experts: int, slots: int, top_k: int, steps: int, seed: int) -> int:
         last = ids
         if step % 3 == 1:  # vLLM's router gives int32 ids
             ids = ids.int()
-        maps = {}
+        one_pass = kernel.passes(*ids.shape) == 1
+        share = (0.0, 0.5, 1.0, 0.3)[step % 4] if one_pass else 0.0  # Note [Host split]
+        maps, split = {}, {}
         for cache in (torch_path, kernel):
             cache.trace = []
+            split[cache] = []
+
+            def on_split(cache=cache):  # the host's stage: after the marks, before installs
+                split[cache].append(len(cache.trace))
             maps[cache] = [(m.clone(), {k: v.clone() for k, v in w.items()})
-                           for w, m in cache.serve(ids)]
+                           for w, m in cache.serve(ids, share, on_split)]
+        if split[torch_path] != split[kernel] or len(split[kernel]) != (share > 0):
+            sys.exit(f"{experts}/{slots}/{top_k} step {step}: the host's stage came at "
+                     f"{split[torch_path]} in the torch path, {split[kernel]} in the kernel's")
         if tables(torch_path) != tables(kernel):
             sys.exit(f"{experts}/{slots}/{top_k} step {step}: tables differ\n"
                      f"{tables(torch_path)}\n{tables(kernel)}")
@@ -68,10 +78,15 @@ def check(experts: int, slots: int, top_k: int, steps: int, seed: int) -> int:
         x = torch.randn(ids.shape[0], H, generator=g)
         w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
         got = moe_from_slots(x, got_w["w13"], got_w["w2"], w, ids, got_map)
-        want = moe_ref(x, host["w13"], host["w2"], torch.where(ids >= 0, w, 0),
-                       ids.clamp(min=0))  # a -1 choice contributes nothing
+        # the GPU's share: a -1 choice and the host's experts contribute nothing here
+        mine = (kernel.host_mine[ids.clamp(min=0).long()] if share
+                else torch.zeros_like(ids, dtype=torch.bool))
+        keep = (ids >= 0) & ~mine
+        want = moe_ref(x, host["w13"], host["w2"], torch.where(keep, w, 0), ids.clamp(min=0))
         if not torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5):
             sys.exit(f"{experts}/{slots}/{top_k} step {step}: output differs from float64")
+    if int(kernel.host_computed) == 0:
+        sys.exit(f"{experts}/{slots}/{top_k}: no step handed an expert to the host")
     if int(kernel.planned) != planned or int(torch_path.planned) != 0:
         sys.exit(f"{experts}/{slots}/{top_k}: the kernel counted {int(kernel.planned)} planned "
                  f"steps, {planned} ran")

@@ -138,5 +138,6 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     assert {n for n in peers if n.startswith("ringflow") and n != "ringflow-layers"} \
         == set(bench.LANES)
     switched = {n: c["env"] for n, c in peers.items() if "env" in c}
-    assert switched == {"ringflow-held-plan": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}}
+    assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
+                        for name in ("ringflow-held-plan", "ringflow-held-host-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)

@@ -182,6 +182,10 @@ HOST_LANES = {
                        "host_share": 0.5},
     "host-arena-half": {"slots": 64, "layer_tokens": 8, "layers": [1, 3],
                         "layer_buffers": "slots", "host_share": 0.5},
+    # held layers, half the misses on the CPU, each decode step planned by one kernel that
+    # marks the host's experts too (Note [One kernel plans the step])
+    "host-held-half-plan": {"slots": 64, "layer_tokens": 8, "decode_from_ring": True,
+                            "host_share": 0.5, "env": PLAN},
 }
 #: the CPU computes its experts' rows with its own GEMMs, rounded where vLLM's kernel rounds
 #: but summed in another order (Note [Host rows round as the kernel]), and vLLM's moe_sum sums
@@ -214,9 +218,10 @@ def host_cases(mode):
              "engine": {"moe_backend": "triton"}},
             {"name": f"{mode}/host-fp8-half", **base, "model": FP8, "engine": TRITON,
              "env": POISON, "additional_config": lane(32, layer_buffers=0, host_share=0.5)}] + [
-        {"name": f"{mode}/{name}", **base, "engine": TRITON, "env": POISON,
+        {"name": f"{mode}/{name}", **base, "engine": TRITON,
+         "env": {**POISON, **section.get("env", {})},
          "additional_config": lane(section["slots"], **{k: v for k, v in section.items()
-                                                        if k != "slots"})}
+                                                        if k not in ("slots", "env")})}
         for name, section in HOST_LANES.items()]
 
 
@@ -474,8 +479,10 @@ def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(host_runs, 
     assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
     decode_steps = 4 * 11  # 4 prompts, 12 tokens each: the first from the prefill
     cached = [layer for layer in layers if "held_in_ring_buffer" not in layer]
-    assert len(cached) == (2 if name in ("host-held-half", "host-arena-half") else 4), layers
+    assert len(cached) == (4 if section.get("layer_buffers") == 0 else 2), layers
     for layer in cached:
+        planned = layer["planned_steps"]  # Note [One kernel plans the step]
+        assert (planned >= decode_steps) if section.get("env") == PLAN else planned == 0, layer
         host = layer["host_share"]
         # a run at every decode step; experts at most steps (a step whose experts all hit
         # hands none)
