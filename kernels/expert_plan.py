@@ -92,8 +92,8 @@ if triton is not None:
         # 1b. the host's share (Note [Host split]): of the misses, the round(share/1024 x
         # misses) with the fewest tokens (ties by index) are the host's, not installed
         take = (miss_count * share + 512) // 1024
-        order = tokens.to(tl.int64) * BE + e
-        before = (miss[None, :] & (order[None, :] < order[:, None])).to(tl.int64)  # [BE, BE]
+        fewest = tokens.to(tl.int64) * BE + e  # a miss's key: its tokens, then its index
+        before = (miss[None, :] & (fewest[None, :] < fewest[:, None])).to(tl.int64)  # [BE, BE]
         mine = miss & (tl.sum(before, axis=1) < take)
         miss = miss & ~mine
         miss_count -= take

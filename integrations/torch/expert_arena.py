@@ -115,10 +115,11 @@ Note [Large steps start early]
     refuses another). The report counts prepares (``early_starts``), those a first layer
     went on from (``early_used``) and those dropped (``early_dropped``: unused after
     ``execute_model``, replaced by another prepare or start, or followed by a small step);
-    all but the latest are one or the other. What it should gain, by the trace above: up to the 6.4 ms the copy
-    engine idled at a lone 8k prompt's start (not measured yet: built without a GPU). Its
-    cost: the table read's host sync moves to before vLLM prepares the step, so under async
-    scheduling the host's input preparation no longer overlaps the previous step's end.
+    all but the latest are one or the other. What it should gain, by the trace above: up to
+    the 6.4 ms the copy engine idled at a lone 8k prompt's start (not measured yet: built
+    without a GPU). Its cost: the table read's host sync moves to before vLLM prepares the
+    step, so under async scheduling the host's input preparation no longer overlaps the
+    previous step's end.
 
     Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
     top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128

@@ -217,11 +217,6 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                 in_place_tokens=spec.in_place_tokens,
                                 whole_in_place=scales_across_rows(found[i][0].routed_experts),
                                 rows=view)
-    first = caches[cached[0]]
-    if envs.flag("RINGFLOW_EXPERT_PLAN_KERNEL") and not first.plan_kernel:
-        log.info("RINGFLOW_EXPERT_PLAN_KERNEL is set, but %s: the torch path plans each step "
-                 "(Note [One kernel plans the step])",
-                 expert_plan.why_not(first.device, first.experts))
     ring = None
     if spec.layer_buffers:
         stream = (dedicated_streams(caches[min(caches)], device, ["experts-copy"],
@@ -251,6 +246,10 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
     if envs.text("RINGFLOW_DUMP"):
         _dump(lane, envs.text("RINGFLOW_DUMP"))
     first = next(iter(caches.values()))
+    if envs.flag("RINGFLOW_EXPERT_PLAN_KERNEL") and not first.plan_kernel:
+        log.info("RINGFLOW_EXPERT_PLAN_KERNEL is set, but %s: the torch path plans each step "
+                 "(Note [One kernel plans the step])",
+                 expert_plan.why_not(first.device, first.experts))
     cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
            if isinstance(spec.slots, int) and spec.slots > first.experts else "")
     if spec.slots == "auto":
