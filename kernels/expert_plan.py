@@ -36,8 +36,12 @@ Note [One kernel plans the step]
     Triton's interpreter against it, step after step). It serves the common decode step
     only: one pass, no lookahead scoring; other steps take the torch path. Sizes: up to
     ``MAX_EXPERTS`` experts (its matrices are experts x slots in registers). Off unless
-    ``RINGFLOW_EXPERT_PLAN_KERNEL=1``: it has run in the interpreter only, not yet compiled
-    on a GPU, and its gain is to be measured (``tools/experts_bench.py``'s ``-plan`` peers).
+    ``RINGFLOW_EXPERT_PLAN_KERNEL=1``. On an H100 (``logs/pytest-cuda-units-plan-early-nvtx-
+    h100-3f10879.log``, ``logs/pytest-cuda-experts-host-arena-plan-h100-3f10879.log``) the
+    compiled kernel plans as the torch path and the engine cases with it give all-resident's
+    bits; batch-1 decode with held layers ran 1.02x the torch path's (329.3 [329.1-332.3]
+    against 323.7 [317.3-328.1] tok/s, ``experts-bench-4l-held-plan-uva-h100.json``): less
+    than the kernel count suggested.
 """
 
 from __future__ import annotations

@@ -323,8 +323,8 @@ FIELDS: dict[str, ProfileField] = {
                                  "execute_model, before its forward: the top-up of the carried "
                                  "window copies while the host prepares the step and the "
                                  "layers before the first chosen one compute (Note [Large "
-                                 "steps start early]); off by default: built without a GPU, "
-                                 "not measured yet", False),
+                                 "steps start early]); off by default (on an H100 a lone 8k "
+                                 "prompt 1.04x the arena without it)", False),
     "experts.lookahead": _flag("each chosen layer guesses the next chosen layer's experts with "
                                "that layer's router and fetches them on a side stream, a layer "
                                "early (eager steps and FULL CUDA graphs; steps under piecewise "

@@ -450,8 +450,10 @@ def test_the_host_share_of_block_fp8_experts_stays_within_the_gap(host_runs, mod
     gap, diverged = gap_until_divergence(got, want)
     print(f"{mode}/host-fp8-half: top-5 logprob gap until divergence {gap}, diverged {diverged}")
     assert gap <= HOST_FP8_GAP and diverged <= HOST_FP8_DIVERGED, (gap, diverged)
-    for layer in got["experts"]:
-        assert layer["host_share"]["runs"] >= 4 * 11 and layer["host_computed"] > 0, layer
+    decode_steps = sum(len(t) - 1 for t in got["tokens"])  # a diverged sequence may end
+    for layer in got["experts"]:                            # early (its end-of-text token)
+        assert layer["host_share"]["runs"] >= decode_steps and layer["host_computed"] > 0, \
+            (decode_steps, layer)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -477,7 +479,8 @@ def test_the_host_share_computes_misses_on_the_cpu_within_bf16_noise(host_runs, 
         return
     gap, diverged = gap_until_divergence(got, want)
     assert gap <= HOST_GAP and diverged <= 1, (gap, diverged)
-    decode_steps = 4 * 11  # 4 prompts, 12 tokens each: the first from the prefill
+    decode_steps = sum(len(t) - 1 for t in got["tokens"])  # 4 prompts, up to 12 tokens each,
+    assert decode_steps >= 4 * 10, got["tokens"]  # the first from the prefill
     cached = [layer for layer in layers if "held_in_ring_buffer" not in layer]
     assert len(cached) == (4 if section.get("layer_buffers") == 0 else 2), layers
     for layer in cached:
