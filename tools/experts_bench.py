@@ -262,7 +262,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--only", default=None, help="comma-separated configurations")
     parser.add_argument("--routings", default="hard,easy", help="decode routings measured")
-    parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, each in steps of --chunk tokens")
+    parser.add_argument("--prefills", default="8192,32768", help="prompt sizes, each in steps of --chunk tokens "
+                             "(\"\": decode only)")
     parser.add_argument("--chunk", type=int, default=8192,
                         help="max_num_batched_tokens: longer prompts prefill in chunks")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
@@ -305,7 +306,7 @@ def main() -> int:
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     vocab = QWEN3_A3B["vocab_size"]
-    longest = max(prefills)
+    longest = max(prefills, default=args.chunk)  # --prefills "": decode only, the same engines
     step_tokens = min(longest, args.chunk)  # max_num_batched_tokens
     prompts = {p: [TokensPrompt(prompt_token_ids=[(j * 7919 + p) % (vocab - 3) + 3
                                                   for j in range(p)])] for p in prefills}

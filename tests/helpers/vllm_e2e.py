@@ -464,11 +464,14 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
 
         def generate():
             if case.get("serial"):  # one request at a time (FIELD_NOTES: batched greedy
-                runs = [run_prompts(llm, [p], case.get("max_tokens", 8), temperature)
-                        for p in prompts]
-                return [r[0][0] for r in runs], [r[1][0] for r in runs]  # outputs of two
-            return run_prompts(llm, prompts, case.get("max_tokens", 8),  # GPU engines differ)
-                               temperature)
+                # outputs of two GPU engines differ); "reverse": the last prompt first, the
+                # outputs given back in the prompts' order (what ran before a request)
+                order = list(range(len(prompts)))[::-1 if case.get("reverse") else 1]
+                runs = {i: run_prompts(llm, [prompts[i]], case.get("max_tokens", 8),
+                                       temperature) for i in order}
+                return ([runs[i][0][0] for i in sorted(runs)],
+                        [runs[i][1][0] for i in sorted(runs)])
+            return run_prompts(llm, prompts, case.get("max_tokens", 8), temperature)
         if case.get("inflight"):  # the weights change under a request in flight
             result["inflight"] = inflight_reloads(llm, root, case["model"],
                                                   case.get("max_tokens", 8))
