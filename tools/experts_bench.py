@@ -251,6 +251,37 @@ def utilization(torch) -> float:
     return round(min(0.5, 24.0 / total), 2)  # an engine here takes about 12 GiB
 
 
+#: each host-share peer and the copy-only peer it differs from by that share alone
+HOST_SIBLINGS = {"ringflow-host": "ringflow", "ringflow-held-host": "ringflow-held",
+                 "ringflow-held-host-plan": "ringflow-held-plan"}
+
+
+def predict_host_share(table: dict, results: dict, name: str, sibling: str, batches,
+                       routings) -> None:
+    """What the host split's model (Note [Host split]) predicts for ``name``'s decode from its
+    copy-only ``sibling``'s measured step: that step less, per layer with a host share, the
+    model's copy time of a step's misses less its split time (the worker's report, from the
+    rates measured at the engine's start). Written beside the measured cell as
+    ``predicted_tok_s`` and ``measured_vs_predicted`` (#47: within 1.2x either way)."""
+    row, other = table.get(name, {}), table.get(sibling, {})
+    layers = [layer["host_share"] for layer in results.get(name, {}).get("report", [])
+              if "host_share" in layer]
+    if "error" in row or "error" in other or not layers:
+        return
+    for routing in routings:
+        for b in batches:
+            key = f"decode_{routing}_b{b}_tok_s"
+            splits = [layer["predicted"].get(b, layer["predicted"].get(str(b)))
+                      for layer in layers]
+            if key not in row or key not in other or None in splits:
+                continue
+            saved_ms = sum(s["copy_ms"] - s["layer_ms"] for s in splits)
+            predicted = 1000 * b / (1000 * b / other[key]["median"] - saved_ms)
+            row[key]["predicted_tok_s"] = round(predicted, 1)
+            row[key]["predicted_vs_" + sibling] = round(predicted / other[key]["median"], 3)
+            row[key]["measured_vs_predicted"] = round(row[key]["median"] / predicted, 3)
+
+
 def spread(values: list[float]) -> dict:
     return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
             "max": round(max(values), 1), "rounds": [round(v, 1) for v in values]}
@@ -396,6 +427,8 @@ def main() -> int:
                     other = table.get(peer, {})
                     if name.startswith("ringflow") and peer != name and key in other:
                         cell[f"vs_{peer}"] = round(cell["median"] / other[key]["median"], 2)
+        for name, sibling in HOST_SIBLINGS.items():  # Note [Host split]'s model, per step
+            predict_host_share(table, results, name, sibling, batches, routings)
         bounds = {}
         if "error" not in base:
             for p in prefills:
@@ -544,6 +577,13 @@ def main() -> int:
             if isinstance(cell, dict) and "vs_vllm-prefetch" in cell:
                 print(f"[experts-bench] {name} {key}: x{cell['vs_vllm-prefetch']} vLLM's prefetch "
                       f"offloader, x{cell.get('vs_vllm-uva', '-')} its UVA offloader")
+    for name, sibling in HOST_SIBLINGS.items():
+        for key, cell in doc["table"].get(name, {}).items():
+            if isinstance(cell, dict) and "predicted_tok_s" in cell:
+                print(f"[experts-bench] {name} {key}: {cell['median']:,} tok/s, the host "
+                      f"split's model predicted {cell['predicted_tok_s']:,} "
+                      f"(x{cell['predicted_vs_' + sibling]} {sibling}; measured "
+                      f"x{cell['measured_vs_predicted']} of it)")
     sys.stdout.flush()
     exit_now()  # engine shutdown can hang; the results are written
 

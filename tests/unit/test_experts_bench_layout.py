@@ -141,3 +141,27 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
                         for name in ("ringflow-held-plan", "ringflow-held-host-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)
+
+
+def test_the_host_share_prediction_takes_the_models_saving_off_the_copy_only_step():
+    """#47's 'within 1.2x of the model's prediction': the copy-only sibling's measured step
+    less each host layer's predicted saving (copy time less split time) at the step's size."""
+    bench = _bench()
+    split = {"copy_ms": 1.0, "layer_ms": 0.5, "cpu_ms": 0.5, "misses": 6, "to_host": 3}
+    results = {"ringflow-host": {"report": [
+        {"layer": i, "host_share": {"predicted": {1: split, "8": {**split, "layer_ms": 0.9}}}}
+        for i in range(4)] + [{"layer": 4}]}}  # a layer without a share saves nothing
+    table = {"ringflow": {"decode_hard_b1_tok_s": {"median": 100.0},   # 10 ms a step
+                          "decode_hard_b8_tok_s": {"median": 400.0}},  # 20 ms
+             "ringflow-host": {"decode_hard_b1_tok_s": {"median": 120.0},
+                               "decode_hard_b8_tok_s": {"median": 430.0},
+                               "decode_hard_b64_tok_s": {"median": 900.0}}}
+    bench.predict_host_share(table, results, "ringflow-host", "ringflow", [1, 8, 64], ["hard"])
+    b1, b8 = table["ringflow-host"]["decode_hard_b1_tok_s"], table["ringflow-host"][
+        "decode_hard_b8_tok_s"]
+    assert b1["predicted_tok_s"] == 125.0  # 10 ms less 4 x 0.5 ms
+    assert b1["predicted_vs_ringflow"] == 1.25 and b1["measured_vs_predicted"] == 0.96
+    assert b8["predicted_tok_s"] == round(8000 / (20 - 0.4), 1)  # keys as JSON gives them too
+    assert "predicted_tok_s" not in table["ringflow-host"]["decode_hard_b64_tok_s"]  # no model
+    table["ringflow"] = {"error": "did not start"}
+    bench.predict_host_share(table, results, "ringflow-host", "ringflow", [1], ["hard"])  # no-op
