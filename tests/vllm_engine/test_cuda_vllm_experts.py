@@ -437,15 +437,20 @@ def test_per_tensor_fp8_differs_under_graphs_only_through_padded_rows(fp8_runs, 
         assert reversed_["tokens"] == want["tokens"]
         assert max_logprob_diff(reversed_, want) == 0.0
         return
-    assert order_gap[0] > 0.0, "vLLM alone gave its bits in either order under graphs"
     want = fp8_runs[f"{mode}/fp8t-resident-unpadded"]
     got = fp8_runs[f"{mode}/fp8t-lane-32-unpadded"]
     for r in (want, got):
         assert "error" not in r, r["error"]
+    lane_gap = gap_until_divergence(got, want)
+    print(f"{mode}: graphs captured at batch 1 only, the lane against all resident: {lane_gap}")
     assert got["cudagraph_mode"] == want["cudagraph_mode"] != "NONE", got["cudagraph_mode"]
     assert all(layer["misses"] > 32 for layer in got["experts"]), got["experts"]
-    assert got["tokens"] == want["tokens"]
-    assert max_logprob_diff(got, want) == 0.0, max_logprob_diff(got, want)
+    wrong = []  # both claims checked, both printed above
+    if got["tokens"] != want["tokens"] or max_logprob_diff(got, want) != 0.0:
+        wrong.append(f"the lane with no padded rows is not bit for bit: {lane_gap}")
+    if order_gap[0] == 0.0:
+        wrong.append("vLLM alone gave its own bits in either order under graphs")
+    assert not wrong, wrong
 
 
 def test_auto_slots_take_a_share_of_vllms_budget_and_give_the_resident_bits(runs):
