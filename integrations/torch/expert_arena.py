@@ -135,6 +135,24 @@ Note [Large steps start early]
     those slots, copies 1 + 12 + 12 of 12-expert layers at such a step, as designed). The
     mapping was removed (it is in the history, 2939c4b..3d9c6a3); a trace of it would say
     where those 21 ms went.
+
+    Why neither this layout nor held layers serves both prompt shapes, in rows at the bench's
+    memory (384: two layers whole plus 64 slots for each of two): a lone large step needs
+    all 512 of the four layers' experts, so at least 128 cross the host link. Held layers
+    copy exactly those (each streamed layer's 64 misses, into a held layer's buffer once that
+    layer ran, its 64 slot-held experts copied in beside them on the device), but the held
+    buffers then hold the streamed layers, so back to back the tail copies both held layers
+    again: 384 per chunk. Here a chunk copies 256 (the prefetch offloader's), but a lone step
+    192: the window is 128 consecutive rows, so the first layer's top-up (64) overwrites the
+    other layer's slots, which then copies whole (128), the top-up before any compute. One
+    layout for both would put every chosen layer's rows, held layers' too, in one
+    allocation and compute each layer of a large step through a map over all of it: its
+    experts wherever they are, its misses copied into rows the step no longer needs (a held
+    layer's, once it ran). A lone step then copies the 128 held layers copy, and back to back
+    the held layers lose only the rows the streamed layers took (128), 256 per chunk. It
+    needs a row's last reader (not a window's) for the retire waits, the map over the whole
+    allocation (vLLM's kernel reading more rows than experts: to check bit for bit), and
+    the proof over rows. Not built.
 """
 
 from __future__ import annotations
