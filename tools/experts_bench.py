@@ -261,14 +261,17 @@ def predict_host_share(table: dict, results: dict, name: str, sibling: str, batc
     """What the host split's model (Note [Host split]) predicts for ``name``'s decode from its
     copy-only ``sibling``'s measured step: that step less, per layer with a host share, the
     model's copy time of a step's misses less its split time (the worker's report, from the
-    rates measured at the engine's start). Written beside the measured cell as
-    ``predicted_tok_s`` and ``measured_vs_predicted`` (#47: within 1.2x either way)."""
+    rates measured at the engine's start), under the hard routing (the model's misses are
+    uniform routing's). Written beside the measured cell as ``predicted_tok_s`` and
+    ``measured_vs_predicted`` (#47: within 1.2x either way)."""
     row, other = table.get(name, {}), table.get(sibling, {})
     layers = [layer["host_share"] for layer in results.get(name, {}).get("report", [])
               if "host_share" in layer]
     if "error" in row or "error" in other or not layers:
         return
     for routing in routings:
+        if not ROUTINGS[routing]:  # the model's misses are uniform routing's: the hard case
+            continue
         for b in batches:
             key = f"decode_{routing}_b{b}_tok_s"
             splits = [layer["predicted"].get(b, layer["predicted"].get(str(b)))

@@ -156,7 +156,11 @@ def test_the_host_share_prediction_takes_the_models_saving_off_the_copy_only_ste
              "ringflow-host": {"decode_hard_b1_tok_s": {"median": 120.0},
                                "decode_hard_b8_tok_s": {"median": 430.0},
                                "decode_hard_b64_tok_s": {"median": 900.0}}}
-    bench.predict_host_share(table, results, "ringflow-host", "ringflow", [1, 8, 64], ["hard"])
+    table["ringflow"]["decode_easy_b1_tok_s"] = {"median": 300.0}  # the same experts each
+    table["ringflow-host"]["decode_easy_b1_tok_s"] = {"median": 300.0}  # step: no misses
+    bench.predict_host_share(table, results, "ringflow-host", "ringflow", [1, 8, 64],
+                             ["hard", "easy"])
+    assert "predicted_tok_s" not in table["ringflow-host"]["decode_easy_b1_tok_s"]
     b1, b8 = table["ringflow-host"]["decode_hard_b1_tok_s"], table["ringflow-host"][
         "decode_hard_b8_tok_s"]
     assert b1["predicted_tok_s"] == 125.0  # 10 ms less 4 x 0.5 ms
