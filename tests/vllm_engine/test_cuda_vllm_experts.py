@@ -141,16 +141,7 @@ def fp8_cases(mode):
               "engine": {"moe_backend": "triton"}},
              # the control: all resident again, its KV cache elsewhere in memory
              {"name": f"{mode}/fp8t-resident-moved", **base, "model": FP8T,
-              "engine": {"moe_backend": "triton", "kv_cache_memory_bytes": 384 << 20}},
-             # and all resident, the prompts in the other order (what ran before each)
-             {"name": f"{mode}/fp8t-resident-reversed", **base, "model": FP8T,
-              "engine": {"moe_backend": "triton"}, "reverse": True}]
-    if mode != "eager":  # the harness captures size 4 (batch-1 decode pads 3 rows); size 1:
-        cases += [{"name": f"{mode}/fp8t-resident-unpadded", **base, "model": FP8T,  # none
-                   "engine": UNPADDED},
-                  {"name": f"{mode}/fp8t-lane-32-unpadded", **base, "model": FP8T,
-                   "env": POISON, "engine": UNPADDED,
-                   "additional_config": lane(32, layer_tokens=8)}]
+              "engine": {"moe_backend": "triton", "kv_cache_memory_bytes": 384 << 20}}]
     for name, (model, _, section) in FP8_LANES.items():
         section = dict(section)
         cases.append({"name": f"{mode}/{name}", **base, "model": model, "env": POISON,
@@ -160,6 +151,21 @@ def fp8_cases(mode):
         cases.append({"name": "refused/fp8-at-load", **base, "model": MOE,
                       "engine": {**UVA, "quantization": "fp8"},
                       "additional_config": lane(32)})
+    return cases
+
+
+def padding_cases(mode):
+    """Per-tensor fp8, all resident, the prompts in both orders (what ran before each); under
+    graphs also vLLM's graphs captured at batch 1 only, all resident and the lane (the
+    harness captures size 4, so a batch-1 decode step pads 3 rows; size 1 pads none)."""
+    base = {"mode": mode, "max_tokens": 12, "serial": True, "long_prompt": True, "model": FP8T}
+    cases = [{"name": f"{mode}/fp8t-resident", **base, "engine": TRITON},
+             {"name": f"{mode}/fp8t-resident-reversed", **base, "engine": TRITON,
+              "reverse": True}]
+    if mode != "eager":
+        cases += [{"name": f"{mode}/fp8t-resident-unpadded", **base, "engine": UNPADDED},
+                  {"name": f"{mode}/fp8t-lane-32-unpadded", **base, "env": POISON,
+                   "engine": UNPADDED, "additional_config": lane(32, layer_tokens=8)}]
     return cases
 
 
@@ -261,6 +267,13 @@ def runs():
 def fp8_runs():
     """The fp8 checkpoints' processes, one per mode (``pytest -k fp8`` starts only these)."""
     return collect([run(fp8_cases(mode), f"experts-fp8-{mode}", env=V1) for mode in MODES])
+
+
+@pytest.fixture(scope="module")
+def padding_runs():
+    """Per-tensor fp8's padding cases, one process per mode (``pytest -k padded``)."""
+    return collect([run(padding_cases(mode), f"experts-padding-{mode}", env=V1)
+                    for mode in MODES])
 
 
 @pytest.fixture(scope="module")
@@ -419,15 +432,15 @@ def test_fp8_experts_from_host_memory_give_the_resident_bits(fp8_runs, mode, nam
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_per_tensor_fp8_differs_under_graphs_only_through_padded_rows(fp8_runs, mode):
+def test_per_tensor_fp8_differs_under_graphs_only_through_padded_rows(padding_runs, mode):
     """Why the per-tensor lane is not all-resident's bits under vLLM's graphs (Note [fp8
     experts]): vLLM quantizes a step's activations by one scale, the largest value over the
     step's rows, padded rows included, and a replayed graph's padded rows hold whatever its
     memory held before. So all-resident vLLM's own bits depend on what ran before a request
     there, not in eager mode (no padding); and with graphs captured at batch 1 only (no
     padded decode rows) the lane is bit for bit all-resident under graphs too."""
-    want = fp8_runs[f"{mode}/fp8t-resident"]
-    reversed_ = fp8_runs[f"{mode}/fp8t-resident-reversed"]
+    want = padding_runs[f"{mode}/fp8t-resident"]
+    reversed_ = padding_runs[f"{mode}/fp8t-resident-reversed"]
     for r in (want, reversed_):
         assert "error" not in r, r["error"]
     order_gap = gap_until_divergence(reversed_, want)
@@ -437,8 +450,8 @@ def test_per_tensor_fp8_differs_under_graphs_only_through_padded_rows(fp8_runs, 
         assert reversed_["tokens"] == want["tokens"]
         assert max_logprob_diff(reversed_, want) == 0.0
         return
-    want = fp8_runs[f"{mode}/fp8t-resident-unpadded"]
-    got = fp8_runs[f"{mode}/fp8t-lane-32-unpadded"]
+    want = padding_runs[f"{mode}/fp8t-resident-unpadded"]
+    got = padding_runs[f"{mode}/fp8t-lane-32-unpadded"]
     for r in (want, got):
         assert "error" not in r, r["error"]
     lane_gap = gap_until_divergence(got, want)
