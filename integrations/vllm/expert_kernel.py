@@ -57,11 +57,17 @@ Note [fp8 experts]
       A step whose experts do not fit the slots is therefore computed in one pass straight
       from the host store (Note [Expert cache], step 6: the resident call on host memory).
       That is bit for bit in eager steps. Under vLLM's CUDA graphs (FULL_AND_PIECEWISE) the
-      per-tensor lane is not: a top-5 logprob gap of 0.47-0.59 on the H200 test model, even
-      where every step is that one resident call, while all-resident vLLM with its KV cache
-      elsewhere gives its own bits. The cause is not found (a counter, since removed, saw no
-      choice of -1 reach the lane; the block format, the same kernel otherwise, is exact
-      there).
+      per-tensor lane gave a top-5 logprob gap of 0.47-0.59 on the H200 test model, even
+      where every step is that one resident call. The cause is vLLM's, not the lane's: a
+      replayed graph pads the step to a captured size, the padded rows hold whatever the
+      graph's memory held, and that one scale is their largest value too. So all-resident
+      vLLM's own bits there depend on what ran before: the same engine with the prompts in
+      the other order gives a gap of 0.32 (2 of 4 sequences diverged) under its graphs and
+      none in eager mode; and with graphs captured at batch 1 only (a batch-1 decode step
+      pads no row) the lane is bit for bit all-resident under graphs (H200, at 72829bc,
+      ``test_per_tensor_fp8_differs_under_graphs_only_through_padded_rows``). The lane's own
+      memory moves what the padded rows hold; the block format scales each row by its own
+      values, so padding changes nothing there, and it is exact.
 """
 
 from __future__ import annotations
