@@ -46,6 +46,9 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   by one kernel;
 * ``ringflow-held-host``: ``ringflow-held`` with ``host_share: auto`` on the layers it does
   not hold: at batch 1 the fastest copy-only layout, its remaining misses split with the CPU;
+* ``NAME@SHARE`` (in ``--only``, NAME a peer with ``host_share``, e.g. ``ringflow-host@0.33``):
+  that peer with its host share forced to SHARE of each decode step's misses, beside the
+  start-up's own choice (``auto``), to see what the share is worth in the engine;
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -241,6 +244,27 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     }
 
 
+def forced_share(table: dict, name: str) -> dict:
+    """``table[name]``, or for ``PEER@SHARE`` the host-share peer PEER with its share forced
+    to SHARE (0..1)."""
+    if "@" not in name:
+        return table[name]
+    peer, _, share = name.partition("@")
+    base = table.get(peer, {})
+    section = base.get("additional_config", {}).get("ringflow", {}).get("experts", {})
+    if "host_share" not in section:
+        raise SystemExit(f"experts_bench: {name}: {peer} is not a peer with a host share")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise SystemExit(f"experts_bench: {name}: the share after @ is 0..1, got {share!r}")
+    out = json.loads(json.dumps(base))  # (host peers hold no sets)
+    out["additional_config"]["ringflow"]["experts"]["host_share"] = value
+    return out
+
+
 def utilization(torch) -> float:
     """``gpu_memory_utilization`` for engines living side by side: vLLM refuses to start an
     engine while less than that share of the card is free. The KV cache is fixed
@@ -338,7 +362,8 @@ def main() -> int:
         **({"quantization_config": FP8[args.fp8]} if args.fp8 else {})}))
     chosen = configs(args.layers, args.fp8)
     if args.only:
-        chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
+        chosen = {name: forced_share(chosen, name) for name in args.only.split(",")
+                  if name in chosen or "@" in name}
     vocab = QWEN3_A3B["vocab_size"]
     longest = max(prefills, default=args.chunk)  # --prefills "": decode only, the same engines
     step_tokens = min(longest, args.chunk)  # max_num_batched_tokens
@@ -398,7 +423,7 @@ def main() -> int:
                     b * (windows[key] - 2) / (t_long - t_short))
                 r.setdefault(f"decode_{routing}_b{b}_window_s", []).append(
                     round(t_long - t_short, 2))
-        if name in LANES:
+        if name.partition("@")[0] in LANES:
             from ringflow.integrations.vllm.experts import worker_report
             r["report"] = llm.collective_rpc(worker_report)[0]
 

@@ -169,3 +169,21 @@ def test_the_host_share_prediction_takes_the_models_saving_off_the_copy_only_ste
     assert "predicted_tok_s" not in table["ringflow-host"]["decode_hard_b64_tok_s"]  # no model
     table["ringflow"] = {"error": "did not start"}
     bench.predict_host_share(table, results, "ringflow-host", "ringflow", [1], ["hard"])  # no-op
+
+
+def test_a_host_peer_at_a_forced_share_is_that_peer_with_the_share_set():
+    """``--only ringflow-host@0.33``: the peer as configured, its host share forced; the
+    configured table untouched; a peer without a share, or a share outside 0..1, refused."""
+    bench = _bench()
+    table = bench.configs(4, None)
+    forced = bench.forced_share(table, "ringflow-host@0.33")
+    assert forced["additional_config"]["ringflow"]["experts"]["host_share"] == 0.33
+    assert table["ringflow-host"]["additional_config"]["ringflow"]["experts"][
+        "host_share"] == "auto"
+    held = bench.forced_share(table, "ringflow-held-host-plan@1")
+    assert held["env"] == {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
+    assert held["additional_config"]["ringflow"]["experts"]["decode_from_ring"] is True
+    assert bench.forced_share(table, "ringflow") is table["ringflow"]
+    for wrong in ("ringflow@0.5", "ringflow-host@1.5", "ringflow-host@x", "nothing@0.5"):
+        with pytest.raises(SystemExit):
+            bench.forced_share(table, wrong)
