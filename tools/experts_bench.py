@@ -47,8 +47,9 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-held-host``: ``ringflow-held`` with ``host_share: auto`` on the layers it does
   not hold: at batch 1 the fastest copy-only layout, its remaining misses split with the CPU;
 * ``NAME@SHARE`` (in ``--only``, NAME a peer with ``host_share``, e.g. ``ringflow-host@0.33``):
-  that peer with its host share forced to SHARE of each decode step's misses, beside the
-  start-up's own choice (``auto``), to see what the share is worth in the engine;
+  that peer with its host share forced to SHARE of each decode step's misses, to see what the
+  share is worth in the engine. One peer with a host share per run: its worker polls a CPU
+  for as long as its engine lives, so a second one would take a core from the first;
 * ``ringflow-slots``: the lane without its ring (``layer_buffers: 0``): every step through
   the slot cache, long prefills in passes (the lane before the ring);
 * ``vllm-uva``: vLLM's UVA offloader on the experts the device cannot hold (its MoE kernel
@@ -244,6 +245,13 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     }
 
 
+def host_share_of(config: dict):
+    """The ``host_share`` of a peer's profile, or None (no host share, or off)."""
+    share = config.get("additional_config", {}).get("ringflow", {}).get("experts", {}).get(
+        "host_share")
+    return None if share in (None, "off") else share
+
+
 def forced_share(table: dict, name: str) -> dict:
     """``table[name]``, or for ``PEER@SHARE`` the host-share peer PEER with its share forced
     to SHARE (0..1)."""
@@ -364,6 +372,13 @@ def main() -> int:
     if args.only:
         chosen = {name: forced_share(chosen, name) for name in args.only.split(",")
                   if name in chosen or "@" in name}
+    spinning = [name for name, config in chosen.items() if host_share_of(config) is not None]
+    if len(spinning) > 1:
+        parser.error(f"{', '.join(spinning)}: one peer with a host share per run. Each "
+                     f"engine's host worker polls a CPU while its engine lives, and the engines "
+                     f"of a run live side by side, so a second one takes a core from the first "
+                     f"one's threads (Note [Host node]); run them one at a time, each beside "
+                     f"its copy-only sibling")
     vocab = QWEN3_A3B["vocab_size"]
     longest = max(prefills, default=args.chunk)  # --prefills "": decode only, the same engines
     step_tokens = min(longest, args.chunk)  # max_num_batched_tokens

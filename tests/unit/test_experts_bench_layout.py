@@ -187,3 +187,19 @@ def test_a_host_peer_at_a_forced_share_is_that_peer_with_the_share_set():
     for wrong in ("ringflow@0.5", "ringflow-host@1.5", "ringflow-host@x", "nothing@0.5"):
         with pytest.raises(SystemExit):
             bench.forced_share(table, wrong)
+
+
+def test_one_peer_with_a_host_share_per_run():
+    """Each host-share engine's worker polls a CPU while its engine lives: two in one run took
+    cores from each other (the H200 run at 72829bc), so the bench refuses a second one."""
+    import subprocess
+    import sys
+    bench = _bench()
+    table = bench.configs(4, None)
+    assert [n for n, c in table.items() if bench.host_share_of(c) is not None] == [
+        "ringflow-host", "ringflow-held-host-plan", "ringflow-held-host"]
+    assert bench.host_share_of(bench.forced_share(table, "ringflow-host@0.5")) == 0.5
+    ran = subprocess.run([sys.executable, str(ROOT / "tools/experts_bench.py"), "--only",
+                          "ringflow,ringflow-host,ringflow-host@0.33"],
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 2 and "one peer with a host share per run" in ran.stderr, ran
