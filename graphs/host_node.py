@@ -28,7 +28,8 @@ Note [Host node]
     (``tools/host_worker_gil.py``, ``profiles/results/host-worker-gil-cpu.json``). So the worker's loop (``serve``, a
     TorchScript function polling ``flags``) is entered once from a thread of its own and
     returns to Python only when it is stopped: no step waits for the GIL. It polls, so it
-    keeps one CPU busy while the engine runs. CUDA
+    keeps one CPU busy while the engine runs (unless it parks: Note [An idle worker parks]).
+    CUDA
     host functions (``cuLaunchHostFunc``) were the first design: their driver thread must not
     call CUDA and should not take the GIL (cuda-python's own ``cudaLaunchHostFunc`` wraps
     the function in a trampoline that takes the GIL and frees its record after the first
@@ -40,6 +41,23 @@ Note [Host node]
     error. Under a replayed graph no Python runs to raise: those steps' rows are NaN. On the
     CPU (a device without streams) ``post`` writes the doorbell and ``join`` polls the flag
     from Python: the same worker, under test in CI.
+
+Note [An idle worker parks]
+    A polling worker keeps a CPU busy for as long as its engine lives, idle or not: a core per
+    GPU on a tensor-parallel box, and, in a benchmark whose engines live side by side, a core
+    the engine being measured may need (the H200 run at 72829bc had two engines with a host
+    share side by side, the likely reason its share gained nothing). So a loop may park: after
+    ``idle_polls`` polls in a row without a doorbell it sets ``flags[2]`` and returns to its
+    thread's Python, which waits without spinning (an event, looking at the doorbell every
+    ``PARK_POLL_S``) until the doorbell is set or ``wake()`` is called, then enters the loop
+    again. Nothing is lost: the doorbell stays set in pinned memory, the stream waits for the
+    done flag as before, and a replayed graph's doorbell is seen within ``PARK_POLL_S`` plus the
+    GIL's wait (the thread needs Python for that while); ``wake()`` (called where a step starts,
+    before its forward is issued) makes the re-entry start before the first doorbell.
+    ``close()`` wakes a parked loop to stop it. ``idle_polls_for(ms)`` converts a time into
+    polls, measured once on this CPU (TorchScript has no clock). Off unless asked for
+    (``RINGFLOW_HOST_IDLE_MS``): the re-entry's latency after an idle spell has not run on a GPU
+    yet.
 """
 
 from __future__ import annotations
@@ -59,7 +77,8 @@ from ringflow.errors import DeviceError, KernelError
 
 log = logging.getLogger("ringflow")
 
-GO, DONE = 0, 1  # the flags: the doorbell, the worker's done
+GO, DONE, PARKED = 0, 1, 2  # the flags: the doorbell, the worker's done, its loop parked
+PARK_POLL_S = 1e-3  # a parked worker looks at the doorbell this often (Note [An idle ...])
 _WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 _cuda = None
 
@@ -103,6 +122,8 @@ class HostNode:
         self.threads, self.ranges = threads, ranges
         self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.error: BaseException | None = None
+        self.parks = 0  # times the loop parked (Note [An idle worker parks])
+        self._wake = threading.Event()
         self._stopping = self._closed_capturing = False
         self._address = None
         if self.device.type == "cuda":
@@ -121,7 +142,11 @@ class HostNode:
                 ranges = self.ranges()  # on this thread: a profiler's state is per thread
                 ranges.__enter__()
                 try:
-                    self.serve(self.flags, *self.args)
+                    while True:  # a loop that parked (flags[2]) is entered again
+                        self.serve(self.flags, *self.args)
+                        if int(self.flags[PARKED]) == 0:
+                            break
+                        self._park()
                 finally:  # torch's NVTX profiler syncs the GPU as it ends: not while a
                     if not self._closed_capturing:  # graph is being captured (close())
                         ranges.__exit__(None, None, None)
@@ -131,6 +156,20 @@ class HostNode:
             log.error("%s raised on the host; its output is marked bad (NaN) from now on and "
                       "the next eager step stops: %r", self.name, exc)
         self._answer_bad()
+
+    def _park(self) -> None:
+        """The loop parked: wait without spinning until the doorbell is set (or the node is
+        stopping), then let it run again (Note [An idle worker parks])."""
+        self.parks += 1
+        while int(self.flags[GO]) == 0 and not self._stopping:
+            if self._wake.wait(PARK_POLL_S):  # a step starts: poll for its doorbell
+                self._wake.clear()
+                break
+        self.flags[PARKED] = 0
+
+    def wake(self) -> None:
+        """A step is about to start: a parked loop enters again now, before its doorbell."""
+        self._wake.set()
 
     def _answer_bad(self) -> None:
         """After the loop raised: answer every doorbell with a bad output, so that no stream
@@ -195,4 +234,39 @@ class HostNode:
         finally:
             self._stopping = True
             self.flags[GO] = -1
+            self._wake.set()  # a parked loop stops too
             self._thread.join(timeout=5)
+
+
+def _polls(flags: torch.Tensor, n: int) -> int:
+    """``n`` polls of ``flags[0]``, as a worker's loop polls while idle (Note [An idle worker
+    parks]); returns how many saw a doorbell."""
+    seen = 0
+    for _ in range(n):
+        if int(flags[0]) != 0:
+            seen += 1
+    return seen
+
+
+_polls_per_ms: float | None = None
+
+
+def idle_polls_for(ms: float) -> int:
+    """About how many idle polls of a worker's loop take ``ms`` milliseconds on this CPU
+    (measured once, with TorchScript's loop; 0 for ``ms <= 0``: never park)."""
+    global _polls_per_ms
+    if ms <= 0:
+        return 0
+    if _polls_per_ms is None:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=".*torch.jit.script.*")
+            loop = torch.jit.script(_polls)
+        flags = torch.zeros(4, dtype=torch.int32)
+        loop(flags, 1000)  # compiled and warm
+        n = 200_000
+        start = time.perf_counter()
+        loop(flags, n)
+        _polls_per_ms = n / max(1e-6, 1e3 * (time.perf_counter() - start))
+    return max(1, round(ms * _polls_per_ms))

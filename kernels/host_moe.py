@@ -158,18 +158,26 @@ def serve_experts(flags: torch.Tensor, meta: torch.Tensor, rows: torch.Tensor,
                   out: torch.Tensor, w13s: List[torch.Tensor], w2s: List[torch.Tensor],
                   w13_scales: List[Optional[torch.Tensor]],
                   w2_scales: List[Optional[torch.Tensor]], counts: torch.Tensor,
-                  names: List[str]) -> int:
+                  names: List[str], idle_polls: int = 0) -> int:
     """A host node's loop (Note [Host node]) for the expert lane's host share (Note [Host
     experts]): at each doorbell (``flags[0]`` set), the staged step (``meta``: its tokens and
     its layer's position) from that layer's store, into ``out``, inside a profiler range
     named ``names[position]`` (an NVTX range where the thread emits them: Note [Host work
     in NVTX]); ``counts[position]`` gains one run and the experts computed; then ``flags[1]``
-    says done. A negative doorbell ends it. Returns the runs."""
+    says done. A negative doorbell ends it; ``idle_polls`` polls in a row without one
+    (0: never) park it (``flags[2]`` set: Note [An idle worker parks]). Returns the runs."""
     runs = 0
+    idle = 0
     while True:
         go = int(flags[0])
         if go == 0:
+            if idle_polls > 0:
+                idle += 1
+                if idle >= idle_polls:
+                    flags[2] = 1
+                    break
             continue
+        idle = 0
         flags[0] = 0
         if go < 0:
             break

@@ -60,6 +60,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(Note [One kernel plans the step]); off by default (on an H100: exact in vLLM's "
            "engine, batch-1 decode 1.02x the torch path)",
            compiled=True),
+    Switch("RINGFLOW_HOST_IDLE_MS", "text", None,
+           "the expert lane's host-share worker parks after about this many milliseconds "
+           "without a doorbell, so an idle engine keeps no CPU busy, and enters its loop "
+           "again at the next step (Note [An idle worker parks]); unset: it never parks. "
+           "Not yet run on a GPU", "vllm"),
     Switch("RINGFLOW_HOOK_FRAMES", "flag", False,
            "an error vLLM raises under one of ringflow's hooks keeps ringflow's frames in its "
            "traceback (by default they are dropped: the traceback is vLLM's alone; debug)",

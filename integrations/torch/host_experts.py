@@ -49,7 +49,7 @@ import torch
 
 from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs import nvtx_ranges
-from ringflow.graphs.host_node import HostNode
+from ringflow.graphs.host_node import HostNode, idle_polls_for
 from ringflow.graphs.streams import dedicated_streams
 from ringflow.kernels.host_moe import scripted
 from ringflow.orchestrator.expert_hazards import ExpertOp
@@ -84,11 +84,16 @@ class HostExperts:
     """The lane's host share (Note [Host experts]): computes, for each chosen layer of
     ``stores`` (layer → its cache's host store: ``w13``, ``w2`` and, for fp8, their scales),
     steps of at most ``max_tokens`` tokens of ``hidden`` columns, ``top_k`` choices each, on
-    ``device``, with ``threads`` CPU threads (0: torch's default)."""
+    ``device``, with ``threads`` CPU threads (0: torch's default); its worker parks after
+    about ``idle_ms`` milliseconds without a doorbell (0: never; Note [An idle worker parks]
+    in graphs/host_node.py)."""
 
     def __init__(self, stores: Mapping[int, Mapping[str, torch.Tensor]], hidden: int,
                  top_k: int, max_tokens: int, device: torch.device | str, dtype: torch.dtype,
-                 threads: int = 0) -> None:
+                 threads: int = 0, idle_ms: float = 0.0) -> None:
+        if idle_ms < 0:
+            raise ConfigError(f"the host share's idle time before its worker parks is >= 0 "
+                              f"ms (0: never), got {idle_ms}")
         if max_tokens < 1:
             raise ConfigError(f"the host share needs max_tokens >= 1, got {max_tokens}")
         if not stores:
@@ -133,7 +138,8 @@ class HostExperts:
             (self.meta, self.rows, self.ids, self.weights, self.mine, self.out,
              [s["w13"] for s in stores], [s["w2"] for s in stores],
              [s.get("w13_scale") for s in stores], [s.get("w2_scale") for s in stores],
-             self.counts, [f"ringflow/experts/host/L{layer}" for layer in self.layers]),
+             self.counts, [f"ringflow/experts/host/L{layer}" for layer in self.layers],
+             idle_polls_for(idle_ms)),
             self.device, "ringflow/experts/host", fail=lambda: self.out.fill_(float("nan")),
             threads=threads, ranges=nvtx_ranges.host_thread_ranges)
         self.stream_name = "host"
@@ -194,7 +200,13 @@ class HostExperts:
         (counted by the worker, replays included)."""
         runs, computed = self.counts[self._position[layer]].tolist()
         return {"max_tokens": self.max_tokens, "computed": computed, "runs": runs,
+                "parks": self.node.parks,
                 "error": repr(self.node.error) if self.node.error is not None else None}
+
+    def wake(self) -> None:
+        """A step is about to start: a parked worker enters its loop again now (Note [An
+        idle worker parks])."""
+        self.node.wake()
 
 
 def _stream(device: torch.device) -> object:

@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from ringflow.errors import ProfileError
+from ringflow import envs
+from ringflow.errors import ConfigError, ProfileError
 from ringflow.integrations.torch.expert_cache import ExpertCache
 from ringflow.integrations.torch.host_experts import (CopyLoad, HostExperts, fastest_threads,
                                                       measure_handoff_ms)
@@ -77,12 +78,32 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
         w13 = first.host["w13"]
         dtype = w13.dtype if w13.element_size() >= 2 else torch.bfloat16
     hidden = first.host["w2"].shape[1]
+    idle_ms = idle_ms_switch()
     host = HostExperts({i: cache.host for i, cache in caches.items()}, hidden, experts.top_k,
-                       policy.max_tokens, first.device, dtype, threads)
+                       policy.max_tokens, first.device, dtype, threads, idle_ms=idle_ms)
     log.info("experts.host_share: steps of up to %d tokens hand part of each layer's misses "
-             "to the host's CPU (one worker, %d threads), which computes them inside the step: "
-             "%s", policy.max_tokens, threads, policy.why)
+             "to the host's CPU (one worker, %d threads, %s), which computes them inside the "
+             "step: %s", policy.max_tokens, threads,
+             f"parked after about {idle_ms:g} ms without work (RINGFLOW_HOST_IDLE_MS)"
+             if idle_ms else "polling a CPU core while the engine lives", policy.why)
     return host, policy
+
+
+def idle_ms_switch() -> float:
+    """``RINGFLOW_HOST_IDLE_MS`` as milliseconds (0: unset, the worker never parks; Note [An
+    idle worker parks])."""
+    raw = envs.text("RINGFLOW_HOST_IDLE_MS")
+    if raw is None:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0 or ms != ms or ms == float("inf"):
+        raise ConfigError(f"RINGFLOW_HOST_IDLE_MS={raw!r}: give the milliseconds without work "
+                          f"after which the host share's worker parks, a number > 0 (e.g. "
+                          f"50), or unset it so that the worker never parks")
+    return ms
 
 
 def host_rows_unlike_vllms(store: dict, e8m0: bool | None = None) -> str | None:

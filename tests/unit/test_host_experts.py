@@ -342,6 +342,72 @@ def test_the_host_node_runs_its_loop_without_python_between_post_and_join():
         node.post()
 
 
+def parking_doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                    runs: torch.Tensor, idle_polls: int) -> int:
+    """``doubler`` that parks after ``idle_polls`` polls without a doorbell (Note [An idle
+    worker parks]), as serve_experts does."""
+    n = 0
+    idle = 0
+    while True:
+        go = int(flags[0])
+        if go == 0:
+            idle += 1
+            if idle >= idle_polls:
+                flags[2] = 1
+                break
+            continue
+        idle = 0
+        flags[0] = 0
+        if go < 0:
+            break
+        torch.mul(src, 2, out=dst)
+        runs += 1
+        n += 1
+        flags[1] = 1
+    return n
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+@pytest.mark.parametrize("woken", [False, True])
+def test_an_idle_worker_parks_and_serves_the_next_doorbell(woken):
+    """After about a millisecond without a doorbell the loop parks (its thread waits, no
+    polling); a doorbell set meanwhile (as a replayed graph's stream sets it, no Python
+    before it) or a wake and a post are served, each exactly once; close stops a parked
+    worker."""
+    from ringflow.graphs.host_node import PARKED, idle_polls_for
+    src, dst, runs = torch.zeros(8), torch.empty(8), torch.zeros((), dtype=torch.int64)
+    node = HostNode(torch.jit.script(parking_doubler), (src, dst, runs, idle_polls_for(1.0)),
+                    "cpu", "ringflow/test/host")
+    try:
+        for i in range(3):
+            deadline = time.perf_counter() + 5
+            while node.parks <= i and time.perf_counter() < deadline:
+                time.sleep(0.002)
+            assert node.parks == i + 1 and int(node.flags[PARKED]) == 1, node.parks
+            src.copy_(torch.arange(8.0) + i)
+            dst.fill_(float("nan"))
+            if woken:  # a step starts (vLLM's execute_model): back to polling before the
+                node.wake()  # doorbell
+                deadline = time.perf_counter() + 5
+                while int(node.flags[PARKED]) and time.perf_counter() < deadline:
+                    time.sleep(0.0005)
+                assert int(node.flags[PARKED]) == 0
+            node.post()
+            node.join()
+            assert torch.equal(dst, 2 * (torch.arange(8.0) + i)) and int(runs) == i + 1
+        time.sleep(0.05)  # idle again, parked: no run without a doorbell
+        assert int(runs) == 3 and node.parks >= 4
+    finally:
+        node.close()
+    assert not node._thread.is_alive()
+
+
+def test_an_idle_ms_that_is_no_time_is_refused():
+    with pytest.raises(ConfigError, match="idle time"):
+        HostExperts({0: {"w13": torch.zeros(2, 4, 2), "w2": torch.zeros(2, 2, 2)}}, 2, 1, 1,
+                    "cpu", torch.float32, idle_ms=-1)
+
+
 def test_a_loop_that_raises_marks_its_output_bad_and_stops_the_next_step(caplog):
     src, dst, runs = torch.zeros(8), torch.zeros(8), torch.zeros((), dtype=torch.int64)
 
@@ -383,11 +449,12 @@ def test_the_worker_computes_with_the_threads_it_was_given():
 
 # the lane with a host share, against the float64 MoE
 
-def lane_with_host(slots: int, share: float, max_tokens: int = 4, dtype=torch.float32):
+def lane_with_host(slots: int, share: float, max_tokens: int = 4, dtype=torch.float32,
+                   idle_ms: float = 0.0):
     w13, w2 = experts(dtype=dtype)
     cache = ExpertCache({"w13": w13, "w2": w2}, slots, "cpu")
     cache.trace = []
-    host = HostExperts({0: cache.host}, H, K, max_tokens, "cpu", dtype)
+    host = HostExperts({0: cache.host}, H, K, max_tokens, "cpu", dtype, idle_ms=idle_ms)
     host.out.fill_(float("nan"))  # poisoned: the worker writes every row it is asked for
     policy = HostPolicy({t: share for t in range(1, max_tokens + 1)}, "test")
     lane = ExpertLane({0: cache}, {0: TorchCompute()}, host=host, host_policy=policy)
@@ -421,6 +488,29 @@ def test_every_split_from_all_copy_to_all_cpu_equals_the_float64_moe(share):
         assert (handed == 0) == (share == 0) and (share < 1 or int(cache.misses) == handed)
     finally:
         lane.close()
+
+
+def test_a_parked_host_worker_computes_the_next_steps_as_the_float64_moe():
+    """RINGFLOW_HOST_IDLE_MS's worker (Note [An idle worker parks]): idle between steps long
+    enough to park, each step's share still computed, once, equal to the float64 MoE."""
+    lane, cache, host, w13, w2 = lane_with_host(slots=2 * K, share=0.5, idle_ms=1.0)
+    g = torch.Generator().manual_seed(12)
+    try:
+        for s, tokens in enumerate([1, 2, 1, 1]):
+            time.sleep(0.02)  # idle: parked
+            if s % 2:
+                host.wake()  # as vLLM's execute_model does, before the step
+            ids, weights = routing(80 + s, tokens)
+            hidden = torch.randn(tokens, H, generator=g)
+            out = lane.forward(0, hidden, weights, ids)
+            torch.testing.assert_close(out.double(), moe_ref(hidden, w13, w2, weights, ids),
+                                       rtol=1e-5, atol=1e-5)
+        report = host.describe(0)
+        assert report["runs"] == 4 and report["parks"] >= 4, report
+        assert report["computed"] == int(cache.host_computed) > 0
+    finally:
+        lane.close()
+    assert not host.node._thread.is_alive()
 
 
 def test_the_host_takes_the_misses_with_the_fewest_tokens_and_leaves_hits_alone():
@@ -634,17 +724,24 @@ def test_a_worker_closed_during_a_capture_leaves_its_ranges_to_keep_the_capture(
 
 @pytest.mark.cuda
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
-def test_a_replayed_graph_rings_the_host_node_at_every_replay():
+@pytest.mark.parametrize("parking", [False, True])
+def test_a_replayed_graph_rings_the_host_node_at_every_replay(parking):
     """D2H of a device tensor, the host doubles it, H2D back, all captured once (the doorbell
     and the wait as memory-operation nodes) and replayed with new inputs: each replay's
-    output is its own input doubled (poisoned before), and the worker ran once per replay."""
+    output is its own input doubled (poisoned before), and the worker ran once per replay;
+    with ``parking``, the worker parked before each replay (Note [An idle worker parks]) and
+    the stream's doorbell alone brought it back."""
+    from ringflow.graphs.host_node import idle_polls_for
     dev = _gpu()
     src = torch.zeros(64, device=dev)
     staged = torch.empty(64).pin_memory()
     answer = torch.empty(64).pin_memory()
     out = torch.empty(64, device=dev)
     runs = torch.zeros((), dtype=torch.int64)
-    node = HostNode(torch.jit.script(doubler), (staged, answer, runs), dev, "ringflow/test/host")
+    node = (HostNode(torch.jit.script(parking_doubler),
+                     (staged, answer, runs, idle_polls_for(1.0)), dev, "ringflow/test/host")
+            if parking else
+            HostNode(torch.jit.script(doubler), (staged, answer, runs), dev, "ringflow/test/host"))
     try:
         def step():
             staged.copy_(src, non_blocking=True)
@@ -668,10 +765,15 @@ def test_a_replayed_graph_rings_the_host_node_at_every_replay():
             src.copy_(values)
             out.fill_(float("nan"))
             answer.fill_(float("nan"))
+            if parking:
+                time.sleep(0.02)  # idle: the worker parks
+            parks = node.parks
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out.cpu(), 2 * values)
+            assert not parking or parks > 0, parks
         assert int(runs) == before + 5
+        assert (node.parks >= 5) == parking, node.parks
     finally:
         torch.cuda.synchronize()
         node.close()
@@ -890,3 +992,21 @@ def test_a_host_share_beside_held_layers_or_the_arena_equals_the_float64_moe(lay
         check_lane(ops, lane.ring.buffers if layout == "held" else 0)
     finally:
         lane.close()
+
+
+@pytest.mark.parametrize("raw, ms", [(None, 0.0), ("50", 50.0), ("0.5", 0.5), ("", 0.0)])
+def test_the_idle_switch_gives_milliseconds(monkeypatch, raw, ms):
+    from ringflow.integrations.vllm.expert_host import idle_ms_switch
+    if raw is None:
+        monkeypatch.delenv("RINGFLOW_HOST_IDLE_MS", raising=False)
+    else:
+        monkeypatch.setenv("RINGFLOW_HOST_IDLE_MS", raw)
+    assert idle_ms_switch() == ms
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon", "nan", "inf"])
+def test_an_idle_switch_that_is_no_time_stops_with_the_fix(monkeypatch, raw):
+    from ringflow.integrations.vllm.expert_host import idle_ms_switch
+    monkeypatch.setenv("RINGFLOW_HOST_IDLE_MS", raw)
+    with pytest.raises(ConfigError, match="RINGFLOW_HOST_IDLE_MS=.*a number > 0"):
+        idle_ms_switch()
