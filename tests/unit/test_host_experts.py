@@ -299,13 +299,22 @@ def test_each_host_run_is_a_range_named_by_its_layer_on_the_workers_own_thread(m
 # the host node (Note [Host node])
 
 def doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-            runs: torch.Tensor) -> int:
-    """A host node's loop (Note [Host node]'s protocol): ``dst = 2 * src`` at each doorbell."""
+            runs: torch.Tensor, idle_polls: int = 0) -> int:
+    """A host node's loop (Note [Host node]'s protocol): ``dst = 2 * src`` at each doorbell;
+    parked after ``idle_polls`` polls without one (0: never), as serve_experts does (Note [An
+    idle worker parks])."""
     n = 0
+    idle = 0
     while True:
         go = int(flags[0])
         if go == 0:
+            if idle_polls > 0:
+                idle += 1
+                if idle >= idle_polls:
+                    flags[2] = 1
+                    break
             continue
+        idle = 0
         flags[0] = 0
         if go < 0:
             break
@@ -342,31 +351,6 @@ def test_the_host_node_runs_its_loop_without_python_between_post_and_join():
         node.post()
 
 
-def parking_doubler(flags: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                    runs: torch.Tensor, idle_polls: int) -> int:
-    """``doubler`` that parks after ``idle_polls`` polls without a doorbell (Note [An idle
-    worker parks]), as serve_experts does."""
-    n = 0
-    idle = 0
-    while True:
-        go = int(flags[0])
-        if go == 0:
-            idle += 1
-            if idle >= idle_polls:
-                flags[2] = 1
-                break
-            continue
-        idle = 0
-        flags[0] = 0
-        if go < 0:
-            break
-        torch.mul(src, 2, out=dst)
-        runs += 1
-        n += 1
-        flags[1] = 1
-    return n
-
-
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 @pytest.mark.parametrize("woken", [False, True])
 def test_an_idle_worker_parks_and_serves_the_next_doorbell(woken):
@@ -376,7 +360,7 @@ def test_an_idle_worker_parks_and_serves_the_next_doorbell(woken):
     worker."""
     from ringflow.graphs.host_node import PARKED, idle_polls_for
     src, dst, runs = torch.zeros(8), torch.empty(8), torch.zeros((), dtype=torch.int64)
-    node = HostNode(torch.jit.script(parking_doubler), (src, dst, runs, idle_polls_for(1.0)),
+    node = HostNode(torch.jit.script(doubler), (src, dst, runs, idle_polls_for(1.0)),
                     "cpu", "ringflow/test/host")
     try:
         for i in range(3):
@@ -738,10 +722,9 @@ def test_a_replayed_graph_rings_the_host_node_at_every_replay(parking):
     answer = torch.empty(64).pin_memory()
     out = torch.empty(64, device=dev)
     runs = torch.zeros((), dtype=torch.int64)
-    node = (HostNode(torch.jit.script(parking_doubler),
-                     (staged, answer, runs, idle_polls_for(1.0)), dev, "ringflow/test/host")
-            if parking else
-            HostNode(torch.jit.script(doubler), (staged, answer, runs), dev, "ringflow/test/host"))
+    node = HostNode(torch.jit.script(doubler),
+                    (staged, answer, runs, idle_polls_for(1.0) if parking else 0), dev,
+                    "ringflow/test/host")
     try:
         def step():
             staged.copy_(src, non_blocking=True)
