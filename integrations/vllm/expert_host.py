@@ -99,7 +99,7 @@ def idle_ms_switch() -> float:
         ms = float(raw)
     except ValueError:
         ms = -1.0
-    if not ms > 0 or ms != ms or ms == float("inf"):
+    if not 0 < ms < float("inf"):  # (NaN too)
         raise ConfigError(f"RINGFLOW_HOST_IDLE_MS={raw!r}: give the milliseconds without work "
                           f"after which the host share's worker parks, a number > 0 (e.g. "
                           f"50), or unset it so that the worker never parks")
