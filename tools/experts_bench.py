@@ -259,8 +259,7 @@ def forced_share(table: dict, name: str) -> dict:
         return table[name]
     peer, _, share = name.partition("@")
     base = table.get(peer, {})
-    section = base.get("additional_config", {}).get("ringflow", {}).get("experts", {})
-    if "host_share" not in section:
+    if host_share_of(base) is None:
         raise SystemExit(f"experts_bench: {name}: {peer} is not a peer with a host share")
     try:
         value = float(share)
@@ -352,6 +351,17 @@ def main() -> int:
         parser.error("--rounds >= 1, --layers >= 4, --chunk >= 1, --routings among hard,easy")
     if args.trace and not prefills:
         parser.error("--trace profiles a prompt of the first --prefills size: give one")
+    chosen = configs(args.layers, args.fp8)
+    if args.only:
+        chosen = {name: forced_share(chosen, name) for name in args.only.split(",")
+                  if name in chosen or "@" in name}
+    spinning = [name for name, config in chosen.items() if host_share_of(config) is not None]
+    if len(spinning) > 1:
+        parser.error(f"{', '.join(spinning)}: one peer with a host share per run. Each "
+                     f"engine's host worker polls a CPU while its engine lives, and the engines "
+                     f"of a run live side by side, so a second one takes a core from the first "
+                     f"one's threads (Note [Host node]); run them one at a time, each beside "
+                     f"its copy-only sibling")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloaders need V1 (0.26)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(function)
 
@@ -368,17 +378,6 @@ def main() -> int:
     (model / "config.json").write_text(json.dumps({
         **QWEN3_A3B, "num_hidden_layers": args.layers,
         **({"quantization_config": FP8[args.fp8]} if args.fp8 else {})}))
-    chosen = configs(args.layers, args.fp8)
-    if args.only:
-        chosen = {name: forced_share(chosen, name) for name in args.only.split(",")
-                  if name in chosen or "@" in name}
-    spinning = [name for name, config in chosen.items() if host_share_of(config) is not None]
-    if len(spinning) > 1:
-        parser.error(f"{', '.join(spinning)}: one peer with a host share per run. Each "
-                     f"engine's host worker polls a CPU while its engine lives, and the engines "
-                     f"of a run live side by side, so a second one takes a core from the first "
-                     f"one's threads (Note [Host node]); run them one at a time, each beside "
-                     f"its copy-only sibling")
     vocab = QWEN3_A3B["vocab_size"]
     longest = max(prefills, default=args.chunk)  # --prefills "": decode only, the same engines
     step_tokens = min(longest, args.chunk)  # max_num_batched_tokens
