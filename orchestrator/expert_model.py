@@ -84,16 +84,14 @@ def chunk_copies(layout: str, *, layers: int, experts: int, slots: int = 0,
 
     ``layout``: ``ring`` (a ring of ``buffers`` layer buffers whose fills take the ``slots``
     each layer's cache holds from the device), ``held`` (the ring's first ``buffers`` layers
-    held for decode, carried again in every tail, the others with ``slots`` each), ``arena``
-    (``layers`` with ``slots`` each and windows of those rows: none copied when there is a
-    window per layer, else every layer whole), ``prefetch`` (vLLM's prefetch offloader, every
-    one of ``layers`` offloaded layers whole)."""
+    held for decode, carried again in every tail, the others with ``slots`` each),
+    ``prefetch`` (vLLM's prefetch offloader, every one of ``layers`` offloaded layers whole).
+    The expert arena's count depends on its layout and is its own (``rows_from_host``;
+    Note [Large steps stream through the slots])."""
     if layout == "ring":
         return layers * (experts - slots)
     if layout == "held":
         return buffers * experts + (layers - buffers) * (experts - slots)
-    if layout == "arena":
-        return 0 if layers * slots // experts >= layers else layers * experts
     if layout == "prefetch":
         return layers * experts
-    raise ConfigError(f"chunk_copies: layout is ring, held, arena or prefetch, not {layout!r}")
+    raise ConfigError(f"chunk_copies: layout is ring, held or prefetch, not {layout!r}")

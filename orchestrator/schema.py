@@ -265,11 +265,22 @@ FIELDS: dict[str, ProfileField] = {
                                   "'auto': experts.auto_percent of the device memory vLLM's "
                                   "budget (--gpu-memory-utilization) leaves after the weights "
                                   "and the layer ring, the KV cache getting the rest (on a "
-                                  "GPU; the CPU build takes the default)", "slots", None,
+                                  "GPU; the CPU build takes the default); a mapping of every "
+                                  "chosen layer to its own count (with layer_buffers: slots, "
+                                  "layers given every expert lend their rows to the large "
+                                  "steps' other layers once they ran: one layout for decode, "
+                                  "lone long prompts and chunks, Note [Large steps stream "
+                                  "through the slots])", "slots", None,
                                   nullable=True, shape={"oneOf": [
                                       {"type": "integer", "minimum": 1, "maximum": 1 << 16},
-                                      {"const": "auto"}]},
-                                  words="an integer >= 1, 'auto', or omitted for a quarter of "
+                                      {"const": "auto"},
+                                      {"type": "object", "minProperties": 1,
+                                       "additionalProperties": False,
+                                       "patternProperties": {"^[0-9]+$": {
+                                           "type": "integer", "minimum": 1,
+                                           "maximum": 1 << 16}}}]},
+                                  words="an integer >= 1, 'auto', a mapping {layer: count} "
+                                        "over the chosen layers, or omitted for a quarter of "
                                         "the layer's experts (at least its top_k; with "
                                         "decode_from_ring the held layers' quarters spread "
                                         "over the others)"),

@@ -6,6 +6,7 @@ parser that builds it from its mapping (checked against :data:`~ringflow.orchest
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +204,8 @@ class ExpertsSpec:
     """Routed experts from host memory through a per-layer cache (Note [Expert cache])."""
 
     layers: str | frozenset[int] | tuple[int, int]
-    slots: int | str | None  # None: a quarter of the experts, at least top_k; "auto": by memory
+    #: None: a quarter of the experts, at least top_k; "auto": by memory; a mapping: per layer
+    slots: int | str | dict[int, int] | None
     in_place_tokens: int  # steps of at most this many tokens end in place (Note [Expert cache])
     lookahead: bool  # guess the next chosen layer's experts a layer early (Note [Expert lookahead])
     layer_tokens: int = 1024  # steps of at least this many tokens use the layer ring
@@ -220,20 +222,35 @@ class ExpertsSpec:
     host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
     host_threads: int = 0  # the host share's CPU threads; 0: the fastest measured
 
-    def slots_for(self, experts: int, top_k: int, held: int = 0, chosen: int = 1) -> int:
-        """The cache slots of a layer with ``experts`` routed experts, ``top_k`` per token
+    def slots_for(self, experts: int, top_k: int, held: int = 0, chosen: int = 1,
+                  layer: int | None = None) -> int:
+        """The cache slots of ``layer``, with ``experts`` routed experts, ``top_k`` per token
         (``slots: auto`` is sized by :func:`auto_slots` where the memory is known; here it
-        takes the default). The default, a quarter of the experts, is per chosen layer: with
-        ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps read
-        the held layers]) their share goes to the others, the same memory in all."""
+        takes the default; a mapping names each chosen layer's, checked by
+        :meth:`check_slot_layers`). The default, a quarter of the experts, is per chosen layer:
+        with ``held`` of the ``chosen`` layers held in the ring (no slots, Note [Small steps
+        read the held layers]) their share goes to the others, the same memory in all."""
+        if isinstance(self.slots, dict):
+            if layer not in self.slots:
+                raise ProfileError("experts.slots", f"is a mapping per layer and names no "
+                                   f"layer {layer}; give every chosen layer its count", None)
+            return min(self.slots[layer], experts)
         if isinstance(self.slots, int):
             return min(self.slots, experts)
         return min(experts, max(top_k, experts // 4) * chosen // (chosen - held))
 
+    def check_slot_layers(self, chosen: list[int], source: str | None,
+                          among: bool = False) -> None:
+        """A mapping of ``slots`` names exactly the ``chosen`` layers (with ``among``: only
+        layers among them, as the front end knows the pattern but not which layers are MoE)."""
+        if isinstance(self.slots, dict):
+            _check_slot_layers(self.slots, chosen, source, among)
+
     def to_mapping(self) -> dict:
         out: dict[str, Any] = {"layers": layers_mapping(self.layers)}
         if self.slots is not None:
-            out["slots"] = self.slots
+            out["slots"] = (dict(sorted(self.slots.items())) if isinstance(self.slots, dict)
+                            else self.slots)
         out["in_place_tokens"] = self.in_place_tokens
         out["lookahead"] = self.lookahead
         out["layer_tokens"] = self.layer_tokens
@@ -254,7 +271,9 @@ class ExpertsSpec:
 def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
     doc = section("experts", doc, source)
     values = {key: field_value(doc, f"experts.{key}", source) for key in section_keys("experts")}
-    if values["slots"] not in (None, "auto"):
+    if isinstance(values["slots"], dict):  # per layer: YAML gives int keys, JSON strings
+        values["slots"] = _slots_per_layer(values, source)
+    elif values["slots"] not in (None, "auto"):
         int_in("experts.slots", values["slots"], source, 1, 1 << 16)
     if values["layer_buffers"] != "slots":
         int_in("experts.layer_buffers", values["layer_buffers"], source, 0, 1 << 10)
@@ -270,6 +289,48 @@ def experts_section(doc: Any, source: str | None) -> ExpertsSpec:
                        host_share=_host_share(values["host_share"], source),
                        host_tokens=values["host_tokens"], host_rates=values["host_rates"],
                        host_threads=values["host_threads"])
+
+
+def _slots_per_layer(values: dict, source: str | None) -> dict[int, int]:
+    """``experts.slots`` as a mapping {layer: count} (keys: ints, or their decimal strings as
+    JSON writes them), checked against what the section says without the model: each layer
+    once, among a list of ``layers``, and not beside a knob that sizes every layer alike."""
+    out: dict[int, int] = {}
+    for key, count in values["slots"].items():
+        if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
+            key = int(key)
+        layer = int_in("experts.slots", key, source, 0, MAX_LAYERS)
+        if layer in out:
+            raise ProfileError("experts.slots", f"names layer {layer} twice", source)
+        out[layer] = int_in("experts.slots", count, source, 1, 1 << 16)
+    if not out:
+        raise rejected("experts.slots", {}, source, "names no layer")
+    for knob, off in (("decode_from_ring", False), ("host_share", "off")):
+        if values[knob] not in (off, None, 0):
+            raise ProfileError("experts.slots", f"is a mapping per layer; {knob} sizes every "
+                               f"layer from one count (" + ("the held layers have no slots"
+                               if knob == "decode_from_ring" else "its split is predicted "
+                               "from the first layer's hit rate") + "): give one count, or "
+                               f"leave {knob} off", source)
+    layers = values["layers"]
+    if isinstance(layers, list) and all(type(i) is int for i in layers):  # (other lists:
+        _check_slot_layers(out, layers, source)                           # layer_pattern's)
+    return out
+
+
+def _check_slot_layers(slots: dict[int, int], chosen: list[int], source: str | None,
+                       among: bool = False) -> None:
+    """``slots`` (per layer) names exactly the ``chosen`` layers, or with ``among`` only
+    layers among them."""
+    named = sorted(slots)
+    want = sorted(i for i in set(chosen) if i in slots or not among)
+    if named != want:
+        extra, missing = sorted(set(named) - set(want)), sorted(set(want) - set(named))
+        raise ProfileError("experts.slots", f"names layers {named}, the chosen layers "
+                           f"{'among them ' if among else ''}are {want}"
+                           + (f": {extra} not chosen" if extra else "")
+                           + (f": {missing} without a count" if missing else "")
+                           + "; give every chosen layer its count", source)
 
 
 def _host_share(value: Any, source: str | None) -> str | float:

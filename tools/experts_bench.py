@@ -30,6 +30,12 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   through the slots]), the same device memory;
 * ``ringflow-arena-early``: ``ringflow-arena`` whose large steps start at vLLM's
   ``execute_model`` (``early_start: true``, Note [Large steps start early]);
+* ``ringflow-whole``: every layer's experts in pinned host memory, ``ringflow-arena``'s
+  resident layers keeping all 128 in their slots (decoding as resident layers), the others
+  ``held_slots(layers)``, one arena of all their rows: a large step copies each other
+  layer's missing experts into rows of a whole layer that already ran and its tail copies
+  them back (Note [Large steps stream through the slots]), the same device memory;
+  ``ringflow-whole-plan`` the same with ``RINGFLOW_EXPERT_PLAN_KERNEL=1``;
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the windows' fills;
@@ -128,8 +134,9 @@ SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-early", "ringflow-arena-first", "ringflow-host-fills", "ringflow-host",
-         "ringflow-held-host", "ringflow-held-plan", "ringflow-held-host-plan")
+         "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan", "ringflow-arena-first",
+         "ringflow-host-fills", "ringflow-host", "ringflow-held-host", "ringflow-held-plan",
+         "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -179,6 +186,16 @@ def arena_layers(layers: int) -> list[int]:
     return [i for i in range(layers) if i not in resident]
 
 
+def whole_layers(layers: int) -> dict:
+    """``ringflow-whole``'s experts section: every layer chosen, ``ringflow-arena``'s resident
+    layers with all 128 experts in their slots, the others ``held_slots(layers)``, all one
+    arena (Note [Large steps stream through the slots]): the arena's device memory."""
+    chosen = set(arena_layers(layers))
+    return {"layers": "all", "layer_buffers": "slots", "early_start": True,
+            "slots": {str(i): held_slots(layers) if i in chosen else 128
+                      for i in range(layers)}}
+
+
 def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
     """Engine keyword arguments per configuration (module docstring)."""
     layer_gib = 128 * expert_bytes(fp8) / 2**30
@@ -209,6 +226,13 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
             "name": "experts-bench-arena-early", "experts": {
                 "layers": arena_layers(layers), "slots": held_slots(layers),
                 "layer_buffers": "slots", "early_start": True}}}},
+        # every layer's experts in host memory; the arena's resident layers keep every
+        # expert in their slots instead, and lend those rows to large steps once they ran
+        "ringflow-whole": {**lane, "additional_config": {"ringflow": {
+            "name": "experts-bench-whole", "experts": whole_layers(layers)}}},
+        "ringflow-whole-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                "additional_config": {"ringflow": {
+            "name": "experts-bench-whole-plan", "experts": whole_layers(layers)}}},
         "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena-first", "experts": {
                 "layers": list(range(layers - RING)), "slots": held_slots(layers),

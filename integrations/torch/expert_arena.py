@@ -16,33 +16,38 @@ Note [Large steps stream through the slots]
     stream the chosen ones through one region. The slots are that region: a large step does
     not need what the slots cache for decode, it needs each layer whole. So the chosen
     layers' slots are one allocation per parameter (the arena, ``sum(slots)`` rows, each
-    cache's slots a run of its rows), and a large step computes each chosen layer from a
-    *window* of the arena: ``experts`` consecutive rows, one layer, ``windows = rows //
-    experts`` of them at fixed offsets. A window is the ring's buffer, with the same
-    lifecycle (Note [Lease lifecycle]): a fill waits for the window's last reader (its
-    retire event), copies on the copy stream, records the ready event; the layer waits for it,
-    computes, records the retire event; the freed window takes the next position at once,
-    and past the step's last layer the next step's first (carried). Per step, in order:
+    cache's slots a run of its rows), and a large step computes each chosen layer from rows
+    of the arena through an expert map (expert -> row, ``experts`` of them, anywhere in the
+    arena): vLLM's kernel over the whole arena with the map is the resident call (Note [Same
+    bits as resident]: the map sorts the rows by expert as the resident call does, and the
+    tiles are the resident layer's whatever the arena's row count). A layer's rows follow
+    the ring buffer's lifecycle (Note [Lease lifecycle]): a fill waits for its rows' last
+    readers (their positions' retire events), copies on the copy stream, records the
+    position's ready event; the layer waits for it, computes, records its retire event;
+    its rows are then free for the next fill, and past the step's last layer the next step's
+    first is filled (carried). Per step, in order:
 
     1. **Start** (the step's first layer): the copy stream waits for the compute stream (the
        small steps since the last large one read and installed rows there, and record no
        event a replay could not), and the caches' slot tables are read to the host (one
        sync, as the ring does).
-    2. **Fill** position ``p`` into window ``w``: rows of ``w`` that already hold one of
-       ``p``'s experts stay where they are (``p``'s own cache entries, or rows a fill wrote
-       earlier that nothing rewrote since); ``p``'s other experts are copied from host memory
-       into the window's other rows, empty ones first, in runs of consecutive experts and
-       rows (DMA); one copied into a row of ``p``'s own slots is entered in its table there
-       (``ExpertCache.adopt``: the small steps after find it). The window's expert map (expert -> row in the window) is written on the
-       compute stream, and the layer computes with it: vLLM's kernel over the window with
-       the map is the resident call (Note [Same bits as resident], one pass). A row written
-       for ``p`` leaves its owner's slot table (``ExpertCache.drop``), and the arena records
-       what it wrote there: the record counts only while that table entry stays empty within
-       the owner's generation (an install sets it; a forget or lend counts a generation).
-       Among free windows a fill takes the one holding most of ``p``'s experts.
+    2. **Fill** position ``p``: rows that already hold one of ``p``'s experts stay where they
+       are (``p``'s own cache entries, or rows a fill wrote earlier that nothing rewrote
+       since); ``p``'s other experts are copied from host memory into other rows not held
+       by a fill or read in flight, in runs of consecutive experts and rows (DMA): empty rows
+       first, then rows a fill wrote for another layer, then other layers' own cached
+       experts; within each, ``p``'s own rows first (one copied there is entered in its table,
+       ``ExpertCache.adopt``: the small steps after find it), then those whose layer the steps
+       ahead need last. Another layer's own entries are taken only when no read is in flight
+       or pending: until the layer before ``p`` retires, its rows may free up for ``p`` (a
+       whole layer's, once it ran, rather than a half layer's cache that the step still
+       needs), and a fill that cannot take enough waits for that. A row written for ``p``
+       leaves its owner's slot table (``ExpertCache.drop``), and the arena records what it
+       wrote there: the record counts only while that table entry stays empty within the
+       owner's generation (an install sets it; a forget or lend counts a generation).
     3. **Carried** fills (issued in a step's tail) are topped up at the next start: what the
        small steps in between installed over is copied again, nothing else.
-    4. **Small steps** of a chosen layer wait for every window's ready event before they
+    4. **Small steps** of a chosen layer wait for every position's ready event before they
        read or install (a carried fill may still be writing, into this layer's rows or the
        next one's, where its lookahead installs): external events, so a captured step holds
        a wait on their latest record (as a held buffer's, Note [Small steps read the held
@@ -53,30 +58,45 @@ Note [Large steps stream through the slots]
 
     What stays true: every write to a row (a fill's copy, a small step's install) is ordered
     after every earlier read and write of it, by the start's stream wait, a retire event or a
-    ready event; a layer reads a row only after the write of what its map names there. The
-    trace (``place`` on the copy stream, ``read`` on the compute stream, both naming the
-    position they serve in ``on`` and the cache whose rows they touch in ``space``) is proven
-    with the caches' own operations by ``check_lane`` (Note [Expert lane hazards]).
+    ready event (a retire event re-recorded since a row's last read was recorded later on
+    the same stream: waiting on it orders after that read too); a layer reads a row only
+    after the write of what its map names there. The trace (``place`` on the copy stream,
+    ``read`` on the compute stream, both naming the position they serve in ``on`` and the
+    cache whose rows they touch in ``space``) is proven with the caches' own operations by
+    ``check_lane`` (Note [Expert lane hazards]).
 
-    Cost and gain: a large step copies each chosen layer's experts that its window does not
-    hold. Back to back with as many windows as layers that is nothing; with fewer, each
-    layer's whole experts, at 4 layers two resident and two chosen with 64 of 128 slots each
-    (one window) 2.4 GB per chunk, the prefetch offloader's bytes, where the ring copied
-    3.6 GB. A lone large step after decode keeps in place what the slots cached of the layers
-    it fills first. With one window the next layer's copy waits for this layer's compute (the
-    copy engine idles for one MoE per layer). Small steps after a large one find the carried
-    window's rows gone from their caches.
+    One layout for decode, lone prompts and chunks: slots per layer (``experts.slots`` as a
+    mapping) where some layers keep every expert, e.g. at the bench's 4 layers ``{0: 128,
+    1: 64, 2: 128, 3: 64}`` (384 rows, the memory of two resident layers and two with 64
+    slots). Decode computes the whole layers from their slots as resident layers (every
+    choice hits, one pass). A lone large step copies layer 1's 64 missing experts into layer
+    0's rows once layer 0 ran, and layer 3's into the same rows once layer 1 ran (a fill's
+    rows, before any cache's own); its tail copies layer 0's 64 back (a carried fill of the
+    next step's first position), so decode after it finds layer 0 whole. Per step: 128 on
+    the step's path, what the device cannot hold (the prefetch offloader, with the same
+    memory, copies its one offloaded layer that is not prefetched, 128), and 64 in the tail;
+    back to back 192 per chunk (the prefetch offloader: 256). Counted on the CPU
+    (tests/unit/test_expert_arena.py). Equal slots with no whole layer keep their old counts:
+    two layers of 64 copy 64 + 128 per lone step and 256 per chunk; layers whose rows hold
+    half of every layer copy fewer than every layer whole back to back (the fixed windows of
+    consecutive rows this arena used until December 2026 copied every layer whole).
 
-    Measured once on an H100 (vLLM 0.26, the bench's 4 layers, layers 0 and 1 chosen with 64
-    slots each; ``profiles/results/experts-bench-arena-held-h100.json``): 32k prompts in 8k
-    chunks 1.20x the held-layer ring at the same memory, the first decode step after a prompt
-    16 ms where the held ring waits 78; a lone 8k prompt 0.69x, because vLLM's offloader puts
-    the chosen layers first, so the first layer's copies have nothing before them to hide
-    behind. Since ringflow places the chosen layers' experts itself (Note [Ringflow places
-    the chosen experts]), the resident layers sit between them: layers 1 and 3 chosen, five
-    interleaved rounds on an H100 against vLLM's prefetch offloader in the same run
-    (``experts-bench-4l-held-arena-prefetch-h100.json``): a lone 8k prompt 0.79x (was 0.71x
-    with layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x.
+    Cost and gain: a large step copies each chosen layer's experts that the arena does not
+    hold where it can keep them. When a layer's copy must wait for the layer before it to
+    retire, the copy engine idles for that layer's compute. Small steps after a large one
+    find the rows it borrowed gone from their caches until a carried fill brings them back.
+
+    Measured with the fixed windows (before the expert maps over the whole arena), once on an
+    H100 (vLLM 0.26, the bench's 4 layers, layers 0 and 1 chosen with 64 slots each;
+    ``profiles/results/experts-bench-arena-held-h100.json``): 32k prompts in 8k chunks 1.20x the
+    held-layer ring at the same memory, the first decode step after a prompt 16 ms where the
+    held ring waits 78; a lone 8k prompt 0.69x, because vLLM's offloader puts the chosen layers
+    first, so the first layer's copies have nothing before them to hide behind. Since ringflow
+    places the chosen layers' experts itself (Note [Ringflow places the chosen experts]), the
+    resident layers sit between them: layers 1 and 3 chosen, five interleaved rounds on an H100
+    against vLLM's prefetch offloader in the same run
+    (``experts-bench-4l-held-arena-prefetch-h100.json``): a lone 8k prompt 0.79x (was 0.71x with
+    layers 0 and 1), 32k in chunks 1.01x, batch-1 decode 16.7x.
 
     Where a lone 8k prompt's time goes, traced on that H100 (``experts_bench.py --trace``,
     ``profiles/results/experts-trace-arena-8k-h100.json``): 48.5 ms wall, kernels 12.5 ms,
@@ -104,7 +124,7 @@ Note [Large steps start early]
     would have issued it at the first chosen layer's MoE; the table read's host sync then
     waits for the previous step, not for this step's first layers. ``begin(0)`` goes on from
     there. What a prepare issued stays correct whatever follows it: a small step instead
-    (``before_small``) waits for the windows' fills and makes the next large step start
+    (``before_small``) waits for the positions' fills and makes the next large step start
     afresh, as after a tail's carried fill; a forward that starts at another position
     restarts there; a second prepare tops up again; a step that runs no first layer's
     ``begin`` at all (vLLM replays it from a CUDA graph: ``layer_tokens`` at or below its
@@ -136,23 +156,13 @@ Note [Large steps start early]
     mapping was removed (it is in the history, 2939c4b..3d9c6a3); a trace of it would say
     where those 21 ms went.
 
-    Why neither this layout nor held layers serves both prompt shapes, in rows at the bench's
-    memory (384: two layers whole plus 64 slots for each of two): a lone large step needs
-    all 512 of the four layers' experts, so at least 128 cross the host link. Held layers
-    copy exactly those (each streamed layer's 64 misses, into a held layer's buffer once that
-    layer ran, its 64 slot-held experts copied in beside them on the device), but the held
-    buffers then hold the streamed layers, so back to back the tail copies both held layers
-    again: 384 per chunk. Here a chunk copies 256 (the prefetch offloader's), but a lone step
-    192: the window is 128 consecutive rows, so the first layer's top-up (64) overwrites the
-    other layer's slots, which then copies whole (128), the top-up before any compute. One
-    layout for both would put every chosen layer's rows, held layers' too, in one
-    allocation and compute each layer of a large step through a map over all of it: its
-    experts wherever they are, its misses copied into rows the step no longer needs (a held
-    layer's, once it ran). A lone step then copies the 128 held layers copy, and back to back
-    the held layers lose only the rows the streamed layers took (128), 256 per chunk. It
-    needs a row's last reader (not a window's) for the retire waits, the map over the whole
-    allocation (vLLM's kernel reading more rows than experts: to check bit for bit), and
-    the proof over rows. Not built.
+    Why neither the fixed windows nor held layers served both prompt shapes, in rows at the
+    bench's memory (384): a lone large step needs all 512 of the four layers' experts, so at
+    least 128 cross the host link. Held layers copy exactly those, but then carry both held
+    layers again in the tail: 384 per chunk. A window of 128 consecutive rows copied 256 per
+    chunk, but 192 per lone step (the first layer's top-up overwrote the other layer's
+    slots). Expert maps over the whole arena with whole layers among its caches copy 128 and
+    192 (Note [Large steps stream through the slots]).
 """
 
 from __future__ import annotations
@@ -186,7 +196,7 @@ def arena_rows(host: Mapping[str, torch.Tensor], slots: Sequence[int],
 
 class ExpertArena:
     """Large steps of the chosen layers ``caches`` (in order: position 0, 1, ...; each over
-    its run of ``rows``, from ``arena_rows``) computed from windows of the arena, filled from
+    its run of ``rows``, from ``arena_rows``) computed from rows of the arena, filled from
     the caches' host stores on ``stream`` (None on the CPU: copies in line); with
     ``poison_reads``, the rows a fill copied are poisoned after their layer read them. See
     Note [Large steps stream through the slots]."""
@@ -214,7 +224,7 @@ class ExpertArena:
         total = next(iter(self.rows.values())).shape[0]
         if len(self._owner) != total:
             raise ConfigError(f"the arena has {total} rows, its caches' slots {len(self._owner)}")
-        self.windows = total // self.experts
+        self.windows = total // self.experts  # layers' worth of rows (a large step needs one)
         if self.windows < 1:
             raise ConfigError(
                 f"experts.layer_buffers: slots streams each layer through its slots' memory, "
@@ -224,22 +234,20 @@ class ExpertArena:
         if (stream is None) != (self.device.type != "cuda"):
             raise ConfigError("an expert arena on a GPU needs a copy stream, and on the CPU none")
         self.stream, self.poison_reads = stream, poison_reads
-        e = self.experts
-        self.views = [{n: r[w * e:(w + 1) * e] for n, r in self.rows.items()}
-                      for w in range(self.windows)]
-        self.maps = torch.full((self.windows, e), -1, dtype=torch.int64, device=self.device)
+        layers, e = len(caches), self.experts
+        self.maps = torch.full((layers, e), -1, dtype=torch.int64, device=self.device)
         cuda = self.device.type == "cuda"
         # waited on inside captured small steps: external, so a graph waits on the latest record
-        self._ready = [torch.cuda.Event(external=True) if cuda else None
-                       for _ in range(self.windows)]
-        self._retire = [torch.cuda.Event() if cuda else None for _ in range(self.windows)]
+        self._ready = [torch.cuda.Event(external=True) if cuda else None for _ in range(layers)]
+        self._retire = [torch.cuda.Event() if cuda else None for _ in range(layers)]
         for ready in self._ready if cuda else ():  # recorded once now: torch makes an event at
             ready.record(stream)  # its first record, and a small step captured before any
             # fill must still hold a wait node on it (an unmade event is no wait at all)
-        self._retired = [False] * self.windows  # a read since the last fill to wait for
-        self._free = list(range(self.windows))  # least recently freed first
-        self._at: dict[int, int] = {}  # position -> window, fills issued and not yet read
-        self._reading: tuple[int, int] | None = None
+        #: arena row -> the position whose read of it was issued last (its retire event orders
+        #: the row's next write); None: no read since the row's last write
+        self._read_by: list[int | None] = [None] * total
+        self._at: dict[int, list[int]] = {}  # position -> its rows, fills issued, not yet read
+        self._reading: tuple[int, list[int]] | None = None
         self._next = 0  # the next position to fill; >= layers: the next step's
         self._expected: int | None = None  # the next layer of the step in progress
         #: arena row -> (position, expert, owner's generation): what a fill wrote there
@@ -261,13 +269,13 @@ class ExpertArena:
 
     @property
     def bytes(self) -> int:
-        """Device bytes beside the caches' (the rows are theirs): the windows' expert maps."""
+        """Device bytes beside the caches' (the rows are theirs): the positions' expert maps."""
         return self.maps.numel() * self.maps.element_size()
 
     def begin(self, position: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Layer ``position`` of a large step is about to compute on the current stream: order
-        it after its fill (issued now if it was not) and return its window's weights and
-        expert map."""
+        it after its fill (issued now if it was not) and return the arena's rows and the
+        layer's expert map (expert -> row)."""
         if not 0 <= position < self.layers:
             raise KernelError(f"the expert arena serves positions 0..{self.layers - 1}, not "
                               f"{position}")
@@ -286,28 +294,29 @@ class ExpertArena:
             self.early_used += 1
             self._early = None
         self._fill_ahead()
-        w = self._at.pop(position)
+        rows = self._at.pop(position)
         compute = self._current()
         if compute is not None:
-            compute.wait_event(self._ready[w])
-        self._op("wait", "compute", on=("ready", w))
-        self._trace_rows("read", "compute", position, w)
-        self._reading, self._expected = (position, w), position + 1
-        return self.views[w], self.maps[w]
+            compute.wait_event(self._ready[position])
+        self._op("wait", "compute", on=("ready", position))
+        self._trace_rows("read", "compute", position)
+        self._reading, self._expected = (position, rows), position + 1
+        return self.rows, self.maps[position]
 
     def end(self, position: int) -> None:
-        """Layer ``position``'s compute is issued: retire its window, fill the next position."""
+        """Layer ``position``'s compute is issued: its rows may be written again once it
+        retires; fill the positions after it."""
         if self._reading is None or self._reading[0] != position:
             raise KernelError(f"end({position}) without begin({position})")
-        _, w = self._reading
+        _, rows = self._reading
         self._reading = None
         if self.poison_reads:  # the copied rows, after the read, before the retire event
-            self._poison_copied(w)
-        if self._retire[w] is not None:
-            self._retire[w].record(self._current())
-        self._op("record", "compute", on=("retired", w))
-        self._retired[w] = True
-        self._free.append(w)
+            self._poison_copied(rows)
+        if self._retire[position] is not None:
+            self._retire[position].record(self._current())
+        self._op("record", "compute", on=("retired", position))
+        for r in rows:
+            self._read_by[r] = position
         if position == self.layers - 1:
             self._expected = None
             self._next -= self.layers  # what was filled past the end is the next step's
@@ -345,14 +354,14 @@ class ExpertArena:
 
     def before_small(self, position: int) -> None:
         """A small step of ``position`` reads and installs its slots next (and its lookahead
-        the next layer's): order it after every window's latest fill (step 4 of the Note)."""
+        the next layer's): order it after every position's latest fill (step 4 of the Note)."""
         self._unprepare()  # a prepared step that ran small after all
         self._expected = None  # the next large step starts afresh: tables read, copy waits
         compute = self._current()
-        for w in range(self.windows):
+        for p in range(self.layers):
             if compute is not None:
-                compute.wait_event(self._ready[w])
-            self._op("wait", "compute", on=("ready", w))
+                compute.wait_event(self._ready[p])
+            self._op("wait", "compute", on=("ready", p))
 
     def starting(self, position: int) -> bool:
         """Whether ``begin(position)`` starts a step (step 1 of the Note: the tables are read
@@ -369,7 +378,6 @@ class ExpertArena:
         The next fills run on the copy stream after everything issued so far."""
         self.before_small(0)
         self._drop_reading()
-        self._free += [w for w in self._at.values()]
         self._at.clear()
         self._records.clear()
         self._tables, self._expected, self._next = None, None, 0
@@ -384,23 +392,23 @@ class ExpertArena:
         while at < self.layers and at in self._at:
             keep[at] = self._at[at]
             at += 1
-        self._free += [w for p, w in self._at.items() if p not in keep]
-        self._at, self._next = keep, at
+        self._at, self._next = {}, position
         if position in keep:
             self.carried_steps += 1
-        for p, w in keep.items():
-            self.topped_up += self._fill(p, w) > 0
+        for p in keep:  # in order: each finds its rows in place, copies what small steps rewrote
+            copied = self._fill(p)
+            if copied < 0:
+                break
+            self.topped_up += copied > 0
+            self._next = p + 1
 
     def _fill_ahead(self) -> None:
-        """Fill positions from ``_next`` into free windows, up to the next step's last."""
-        while self._free and self._next < 2 * self.layers:
+        """Fill positions from ``_next`` on, up to the next step's last, while rows allow
+        (step 2 of the Note)."""
+        while self._next < 2 * self.layers:
             position = self._next % self.layers
-            if position in self._at:
+            if position in self._at or self._fill(position) < 0:
                 break  # never two fills of one position at once
-            w = max(self._free, key=lambda w: (self._in_place(position, w), -self._free.index(w)))
-            self._free.remove(w)
-            self._at[position] = w
-            self._fill(position, w)
             self._next += 1
 
     def _content(self, r: int) -> tuple[int, int] | None:
@@ -414,24 +422,35 @@ class ExpertArena:
             return rec[0], rec[1]
         return None
 
-    def _in_place(self, position: int, w: int) -> int:
+    def _fill(self, position: int) -> int:
+        """Step 2 of the Note: the rows ``position`` computes from, its experts found in place
+        or copied into the rows the steps ahead need last. Returns how many experts were
+        copied, or -1 where the rows it may take now are too few."""
         e = self.experts
-        return len({c[1] for r in range(w * e, (w + 1) * e)
-                    if (c := self._content(r)) is not None and c[0] == position})
-
-    def _fill(self, position: int, w: int) -> int:
-        """Step 2 of the Note; returns how many experts were copied."""
-        e = self.experts
-        window = range(w * e, (w + 1) * e)
+        now = self._reading is None and not self._at  # no read to wait for: take what it must
+        claimed = {r for rows in self._at.values() for r in rows}
+        if self._reading is not None:
+            claimed.update(self._reading[1])
         kept: dict[int, int] = {}
-        for r in window:
+        spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
+        for r in range(len(self._owner)):
+            if r in claimed:
+                continue
             c = self._content(r)
             if c is not None and c[0] == position and c[1] not in kept:
                 kept[c[1]] = r
-        taken = set(kept.values())
-        free = sorted((r for r in window if r not in taken),
-                      key=lambda r: self._content(r) is not None)  # empty rows first
-        placed = list(zip((x for x in range(e) if x not in kept), free))
+                continue
+            rank = self._spare_rank(r, c, position, now)
+            if rank is not None:
+                spare.append((rank, r))
+        need = [x for x in range(e) if x not in kept]
+        if len(spare) < len(need):
+            if now:
+                raise KernelError(f"the expert arena has {len(spare)} rows to spare for "
+                                  f"position {position}'s {len(need)} missing experts")
+            return -1
+        spare.sort()
+        placed = list(zip(need, sorted(r for _, r in spare[:len(need)])))
         drops: dict[int, list[int]] = {}
         mine = set(self._tables[position])  # what position's own cache holds
         adopted: list[tuple[int, int]] = []
@@ -452,50 +471,70 @@ class ExpertArena:
             self.caches[position].adopt(adopted)
         where = [0] * e
         for x, r in [*kept.items(), *placed]:
-            where[x] = r - w * e
-        self._write_map(w, where)
+            where[x] = r
+        self._write_map(position, where)
+        self._at[position] = sorted(where)
         self.fills += 1
         self.rows_in_place += len(kept)
         self.rows_from_host += len(placed)
-        retired = self._retired[w]
-        if retired:
-            self._op("wait", "copy", on=("retired", w))
+        readers = sorted({self._read_by[r] for _, r in placed} - {None})
+        for q in readers:
+            self._op("wait", "copy", on=("retired", q))
+        for _, r in placed:
+            self._read_by[r] = None  # written now: the next write waits for its next reader
         runs = _runs(sorted(placed))
         for q, pairs in _by_owner(placed, self._owner).items():
             self._op("place", "copy", pairs=pairs, on=position, space=q)
-        self._op("record", "copy", on=("ready", w))
+        self._op("record", "copy", on=("ready", position))
         host = self.caches[position].host
         if self.stream is None:  # the CPU: in line
             for x, r, n in runs:
                 for name, dst in self.rows.items():
                     dst[r:r + n].copy_(host[name][x:x + n])
             return len(placed)
-        if retired:
-            self.stream.wait_event(self._retire[w])
+        for q in readers:
+            self.stream.wait_event(self._retire[q])
         for x, r, n in runs:
             for name, dst in self.rows.items():
                 row = dst[0].numel() * dst.element_size()
                 copy_async(dst.data_ptr() + r * row, host[name].data_ptr() + x * row, n * row,
                            self.stream.cuda_stream)
-        self._ready[w].record(self.stream)
+        self._ready[position].record(self.stream)
         return len(placed)
 
-    def _write_map(self, w: int, where: list[int]) -> None:
-        """Window ``w``'s expert -> row map, on the compute stream (the layer that reads it
-        next is issued there, and the one before it was)."""
-        self.maps[w].copy_(device_ints(where, self.device))
+    def _spare_rank(self, r: int, c: tuple[int, int] | None, position: int,
+                    now: bool) -> tuple | None:
+        """How readily a fill of ``position`` takes row ``r`` (holding ``c``), lower first;
+        None: not now. Empty rows first, then rows a fill wrote for another layer, then a
+        layer's own cached experts (its slot table's entries); among each, the position's
+        own rows first (its table adopts what is copied there), then those the steps ahead
+        need last. A layer's own entries are taken only ``now``: while a read is pending,
+        its rows may free up for this fill when it retires (step 2 of the Note)."""
+        own = self._owner[r][0] != position
+        if c is None or c[0] == position:  # empty, or a second copy of one of its own
+            return 0, own, 0
+        q = c[0]
+        later = -((q - position) % self.layers)  # the steps ahead need q's rows after this
+        q_owns = self._owner[r][0] == q and self._tables[q][self._owner[r][1]] == c[1]
+        if not q_owns:
+            return 1, own, later
+        return (2, own, later) if now else None
 
-    def _poison_copied(self, w: int) -> None:
-        """Poison the rows of window ``w`` a fill wrote (not the caches' own entries) and forget
+    def _write_map(self, position: int, where: list[int]) -> None:
+        """Position ``position``'s expert -> row map, on the compute stream (the layer that
+        reads it next is issued there, and the one before it was)."""
+        self.maps[position].copy_(device_ints(where, self.device))
+
+    def _poison_copied(self, read: list[int]) -> None:
+        """Poison the rows ``read`` that a fill wrote (not the caches' own entries) and forget
         them, so a read that skips the next fill's ready event sees NaN."""
-        e = self.experts
-        rows = [r for r in range(w * e, (w + 1) * e)  # not what a small step installed since
+        rows = [r for r in read  # not what a small step installed since
                 if r in self._records and self._tables[self._owner[r][0]][self._owner[r][1]] < 0]
         for r in rows:
             del self._records[r]
         for q, pairs in _by_owner([(-1, r) for r in rows], self._owner).items():
             self._op("poison", "compute", pairs=pairs, space=q)
-        for _, r, n in _runs([(r, r) for r in rows]):
+        for _, r, n in _runs([(r, r) for r in sorted(rows)]):
             for dst in self.rows.values():
                 poison(dst[r:r + n])
 
@@ -511,14 +550,11 @@ class ExpertArena:
         self._tables = [self._table_copy[q, :c.slots].tolist() for q, c in enumerate(self.caches)]
 
     def _drop_reading(self) -> None:
-        """The layer reading a window never ended (it raised): the window goes back, its next
-        fill ordered after the reads by the copy stream's wait on the compute stream."""
+        """The layer being read never ended (it raised): its rows go back, their next write
+        ordered after the reads by the copy stream's wait on the compute stream."""
         if self._reading is None:
             return
-        _, w = self._reading
         self._reading = None
-        self._retired[w] = False
-        self._free.append(w)
         self._copy_after_compute()
 
     def _copy_after_compute(self) -> None:
@@ -534,13 +570,11 @@ class ExpertArena:
         current = self._current()
         return "compute" if current is None else current.cuda_stream
 
-    def _trace_rows(self, kind: str, stream: str, position: int, w: int) -> None:
+    def _trace_rows(self, kind: str, stream: str, position: int) -> None:
         if self.trace is None:
             return
-        e = self.experts
-        where = self.maps[w].tolist()  # a host sync: traces are for tests
-        for q, pairs in _by_owner([(x, w * e + r) for x, r in enumerate(where)],
-                                  self._owner).items():
+        where = self.maps[position].tolist()  # a host sync: traces are for tests
+        for q, pairs in _by_owner(list(enumerate(where)), self._owner).items():
             self._op(kind, stream, pairs=pairs, on=position, space=q)
 
     def _op(self, kind: str, stream: str, pairs: tuple = (), on: object = None,

@@ -199,7 +199,8 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                                   cached=len(found) - len(held))
     arena = streams_through_slots(spec, profile.source)
     cached = [i for i in sorted(found) if i not in held]  # held: the ring holds them (Note
-    slots = {}                                             # [Small steps read the held layers])
+    spec.check_slot_layers(cached, profile.source)         # [Small steps read the held layers])
+    slots = {}
     for i in sorted(found):
         (runner,) = found[i]
         experts, host = runner.routed_experts, hosts[i]
@@ -208,7 +209,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
                        if on_gpu else TorchCompute())
         if i in cached:
             slots[i] = auto or spec.slots_for(experts.global_num_experts, experts.top_k,
-                                              held=len(held), chosen=len(found))
+                                              held=len(held), chosen=len(found), layer=i)
     device = found[cached[0]][0].routed_experts.w13_weight.device
     rows, views = (arena_rows(hosts[cached[0]], [slots[i] for i in cached], device) if arena
                    else (None, [None] * len(cached)))  # None: each cache allocates its own
@@ -250,26 +251,33 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
         log.info("RINGFLOW_EXPERT_PLAN_KERNEL is set, but %s: the torch path plans each step "
                  "(Note [One kernel plans the step])",
                  expert_plan.why_not(first.device, first.experts))
-    cut = (f" (experts.slots: {spec.slots} asked, cut to the layer's {first.experts} experts)"
-           if isinstance(spec.slots, int) and spec.slots > first.experts else "")
+    over = ({i: n for i, n in spec.slots.items() if i in caches and n > caches[i].experts}
+            if isinstance(spec.slots, dict) else
+            spec.slots if isinstance(spec.slots, int) and spec.slots > first.experts else None)
+    cut = (f" (experts.slots: {over} asked, cut to the layer's {first.experts} experts)"
+           if over else "")
     if spec.slots == "auto":
         cut = (f" (experts.slots: auto, {auto_said})" if auto_said
                else " (experts.slots: auto, the default on the CPU build: it has no device "
                     "memory budget to share)")
-    log.info("experts: layers %s: %d routed experts each (%s), %d kept on the device per "
-             "layer (%s)%s, host copies %s; a step of fewer than %d tokens brings in only the "
-             "experts its router chose that are not kept%s", sorted(caches), first.experts,
-             weight_format(modules[min(modules)]), first.slots,
+    counts = {i: c.slots for i, c in caches.items()}
+    kept = (f"{first.slots} kept on the device per layer" if len(set(counts.values())) == 1
+            else f"kept on the device per layer {counts}")
+    log.info("experts: layers %s: %d routed experts each (%s), %s (%s)%s, host copies %s; "
+             "a step of fewer than %d tokens brings in only the experts its router chose that "
+             "are not kept%s", sorted(caches), first.experts,
+             weight_format(modules[min(modules)]), kept,
              mib(sum(c.bytes for c in caches.values())), cut,
              mib(sum(t.numel() * t.element_size() for host in hosts.values()
                      for t in host.values())), spec.layer_tokens,
              ("; a step needing more experts than the slots reads them all from host memory "
               "in one pass (per-tensor fp8: one activation scale per step)"
               if first.whole_in_place else "") +
-             (f"; a larger one computes each layer whole from one of {ring.windows} "
-              f"window(s) of {first.experts} experts in the slots' own memory (experts."
-              f"layer_buffers: slots), the experts a window holds in place, the rest copied "
+             (f"; a larger one computes each layer from the slots' own memory (experts."
+              f"layer_buffers: slots, {ring.windows} layer(s)' worth of rows): the experts "
+              f"they hold where they are, the rest copied "
               + ("ahead on a copy engine" if device.type == "cuda" else "in line")
+              + " into the rows the steps ahead need last"
               if arena else
               f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "

@@ -111,7 +111,9 @@ def check_layers(profile, vllm_config) -> None:
             spec.resolve(layers, profile.source)  # raises what the worker would (a choice
             # itself, for a count that fits, is the worker's: it has the layers' sizes)
     if profile is not None and profile.experts is not None:  # which are MoE: the worker's
-        resolve_layers("experts.layers", profile.experts.layers, layers, profile.source)
+        chosen = resolve_layers("experts.layers", profile.experts.layers, layers,
+                                profile.source)
+        profile.experts.check_slot_layers(chosen, profile.source, among=True)
 
 
 def announce(state: PluginState, additional_config, profile) -> None:

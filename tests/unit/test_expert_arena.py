@@ -19,43 +19,94 @@ from tests.helpers.expert_lanes import (E, H, K, LAYERS, SIZES, assert_exact, ho
                                         layer_experts, on_a_gpu,
                                         replay_small_step_after_large_steps, routing, run_step)
 
-def make_lane(slots: int = 3, device="cpu", stream=None, poison_reads=False,
+#: every other layer whole, the others half (the bench's 4-layer layout: layers 0 and 2 keep
+#: all 128 experts, 1 and 3 64 each); what a large step copies is counted against it below
+WHOLE = [E, E // 2, E, E // 2]
+
+
+def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_reads=False,
               layer_tokens: int = 6):
     """A lane over LAYERS whose large steps stream through its caches' rows: ``slots`` per
-    layer, ``4 * slots // E`` windows."""
+    layer (a list: each layer's)."""
     hosts = hosts_on(device)
-    rows, views = arena_rows(hosts[LAYERS[0]], [slots] * len(LAYERS), device)
-    caches = {i: ExpertCache(hosts[i], slots, device, rows=v) for i, v in zip(LAYERS, views)}
+    counts = slots if isinstance(slots, list) else [slots] * len(LAYERS)
+    rows, views = arena_rows(hosts[LAYERS[0]], counts, device)
+    caches = {i: ExpertCache(hosts[i], n, device, rows=v)
+              for i, n, v in zip(LAYERS, counts, views)}
     arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens,
                       early_start=True), hosts
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
-@pytest.mark.parametrize("slots", [3, 4, 6, 9, 12])
+@pytest.mark.parametrize("slots", [3, 4, 6, 9, 12, WHOLE])
 def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(slots, poison_reads):
     lane, hosts = make_lane(slots, poison_reads=poison_reads)
     for s, tokens in enumerate(SIZES):
         assert_exact(*run_step(lane, hosts, tokens, s))
     arena = lane.ring
-    assert arena.windows == 4 * slots // E
+    assert arena.windows == sum(c.slots for c in lane.caches.values()) // E
     assert arena.steps == sum(t >= 6 for t in SIZES)
     assert arena.carried_steps == arena.steps - 1  # each later step's first layer came early
     assert sum(c.hits.item() + c.misses.item() for c in lane.caches.values()) > 0
     assert lane.bytes == sum(c.bytes for c in lane.caches.values()) + arena.bytes
 
 
-@pytest.mark.parametrize("slots, copied", [(3, 4 * E), (6, 4 * E), (12, 0)])
-def test_back_to_back_large_steps_copy_each_layer_the_windows_do_not_hold(slots, copied):
-    """With fewer windows than layers each chosen layer is copied whole once per step (its
-    window last held another layer); with a window per layer the tail carries them all and
-    the next step copies nothing."""
+@pytest.mark.parametrize("slots, copied", [(3, 4 * E), (12, 0), (WHOLE, 3 * (E // 2))])
+def test_back_to_back_large_steps_copy_what_the_rows_cannot_keep(slots, copied):
+    """Rows for one layer: each chosen layer is copied whole once per step (its rows last
+    held another layer). Rows for every layer: the tail carries them all and the next step
+    copies nothing. Whole layers beside half ones: each half layer's missing half is copied
+    into the whole layer's rows before it, once that layer ran (the second into the rows
+    the first used, once it ran), and the tail copies the whole layer's half back."""
     lane, hosts = make_lane(slots)
     for s in range(2):
         run_step(lane, hosts, 8, s)
+    for s in range(2, 5):
+        before = lane.ring.rows_from_host
+        assert_exact(*run_step(lane, hosts, 8, s))
+        assert lane.ring.rows_from_host - before == copied
+
+
+def test_half_rows_copy_fewer_than_layers_whole_back_to_back():
+    """Rows for two of four layers: between the floor (the experts that do not fit) and every
+    layer whole (what a window of consecutive rows per layer copied)."""
+    lane, hosts = make_lane(6)
+    for s in range(2):
+        run_step(lane, hosts, 8, s)
     before = lane.ring.rows_from_host
-    assert_exact(*run_step(lane, hosts, 8, 2))
-    assert lane.ring.rows_from_host - before == copied
+    for s in range(2, 6):
+        assert_exact(*run_step(lane, hosts, 8, s))
+    per_step = (lane.ring.rows_from_host - before) / 4
+    assert 4 * E - 4 * 6 <= per_step < 4 * E
+
+
+def test_a_lone_large_step_copies_only_what_the_device_does_not_hold():
+    """Whole layers beside half ones, after decode: a large step copies, before its last
+    layer computes, exactly each half layer's experts that its slots do not hold (every
+    other expert is on the device), each into the rows of a layer that already ran; its tail
+    copies the whole layer's borrowed rows back, so the whole layers' tables are full again
+    for the decode steps after it."""
+    lane, hosts = make_lane(WHOLE)
+    run_step(lane, hosts, 8, 0)  # the whole layers' slots fill (their tables adopt them)
+    for s in range(1, 7):
+        run_step(lane, hosts, 1 + s % 2, s)
+    held = {q: {e for e in lane.caches[i].expert_in[:lane.caches[i].slots].tolist() if e >= 0}
+            for q, i in enumerate(LAYERS)}
+    assert all(len(held[q]) == E for q in (0, 2))  # decode kept the whole layers whole
+    lane.ring.trace = ops = []
+    assert_exact(*run_step(lane, hosts, 8, 9))
+    last_read = max(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 3)
+    placed = [(op.on, op.space, e) for op in ops[:last_read] if op.kind == "place"
+              for e, _ in op.pairs]
+    assert sorted((q, e) for q, _, e in placed) == sorted(
+        (q, e) for q in (1, 3) for e in set(range(E)) - held[q])
+    assert all(space == 0 for _, space, _ in placed)  # into layer 0's rows, once it ran
+    tail = [op for op in ops[last_read:] if op.kind == "place"]
+    assert {op.on for op in tail} == {0} and {op.space for op in tail} == {0}
+    for q in (0, 2):
+        c = lane.caches[LAYERS[q]]
+        assert sorted(c.expert_in[:c.slots].tolist()) == list(range(E))
 
 
 def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
@@ -87,13 +138,14 @@ def joint_trace(steps=SIZES, slots=3, exact=True, poison_reads=False):
     return lane, ops
 
 
-@pytest.mark.parametrize("slots, poison_reads", [(3, False), (6, True), (12, False)])
+@pytest.mark.parametrize("slots, poison_reads", [(3, False), (6, True), (12, False),
+                                                  (WHOLE, True), (WHOLE, False)])
 def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_reads):
     lane, ops = joint_trace(slots=slots, poison_reads=poison_reads)
     check_lane(ops, 0)
     kinds = {op.kind for op in ops}
     assert {"install", "read", "place", "forget"} <= kinds
-    assert ("drop" in kinds) == (slots < E)  # a window over other layers' rows
+    assert ("drop" in kinds) == (slots != 12)  # a fill into another layer's rows
     assert ("poison" in kinds) == poison_reads
     assert {op.space for op in ops if op.kind == "place"} == set(range(4))
 
@@ -103,7 +155,7 @@ def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_
     (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "compute"
                                            and op.on and op.on[0] == "ready"
                                            and not _before_read(ops, op))], "cross-stream"),
-    # a fill that does not wait for its window's last reader
+    # a fill that does not wait for its rows' last reader
     (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "copy"
                                            and op.on and op.on[0] == "retired")], "cross-stream"),
     # a layer that reads its window without waiting for the fill
@@ -114,8 +166,9 @@ def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_
                   if op.kind == "read" and op.on is not None else op for op in ops],
      "read-before-write"),
 ])
-def test_each_arena_hazard_is_named(mutate, kind):
-    _, ops = joint_trace(steps=[8, 1, 2, 9, 1, 7])
+@pytest.mark.parametrize("slots", [3, WHOLE])
+def test_each_arena_hazard_is_named(mutate, kind, slots):
+    _, ops = joint_trace(steps=[8, 1, 2, 9, 1, 7], slots=slots)
     check_lane(ops, 0)
     with pytest.raises(HazardError) as err:
         check_lane(mutate(ops), 0)
@@ -123,7 +176,7 @@ def test_each_arena_hazard_is_named(mutate, kind):
 
 
 def _before_read(ops, wait):
-    """Whether ``wait`` is a layer's wait for its window (the arena's read comes next)."""
+    """Whether ``wait`` is a layer's wait for its fill (the arena's read comes next)."""
     i = next(j for j, op in enumerate(ops) if op is wait)
     return i + 1 < len(ops) and ops[i + 1].kind == "read" and ops[i + 1].on is not None
 
@@ -333,13 +386,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA GPU; run `pytest -m cuda` on one")
 
 
-def gpu_lane(slow: int, slots: int = 3, poison_reads: bool = True):
+def gpu_lane(slow: int, slots: int | list[int] = 3, poison_reads: bool = True):
     return on_a_gpu(make_lane, slow, slots=slots, poison_reads=poison_reads)
 
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("slots", [3, 6])
+@pytest.mark.parametrize("slots", [3, 6, WHOLE])
 def test_the_arena_on_a_gpu_is_exact_with_a_slow_reader_and_its_trace_proves(slots):
     lane, hosts = gpu_lane(slow=2_000_000, slots=slots)
     ops = []
@@ -382,17 +435,17 @@ def test_large_steps_started_early_on_a_gpu_are_exact_and_refuse_another_stream(
 @cuda
 @pytest.mark.cuda
 def test_a_refill_before_the_retire_is_wrong_on_a_gpu():
-    """The copy stream no longer waits for a window's reader (its retire never counted): with
-    one window and a slow layer, the next layer's experts land under the read."""
+    """The copy stream no longer waits for its rows' last reader (no read is ever noted):
+    with rows for one layer and a slow layer, the next layer's experts land under the read."""
     lane, hosts = gpu_lane(slow=20_000_000, poison_reads=False)
 
     class Never(list):
         def __getitem__(self, i):
-            return False
+            return None
 
         def __setitem__(self, i, v):
             pass
-    lane.ring._retired = Never(lane.ring._retired)
+    lane.ring._read_by = Never(lane.ring._read_by)
     wrong = 0
     for s in range(3):
         got, want = run_step(lane, hosts, 8, s, device="cuda")
@@ -404,7 +457,7 @@ def test_a_refill_before_the_retire_is_wrong_on_a_gpu():
 @cuda
 @pytest.mark.cuda
 def test_a_captured_small_step_waits_for_the_carried_fill_at_every_replay():
-    """A small step of every layer captured once (its waits on the windows' ready events as
+    """A small step of every layer captured once (its waits on the positions' ready events as
     external wait nodes), replayed right after each large step, whose slow last layer holds
     back the carried fill into the rows the small step installs over: each replay equals the
     float64 MoE with its new routing."""
@@ -508,17 +561,3 @@ def test_random_lanes_stay_exact_and_consistent(seed):
                 if known is not None:
                     assert torch.equal(rows["w13"][r], hosts[known[0]]["w13"][known[1]])
     check_lane(ops, 0)
-
-
-@pytest.mark.parametrize("slots", [3, 6, 12])
-def test_the_models_chunk_copies_are_what_the_arena_copies(slots):
-    """``chunk_copies`` (orchestrator/expert_model.py), the bytes the README's chunked-prefill
-    claims rest on, against the arena's own count over back-to-back large steps."""
-    from ringflow.orchestrator.expert_model import chunk_copies
-    lane, hosts = make_lane(slots)
-    for s in range(3):
-        run_step(lane, hosts, 8, s)
-    before = lane.ring.rows_from_host
-    run_step(lane, hosts, 8, 3)
-    assert lane.ring.rows_from_host - before == chunk_copies(
-        "arena", layers=len(LAYERS), experts=E, slots=slots)

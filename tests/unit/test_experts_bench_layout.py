@@ -128,6 +128,24 @@ def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(l
     assert chosen * section["slots"] / 128 + bench.RING <= bench.device_layers(layers)
 
 
+@pytest.mark.parametrize("layers", [4, 8])
+def test_the_whole_lane_has_the_arenas_memory_with_its_resident_layers_whole(layers):
+    """``ringflow-whole``: every layer chosen (in host memory), the arena's resident layers
+    with all 128 experts in their slots and its chosen ones their slots: the same rows on the
+    device as ``ringflow-arena``, one arena of them, started early."""
+    bench = _bench()
+    whole = bench.configs(layers)["ringflow-whole"]["additional_config"]["ringflow"]["experts"]
+    arena = bench.configs(layers)["ringflow-arena"]["additional_config"]["ringflow"]["experts"]
+    assert whole["layers"] == "all" and whole["layer_buffers"] == "slots"
+    assert whole["early_start"] is True
+    assert whole["slots"] == {str(i): arena["slots"] if i in arena["layers"] else 128
+                              for i in range(layers)}
+    assert sum(whole["slots"].values()) == \
+        len(arena["layers"]) * arena["slots"] + 128 * (layers - len(arena["layers"]))
+    plan = bench.configs(layers)["ringflow-whole-plan"]
+    assert plan["additional_config"]["ringflow"]["experts"] == whole
+
+
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     """Every ringflow peer but whole-layer streaming reports the lane (``LANES``), and the
     switches a peer sets while its engine loads (``env``) are ringflow's own, popped before
@@ -139,7 +157,8 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
         == set(bench.LANES)
     switched = {n: c["env"] for n, c in peers.items() if "env" in c}
     assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
-                        for name in ("ringflow-held-plan", "ringflow-held-host-plan")}
+                        for name in ("ringflow-held-plan", "ringflow-held-host-plan",
+                                     "ringflow-whole-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)
 
 

@@ -32,7 +32,10 @@ def test_an_experts_profile_is_a_vllm_profile_that_round_trips():
     ({"slots": 0}, "experts.slots"),
     ({"slots": "Auto"}, "experts.slots"),
     ({"slots": 1.5}, "experts.slots"),
-    ({"slots": {"1": 120, "3": 8}}, "experts.slots"),  # one count for every layer
+    ({"slots": {}}, "experts.slots"),
+    ({"slots": {"1": 0}}, "experts.slots"),
+    ({"slots": {"one": 8}}, "experts.slots"),
+    ({"slots": {1: "auto"}}, "experts.slots"),
     ({"auto_percent": 0}, "experts.auto_percent"),
     ({"auto_percent": 101}, "experts.auto_percent"),
     ({"lookahead": "often"}, "experts.lookahead"),
@@ -337,6 +340,37 @@ def test_vllm_s_offloader_meeting_weights_quantized_at_load_gets_one_line(caplog
     (line,) = [r.getMessage() for r in caplog.records]
     assert "cannot take routed experts quantized at load (--quantization fp8" in line
     assert "serve an fp8 checkpoint" in line
+
+
+def test_slots_per_layer_round_trip_and_must_name_exactly_the_chosen_layers():
+    """``slots`` as a mapping (YAML's int keys or JSON's strings): each chosen layer its own
+    count; a layer not chosen, a chosen one without a count, or the mapping beside
+    ``decode_from_ring`` is refused by name."""
+    p = load({"layers": [1, 3], "slots": {"3": 8, 1: 120}, "layer_buffers": "slots"})
+    spec = p.experts
+    assert spec.slots == {1: 120, 3: 8}
+    assert spec.slots_for(128, 8, layer=1) == 120 and spec.slots_for(128, 8, layer=3) == 8
+    assert load({"slots": {1: 500}}).experts.slots_for(128, 8, layer=1) == 128
+    assert Profile.from_mapping(p.to_mapping(), vllm=True) == p
+    spec.check_slot_layers([1, 3], None)
+    for chosen, words in (([1, 2, 3], r"\[2\] without a count"), ([1], r"\[3\] not chosen")):
+        with pytest.raises(ProfileError, match=words) as err:
+            spec.check_slot_layers(chosen, None)
+        assert err.value.field == "experts.slots"
+    spec.check_slot_layers([0, 1, 2, 3], None, among=True)  # the front end: a pattern's
+    with pytest.raises(ProfileError, match=r"\[5\] not chosen"):      # layers, MoE or not
+        load({"slots": {1: 8, 5: 8}}).experts.check_slot_layers([0, 1, 2, 3], None, among=True)
+    with pytest.raises(ProfileError, match="names no layer 2"):
+        spec.slots_for(128, 8, layer=2)
+    for section, words in (({"decode_from_ring": True}, "the held layers have no slots"),
+                           ({"host_share": "auto"}, "first layer's hit rate"),
+                           ({"layers": [1, 2]}, r"\[3\] not chosen: \[2\] without a count"),
+                           ({"slots": {1: 8, "1": 9}}, "names layer 1 twice"),
+                           ({"slots": {"\u00b2": 8}}, "experts.slots")):
+        with pytest.raises(ProfileError, match=words) as err:
+            load({"slots": {1: 8, 3: 8}, **section})
+        assert err.value.field == "experts.slots"
+    load({"slots": 8}).experts.check_slot_layers([0, 5], None)  # one count: any layers
 
 
 def test_slots_as_layer_buffers_round_trip_and_refuse_lend_slots():

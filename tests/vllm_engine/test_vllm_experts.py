@@ -46,6 +46,11 @@ CASES = [
      "additional_config": experts(layers="all", early_start=True)},
     {"name": "moe/arena-small", "model": MOE,
      "additional_config": experts(layers=[0, 1], slots=4, layer_buffers="slots")},
+    {"name": "moe/arena-whole", "model": MOE, "serial": True,  # layers 0, 2 whole, 1, 3 half
+     "additional_config": experts(layers="all", slots={"0": 16, "1": 8, "2": 16, "3": 8},
+                                  layer_tokens=8, layer_buffers="slots", early_start=True)},
+    {"name": "moe/slots-unchosen", "model": MOE,
+     "additional_config": experts(layers=[0, 1], slots={0: 8, 2: 8}, layer_buffers="slots")},
     {"name": "moe/shifted", "model": MOE, "additional_config": experts(layers="all", slots=3),
      "shift_host_experts": 1.5},
     {"name": "moe/fresh-b", "model": MOE, "seed": 1},  # checkpoint B, loaded at start-up
@@ -169,7 +174,7 @@ def test_large_steps_stream_through_the_slots_in_vllms_engine(runs):
     assert arena["arena"] and arena["windows"] == 1 and arena["steps"] >= 2, arena
     assert arena["fills"] >= 2 * arena["steps"] and arena["rows_from_host"] > 0, arena
     said = [l for l in run["log"] if l.startswith("experts: layers [0, 1]")]
-    assert len(said) == 1 and "one of 1 window(s) of 16 experts" in said[0], run["log"]
+    assert len(said) == 1 and "1 layer(s)' worth of rows" in said[0], run["log"]
     refused = runs["moe/arena-small"].get("error", "")
     assert "hold 8 experts, fewer than one layer's 16: give them at least 8 slots" in refused, \
         runs["moe/arena-small"]
@@ -208,6 +213,31 @@ def test_the_plan_kernel_switch_on_the_cpu_build_says_why_it_plans_in_torch(runs
     said = [line for line in run["log"] if line.startswith("RINGFLOW_EXPERT_PLAN_KERNEL")]
     assert len(said) == 1 and "compute on cpu" in said[0], run["log"]
     assert all(layer["planned_steps"] == 0 for layer in run["experts"])
+
+
+def test_whole_layers_lend_their_rows_to_long_prompts_in_vllms_engine(runs):
+    """``slots`` as a mapping (from JSON: string keys) with ``layer_buffers: slots``: layers
+    0 and 2 keep all 16 experts, 1 and 3 half, one arena of their 48 rows (Note [Large steps
+    stream through the slots]); each long prompt's step computes layers 1 and 3 with their
+    missing halves copied into rows of the whole layers that already ran, and the tail copies
+    those back, so decode finds the whole layers whole. vLLM's greedy tokens and logprobs
+    within float32 rounding of vLLM's own CPU MoE kernel; the start-up line gives each
+    layer's count. A mapping naming a layer not chosen stops the start by name."""
+    off, run = runs["moe/off"], runs["moe/arena-whole"]
+    assert "error" not in run, run["error"]
+    assert run["tokens"] == off["tokens"]
+    assert max_logprob_diff(run, off) < 1e-3
+    layers = run["experts"]
+    assert [layer["slots"] for layer in layers] == [16, 8, 16, 8]
+    arena = layers[0]["ring"]
+    assert arena["arena"] and arena["windows"] == 3 and arena["steps"] >= 2, arena
+    assert arena["early_used"] >= 2 and arena["rows_from_host"] > 0, arena
+    said = [l for l in run["log"] if l.startswith("experts: layers [0, 1, 2, 3]")]
+    assert len(said) == 1 and "kept on the device per layer {0: 16, 1: 8, 2: 16, 3: 8}" in \
+        said[0], run["log"]
+    refused = runs["moe/slots-unchosen"].get("error", "")
+    assert "experts.slots" in refused and "[2] not chosen" in refused and \
+        "[1] without a count" in refused, runs["moe/slots-unchosen"]
 
 
 def test_the_lane_computes_from_the_host_copies(runs):
