@@ -30,6 +30,15 @@ Note [Same bits as resident]
        resident layer's path. Steps of several passes need the map; their rows are computed
        with the same tiles and the same K order, which is all a row's value depends on.
 
+    4. **More rows than experts.** An expert arena's large step (Note [Large steps stream
+       through the slots]) maps a layer's experts onto rows of an arena of up to several
+       layers' worth. Named as choices, rows past the layer's expert count break vLLM
+       0.26's sort of the choices into blocks, which counts ``global_num_experts`` buckets
+       (later vLLMs count the weights' rows): on the H100, every long prompt of an arena of
+       256 or 384 rows diverged at its first or second token, while arenas of 128 rows were
+       bit for bit. Such a pass keeps the map: the kernel sorts the choices by expert as the
+       resident call does and reads each block's expert at the row the map names.
+
     A ring buffer holds the whole layer in its layout, so that call is the resident call on
     other memory. tests/vllm_engine/test_cuda_vllm_experts.py compares tokens and logprobs
     with all-resident vLLM for equality on the H200, decode steps and passes included.
@@ -158,9 +167,11 @@ class ResidentKernel:
                               "[Host experts]); this step has no map or more passes")
         impl = self._impl()
         impl.fused_experts.quant_config = self._scaled(weights)
-        if last and self._acc is None and expert_map is not None and host_rows is None:
+        if (last and self._acc is None and expert_map is not None and host_rows is None
+                and w13.shape[0] <= self.w13_shape[0]):
             # the step's only pass: every choice is in a slot. Name the slots as the choices
             # and pass no map, so the kernel assigns rows as it does for the resident layer
+            # (not over more rows than the layer has experts: rule 4 of the Note)
             # a choice of -1 stays -1, as the resident kernel skips it: indexing the map with
             # -1 would read the last expert's slot
             chosen = topk_ids.long()

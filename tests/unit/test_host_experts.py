@@ -918,6 +918,63 @@ def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkey
         kernel(x, {"w13": w13, "w2": w2}, weights, ids, None, True, host_rows)
 
 
+def test_a_pass_over_more_rows_than_experts_keeps_its_map(monkeypatch):
+    """Note [Same bits as resident], rule 4: a one-pass step over the slots (fewer rows than
+    the layer's experts) names the slots as its choices and passes no map; over an arena of
+    more rows than experts (a large step's map onto any of them) the choices stay the
+    layer's experts and the map goes to vLLM's kernel, whose sort counts only the layer's
+    experts as buckets (vLLM 0.26)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from ringflow.integrations.vllm.expert_kernel import ResidentKernel
+    calls = []
+
+    class Experts:
+        quant_config = SimpleNamespace(config_name=lambda dtype: None)
+        block_shape = None
+
+        def moe_sum(self, rows, out):
+            out.copy_(rows.sum(1))
+
+    class Impl:  # records what vLLM's kernel is given; rows: w1's first entry at the row
+        def __init__(self):
+            self.fused_experts = Experts()
+
+        def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                  global_num_experts, expert_map, apply_router_weight_on_input):
+            calls.append((topk_ids.clone(), None if expert_map is None else expert_map.clone(),
+                          global_num_experts))
+            row = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+            rows = topk_weights.unsqueeze(-1) * hidden_states.unsqueeze(1) * w1[row, 0, 0, None]
+            out = torch.empty_like(hidden_states)
+            self.fused_experts.moe_sum(rows, out)
+            return out
+
+    layer = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(
+        impl=Impl())), top_k=2, activation="silu", global_num_experts=4)
+    kernel = ResidentKernel(layer, (torch.Size((4, 3, 5)), torch.Size((4, 5, 2))))
+    monkeypatch.setattr(kernel, "config", lambda tokens, dtype: {})
+    ids, weights, x = torch.tensor([[0, 3], [2, 1]]), torch.rand(2, 2), torch.randn(2, 5)
+    for rows, where in ((3, [2, 0, 1, -1]), (10, [7, 9, 0, 4])):  # slots; an arena
+        w13, w2 = torch.rand(rows, 3, 5) + 1, torch.rand(rows, 5, 2)
+        expert_map = torch.tensor(where)
+        if rows == 3:
+            ids_here = torch.tensor([[0, 2], [2, 1]])  # every choice in a slot
+        else:
+            ids_here = ids
+        out = kernel(x, {"w13": w13, "w2": w2}, weights, ids_here, expert_map)
+        given, mapped, experts = calls[-1]
+        want = (weights.unsqueeze(-1) * x.unsqueeze(1)
+                * w13[expert_map[ids_here], 0, 0, None]).sum(1)
+        torch.testing.assert_close(out, want)
+        assert experts == 4
+        if rows == 3:
+            assert mapped is None and torch.equal(given, expert_map[ids_here])
+        else:
+            assert torch.equal(mapped, expert_map) and torch.equal(given, ids_here)
+
+
 @pytest.mark.cuda
 def test_the_copy_load_copies_on_a_stream_of_ringflows_own():
     """The start-up's host-rate measurement loads the host link on a dedicated stream (Note
