@@ -80,6 +80,13 @@ Note [Large steps stream through the slots]
     two layers of 64 copy 64 + 128 per lone step and 256 per chunk; layers whose rows hold
     half of every layer copy fewer than every layer whole back to back (the fixed windows of
     consecutive rows this arena used until December 2026 copied every layer whole).
+    Measured on an H100 (vLLM 0.26, the bench's 4 layers, that layout with ``early_start``
+    and the plan kernel, five interleaved rounds against vLLM's offloaders with the same
+    device memory; ``profiles/results/experts-bench-4l-whole-prefetch-uva-h100.json``): a
+    lone 8k prompt 1.01x the prefetch offloader (level within the rounds' spread), 32k in 8k
+    chunks 1.32x, batch-1 decode 14.1x the prefetch offloader and 0.92x the UVA offloader;
+    198 experts copied per large step over 56, as counted; bit for bit all-resident vLLM in
+    eager and FULL_AND_PIECEWISE (``arena-whole-13``).
 
     Cost and gain: a large step copies each chosen layer's experts that the arena does not
     hold where it can keep them. When a layer's copy must wait for the layer before it to
