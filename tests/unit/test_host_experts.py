@@ -857,43 +857,58 @@ def test_block_fp8_host_rows_are_refused_where_vllm_takes_deepgemms_power_of_two
     assert host_rows_unlike_vllms({"w13": w13, "w2": w2}, e8m0=True) is None
 
 
-def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkeypatch):
-    """ResidentKernel with a host share (Note [Host experts], step 3), over a stand-in for
-    vLLM's modular kernel: the rows of the choices its map skips (never written: NaN here)
-    are the host's, the host is joined once, at the sum, and the one ``moe_sum`` sums them
-    with the kernel's own; a step without a map cannot take host rows."""
-    pytest.importorskip("vllm")
+def _kernel_over(apply, moe_sum, experts: int, top_k: int, w13: tuple, w2: tuple, monkeypatch):
+    """ResidentKernel of a layer of ``experts`` experts over a stand-in for vLLM's modular
+    kernel: ``apply(impl, **its arguments)`` as its apply, ``moe_sum(rows, out)`` as its
+    experts' sum, the tiles' lookup left out."""
     from types import SimpleNamespace
 
     from ringflow.integrations.vllm.expert_kernel import ResidentKernel
-    sums = []
 
     class Experts:  # vLLM's TritonExperts, as far as the lane touches it
         quant_config = SimpleNamespace(config_name=lambda dtype: None)
         block_shape = None
 
         def moe_sum(self, rows, out):
-            sums.append(rows.clone())
-            out.copy_(rows.sum(1))
+            moe_sum(rows, out)
 
-    class Impl:  # its modular kernel: the rows of the choices the map names, then moe_sum
+    class Impl:  # its modular kernel
         def __init__(self):
             self.fused_experts = Experts()
 
-        def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                  global_num_experts, expert_map, apply_router_weight_on_input):
-            slot = expert_map[topk_ids.long()]
-            rows = torch.full((*topk_ids.shape, hidden_states.shape[1]), float("nan"))
-            for t, j in (slot >= 0).nonzero().tolist():
-                rows[t, j] = topk_weights[t, j] * hidden_states[t] * w1[slot[t, j], 0, 0]
-            out = torch.empty_like(hidden_states)
-            self.fused_experts.moe_sum(rows, out)
-            return out
+        def apply(self, **arguments):
+            return apply(self, **arguments)
 
     layer = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(
-        impl=Impl())), top_k=3, activation="silu", global_num_experts=6)
-    kernel = ResidentKernel(layer, (torch.Size((6, 4, 5)), torch.Size((6, 5, 2))))
+        impl=Impl())), top_k=top_k, activation="silu", global_num_experts=experts)
+    kernel = ResidentKernel(layer, (torch.Size((experts, *w13)), torch.Size((experts, *w2))))
     monkeypatch.setattr(kernel, "config", lambda tokens, dtype: {})
+    return kernel
+
+
+def test_vllms_kernel_takes_the_hosts_rows_at_their_choices_and_sums_once(monkeypatch):
+    """ResidentKernel with a host share (Note [Host experts], step 3), over a stand-in for
+    vLLM's modular kernel: the rows of the choices its map skips (never written: NaN here)
+    are the host's, the host is joined once, at the sum, and the one ``moe_sum`` sums them
+    with the kernel's own; a step without a map cannot take host rows."""
+    pytest.importorskip("vllm")
+    sums = []
+
+    def moe_sum(rows, out):
+        sums.append(rows.clone())
+        out.copy_(rows.sum(1))
+
+    def apply(impl, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, apply_router_weight_on_input):
+        slot = expert_map[topk_ids.long()]  # the rows of the choices the map names
+        rows = torch.full((*topk_ids.shape, hidden_states.shape[1]), float("nan"))
+        for t, j in (slot >= 0).nonzero().tolist():
+            rows[t, j] = topk_weights[t, j] * hidden_states[t] * w1[slot[t, j], 0, 0]
+        out = torch.empty_like(hidden_states)
+        impl.fused_experts.moe_sum(rows, out)
+        return out
+
+    kernel = _kernel_over(apply, moe_sum, 6, 3, (4, 5), (5, 2), monkeypatch)
     w13, w2 = torch.rand(2, 4, 5) + 1, torch.rand(2, 5, 2)  # slots 0, 1: experts 0 and 2
     expert_map = torch.tensor([0, -1, 1, -1, -1, -1])  # experts 1 and 3: the host's
     ids = torch.tensor([[0, 1, 2], [3, 0, 1]])
@@ -925,54 +940,35 @@ def test_a_pass_over_more_rows_than_experts_keeps_its_map(monkeypatch):
     layer's experts and the map goes to vLLM's kernel, whose sort counts only the layer's
     experts as buckets (vLLM 0.26)."""
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
-    from ringflow.integrations.vllm.expert_kernel import ResidentKernel
     calls = []
 
-    class Experts:
-        quant_config = SimpleNamespace(config_name=lambda dtype: None)
-        block_shape = None
+    def apply(impl, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, apply_router_weight_on_input):
+        calls.append((topk_ids.clone(), None if expert_map is None else expert_map.clone(),
+                      global_num_experts))
+        row = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+        rows = topk_weights.unsqueeze(-1) * hidden_states.unsqueeze(1) * w1[row, 0, 0, None]
+        out = torch.empty_like(hidden_states)
+        impl.fused_experts.moe_sum(rows, out)
+        return out
 
-        def moe_sum(self, rows, out):
-            out.copy_(rows.sum(1))
-
-    class Impl:  # records what vLLM's kernel is given; rows: w1's first entry at the row
-        def __init__(self):
-            self.fused_experts = Experts()
-
-        def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                  global_num_experts, expert_map, apply_router_weight_on_input):
-            calls.append((topk_ids.clone(), None if expert_map is None else expert_map.clone(),
-                          global_num_experts))
-            row = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
-            rows = topk_weights.unsqueeze(-1) * hidden_states.unsqueeze(1) * w1[row, 0, 0, None]
-            out = torch.empty_like(hidden_states)
-            self.fused_experts.moe_sum(rows, out)
-            return out
-
-    layer = SimpleNamespace(quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(
-        impl=Impl())), top_k=2, activation="silu", global_num_experts=4)
-    kernel = ResidentKernel(layer, (torch.Size((4, 3, 5)), torch.Size((4, 5, 2))))
-    monkeypatch.setattr(kernel, "config", lambda tokens, dtype: {})
-    ids, weights, x = torch.tensor([[0, 3], [2, 1]]), torch.rand(2, 2), torch.randn(2, 5)
-    for rows, where in ((3, [2, 0, 1, -1]), (10, [7, 9, 0, 4])):  # slots; an arena
+    kernel = _kernel_over(apply, lambda rows, out: out.copy_(rows.sum(1)), 4, 2, (3, 5), (5, 2),
+                          monkeypatch)
+    weights, x = torch.rand(2, 2), torch.randn(2, 5)
+    # 3 slots (every choice in one), an arena of 10 rows
+    for rows, where, chosen in ((3, [2, 0, 1, -1], [[0, 2], [2, 1]]),
+                                (10, [7, 9, 0, 4], [[0, 3], [2, 1]])):
         w13, w2 = torch.rand(rows, 3, 5) + 1, torch.rand(rows, 5, 2)
-        expert_map = torch.tensor(where)
-        if rows == 3:
-            ids_here = torch.tensor([[0, 2], [2, 1]])  # every choice in a slot
-        else:
-            ids_here = ids
-        out = kernel(x, {"w13": w13, "w2": w2}, weights, ids_here, expert_map)
+        expert_map, ids = torch.tensor(where), torch.tensor(chosen)
+        out = kernel(x, {"w13": w13, "w2": w2}, weights, ids, expert_map)
         given, mapped, experts = calls[-1]
-        want = (weights.unsqueeze(-1) * x.unsqueeze(1)
-                * w13[expert_map[ids_here], 0, 0, None]).sum(1)
+        want = (weights.unsqueeze(-1) * x.unsqueeze(1) * w13[expert_map[ids], 0, 0, None]).sum(1)
         torch.testing.assert_close(out, want)
         assert experts == 4
         if rows == 3:
-            assert mapped is None and torch.equal(given, expert_map[ids_here])
+            assert mapped is None and torch.equal(given, expert_map[ids])
         else:
-            assert torch.equal(mapped, expert_map) and torch.equal(given, ids_here)
+            assert torch.equal(mapped, expert_map) and torch.equal(given, ids)
 
 
 @pytest.mark.cuda

@@ -229,6 +229,9 @@ def test_whole_layers_lend_their_rows_to_long_prompts_in_vllms_engine(runs):
     assert max_logprob_diff(run, off) < 1e-3
     layers = run["experts"]
     assert [layer["slots"] for layer in layers] == [16, 8, 16, 8]
+    whole, half = (layers[0], layers[2]), (layers[1], layers[3])
+    for layer in whole:  # what a large step borrowed came back in its tail: decode hits
+        assert layer["hit_rate"] > max(h["hit_rate"] for h in half), layers
     arena = layers[0]["ring"]
     assert arena["arena"] and arena["windows"] == 3 and arena["steps"] >= 2, arena
     assert arena["early_used"] >= 2 and arena["rows_from_host"] > 0, arena
