@@ -517,15 +517,15 @@ class ExpertArena:
         own rows first (its table adopts what is copied there), then those the steps ahead
         need last. A layer's own entries are taken only ``now``: while a read is pending,
         its rows may free up for this fill when it retires (step 2 of the Note)."""
-        own = self._owner[r][0] != position
+        foreign = self._owner[r][0] != position  # False (first): the position's own row
         if c is None or c[0] == position:  # empty, or a second copy of one of its own
-            return 0, own, 0
+            return 0, foreign, 0
         q = c[0]
         later = -((q - position) % self.layers)  # the steps ahead need q's rows after this
         q_owns = self._owner[r][0] == q and self._tables[q][self._owner[r][1]] == c[1]
         if not q_owns:
-            return 1, own, later
-        return (2, own, later) if now else None
+            return 1, foreign, later
+        return (2, foreign, later) if now else None
 
     def _write_map(self, position: int, where: list[int]) -> None:
         """Position ``position``'s expert -> row map, on the compute stream (the layer that
