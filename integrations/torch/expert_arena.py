@@ -159,9 +159,10 @@ Note [Large steps start early]
     took 60 ms, 0.60x the prefetch offloader, 32k 0.96x; the second call (the same prompt and
     one decode step) took no longer than the first, so the first waited about 21 ms, about a
     layer's copy, for a reason not found (the arena's own logic, replayed on the CPU with
-    those slots, copies 1 + 12 + 12 of 12-expert layers at such a step, as designed). The
-    mapping was removed (it is in the history, 2939c4b..3d9c6a3); a trace of it would say
-    where those 21 ms went.
+    those slots, copies 1 + 12 + 12 of 12-expert layers at such a step, as designed). That
+    layout was dropped (2939c4b..3d9c6a3 in the history; a trace of it would say where those
+    21 ms went); the mapping came back for whole layers over expert maps (Note [Large steps
+    stream through the slots]), which measured at the prefetch offloader's level there.
 
     Why neither the fixed windows nor held layers served both prompt shapes, in rows at the
     bench's memory (384): a lone large step needs all 512 of the four layers' experts, so at
