@@ -18,7 +18,10 @@ Note [Host split]
     search: it takes ``share * m`` (rounded) of each step's misses, the share found for the
     step's expected misses. The share depends only on the step's shape (its token count),
     so a CUDA graph replays it for any routing. Where no ``k > 0`` beats copying them all,
-    the share is 0 and the CPU path is off for that shape, with the reason said once.
+    the share is 0 and the CPU path is off for that shape, with the reason said once. The
+    expected misses come from one slot count for every layer; with slots per layer, layers
+    that keep every expert never miss once filled, so the count is that of the others, which
+    must share one (``expert_host.shared_slots``).
 """
 
 from __future__ import annotations

@@ -305,13 +305,10 @@ def _slots_per_layer(values: dict, source: str | None) -> dict[int, int]:
         out[layer] = int_in("experts.slots", count, source, 1, 1 << 16)
     if not out:
         raise rejected("experts.slots", {}, source, "names no layer")
-    for knob, off in (("decode_from_ring", False), ("host_share", "off")):
-        if values[knob] not in (off, None, 0):
-            raise ProfileError("experts.slots", f"is a mapping per layer; {knob} sizes every "
-                               f"layer from one count (" + ("the held layers have no slots"
-                               if knob == "decode_from_ring" else "its split is predicted "
-                               "from the first layer's hit rate") + "): give one count, or "
-                               f"leave {knob} off", source)
+    if values["decode_from_ring"]:
+        raise ProfileError("experts.slots", "is a mapping per layer; decode_from_ring sizes "
+                           "every layer from one count (the held layers have no slots): give "
+                           "one count, or leave decode_from_ring off", source)
     layers = values["layers"]
     if isinstance(layers, list) and all(type(i) is int for i in layers):  # (other lists:
         _check_slot_layers(out, layers, source)                           # layer_pattern's)

@@ -35,7 +35,9 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   ``held_slots(layers)``, one arena of all their rows: a large step copies each other
   layer's missing experts into rows of a whole layer that already ran and its tail copies
   them back (Note [Large steps stream through the slots]), the same device memory;
-  ``ringflow-whole-plan`` the same with ``RINGFLOW_EXPERT_PLAN_KERNEL=1``;
+  ``ringflow-whole-plan`` the same with ``RINGFLOW_EXPERT_PLAN_KERNEL=1``,
+  ``ringflow-whole-host-plan`` with ``host_share: auto`` too (the half layers' misses split
+  with the CPU at decode);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the windows' fills;
@@ -134,7 +136,8 @@ SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
-         "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan", "ringflow-arena-first",
+         "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan",
+         "ringflow-whole-host-plan", "ringflow-arena-first",
          "ringflow-host-fills", "ringflow-host", "ringflow-held-host", "ringflow-held-plan",
          "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
@@ -233,6 +236,10 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-whole-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                 "additional_config": {"ringflow": {
             "name": "experts-bench-whole-plan", "experts": whole_layers(layers)}}},
+        "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                     "additional_config": {"ringflow": {
+            "name": "experts-bench-whole-host-plan",
+            "experts": {**whole_layers(layers), "host_share": "auto"}}}},
         "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena-first", "experts": {
                 "layers": list(range(layers - RING)), "slots": held_slots(layers),
@@ -308,7 +315,8 @@ def utilization(torch) -> float:
 
 #: each host-share peer and the copy-only peer it differs from by that share alone
 HOST_SIBLINGS = {"ringflow-host": "ringflow", "ringflow-held-host": "ringflow-held",
-                 "ringflow-held-host-plan": "ringflow-held-plan"}
+                 "ringflow-held-host-plan": "ringflow-held-plan",
+                 "ringflow-whole-host-plan": "ringflow-whole-plan"}
 
 
 def predict_host_share(table: dict, results: dict, name: str, sibling: str, batches,

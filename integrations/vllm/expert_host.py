@@ -20,11 +20,34 @@ from ringflow.orchestrator.host_split import HostPolicy, HostRates, host_policy
 log = logging.getLogger("ringflow")
 
 
+def shared_slots(caches: dict[int, ExpertCache]) -> int | None:
+    """The slot count the host split is sized from (Note [Host split]: one hit rate for every
+    layer): that of the layers that do not keep every expert, as whole layers beside them
+    (``experts.slots`` per layer) never miss once filled; None where every layer keeps all.
+
+    Raises:
+        ProfileError: those layers have different counts.
+    """
+    partial = sorted({c.slots for c in caches.values() if c.slots < c.experts})
+    if len(partial) > 1:
+        raise ProfileError("experts.host_share", f"sizes its split from one slot count, but "
+                           f"the layers that do not keep every expert have {partial} slots "
+                           f"(experts.slots per layer): give them one count, or host_share: "
+                           f"off")
+    return partial[0] if partial else None
+
+
 def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object],
                 vllm_config) -> tuple[HostExperts | None, HostPolicy | None]:
     """The lane's host share and policy for ``spec.host_share`` (None and None: off, with the
     reason logged once where the profile asked for it)."""
     if spec.host_share == "off":
+        return None, None
+    slots = shared_slots(caches)
+    if slots is None:
+        log.info("experts.host_share: %s asked, but every chosen layer keeps all its experts "
+                 "on the device (experts.slots): no miss to share; the host share is off",
+                 spec.host_share)
         return None, None
     first = caches[min(caches)]
     if first.device.type != "cuda":
@@ -61,7 +84,7 @@ def host_shares(spec, caches: dict[int, ExpertCache], modules: dict[int, object]
                                           f"threads" + (f" (the fastest of {tried})"
                                                         if len(tried) > 1 else ""))
     forced = spec.host_share if isinstance(spec.host_share, float) else None
-    policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=first.slots,
+    policy = host_policy(rates, experts=first.experts, top_k=experts.top_k, slots=slots,
                          expert_bytes=expert_bytes, max_tokens=spec.host_tokens, forced=forced,
                          cpu_bytes=cpu_bytes)
     if policy.max_tokens == 0:

@@ -144,6 +144,8 @@ def test_the_whole_lane_has_the_arenas_memory_with_its_resident_layers_whole(lay
         len(arena["layers"]) * arena["slots"] + 128 * (layers - len(arena["layers"]))
     plan = bench.configs(layers)["ringflow-whole-plan"]
     assert plan["additional_config"]["ringflow"]["experts"] == whole
+    host = bench.configs(layers)["ringflow-whole-host-plan"]["additional_config"]["ringflow"]
+    assert host["experts"] == {**whole, "host_share": "auto"}
 
 
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
@@ -158,7 +160,7 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     switched = {n: c["env"] for n, c in peers.items() if "env" in c}
     assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
                         for name in ("ringflow-held-plan", "ringflow-held-host-plan",
-                                     "ringflow-whole-plan")}
+                                     "ringflow-whole-plan", "ringflow-whole-host-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)
 
 
@@ -215,8 +217,11 @@ def test_one_peer_with_a_host_share_per_run():
     import sys
     bench = _bench()
     table = bench.configs(4, None)
-    assert [n for n, c in table.items() if bench.host_share_of(c) is not None] == [
-        "ringflow-host", "ringflow-held-host-plan", "ringflow-held-host"]
+    assert sorted(n for n, c in table.items() if bench.host_share_of(c) is not None) == [
+        "ringflow-held-host", "ringflow-held-host-plan", "ringflow-host",
+        "ringflow-whole-host-plan"]
+    assert set(bench.HOST_SIBLINGS) == {n for n, c in table.items()
+                                        if bench.host_share_of(c) is not None}
     assert bench.host_share_of(bench.forced_share(table, "ringflow-host@0.5")) == 0.5
     ran = subprocess.run([sys.executable, str(ROOT / "tools/experts_bench.py"), "--only",
                           "ringflow,ringflow-host,ringflow-host@0.33"],

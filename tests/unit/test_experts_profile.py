@@ -362,8 +362,8 @@ def test_slots_per_layer_round_trip_and_must_name_exactly_the_chosen_layers():
         load({"slots": {1: 8, 5: 8}}).experts.check_slot_layers([0, 1, 2, 3], None, among=True)
     with pytest.raises(ProfileError, match="names no layer 2"):
         spec.slots_for(128, 8, layer=2)
+    assert load({"slots": {1: 128, 3: 8}, "host_share": "auto"}).experts.host_share == "auto"
     for section, words in (({"decode_from_ring": True}, "the held layers have no slots"),
-                           ({"host_share": "auto"}, "first layer's hit rate"),
                            ({"layers": [1, 2]}, r"\[3\] not chosen: \[2\] without a count"),
                            ({"slots": {1: 8, "1": 9}}, "names layer 1 twice"),
                            ({"slots": {"\u00b2": 8}}, "experts.slots")):

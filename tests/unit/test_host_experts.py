@@ -843,6 +843,32 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
     assert "already compute on the CPU" in caplog.text
 
 
+def test_the_host_split_takes_the_slot_count_of_the_layers_that_miss(caplog):
+    """Slots per layer (Note [Host split]): whole layers never miss once filled, so the split
+    is sized from the other layers' one count; every layer whole leaves nothing to share
+    (off, said once); layers that miss with different counts are refused by name."""
+    from ringflow.errors import ProfileError
+    from ringflow.integrations.vllm.expert_host import host_shares, shared_slots
+    from ringflow.orchestrator.sections import experts_section
+    w13, w2 = experts()
+    store = {"w13": w13, "w2": w2}
+
+    def caches(*counts):
+        return {q: ExpertCache(store, n, "cpu") for q, n in enumerate(counts)}
+
+    assert shared_slots(caches(E, K, E, K)) == K
+    assert shared_slots(caches(K, K)) == K
+    assert shared_slots(caches(E, E)) is None
+    with pytest.raises(ProfileError, match=rf"have \[{K}, {K + 1}\] slots.*host_share: off"):
+        shared_slots(caches(E, K, K + 1))
+    auto = experts_section({"layers": "all", "host_share": "auto"}, None)
+    with caplog.at_level("INFO", logger="ringflow"):
+        assert host_shares(auto, caches(E, E), {0: object(), 1: object()}, None) == (None, None)
+    assert "every chosen layer keeps all its experts" in caplog.text
+    with pytest.raises(ProfileError, match="one slot count"):
+        host_shares(auto, caches(K, K + 1), {0: object(), 1: object()}, None)
+
+
 def test_block_fp8_host_rows_are_refused_where_vllm_takes_deepgemms_power_of_two_scales():
     """vLLM with DeepGEMM's E8M0 scales skips the fused activation the host's block-fp8 rows
     follow (Note [Host rows round as the kernel]): the host share says so and stays off
