@@ -294,7 +294,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
         hooked = [k for k in getattr(getattr(state, "surfaces", None), "hooked", ())
                   if k.endswith("GPUModelRunner.execute_model")]
         log.info("experts.early_start: %s", (
-            f"each step of {spec.layer_tokens} or more scheduled tokens starts its windows at "
+            f"each step of {spec.layer_tokens} or more scheduled tokens starts its fills at "
             f"vLLM's execute_model, before vLLM prepares its inputs (Note [Large steps start "
             f"early])" if hooked else
             "this vLLM's model runner has no execute_model ringflow could hook: each large "
@@ -308,7 +308,7 @@ def streams_through_slots(spec, source: str | None) -> bool:
     to a ring of layer buffers; ``early_start`` without it is refused."""
     if spec.layer_buffers != "slots":
         if spec.early_start:
-            raise ProfileError("experts.early_start", "starts a large step's windows of the "
+            raise ProfileError("experts.early_start", "starts a large step's fills of the "
                                "slots before its forward; it needs layer_buffers: slots (a "
                                "ring of layer buffers has nothing to start early)", source)
         return False
@@ -353,7 +353,7 @@ def _auto_slots(spec, hosts: dict, found: dict, on_gpu: bool, vllm_config,
     experts = runner.routed_experts
     slot_bytes = sum(t[0].numel() * t.element_size() for t in first.values())
     layer_bytes = slot_bytes * experts.global_num_experts
-    ring = (0 if spec.layer_buffers == "slots"  # the windows are the slots' own memory
+    ring = (0 if spec.layer_buffers == "slots"  # the arena is the slots' own memory
             else min(spec.layer_buffers, len(hosts)) * layer_bytes)
     device = experts.w13_weight.device
     free, total = torch.cuda.mem_get_info(device)
@@ -471,7 +471,7 @@ MAPPED_KERNELS = ("TritonExperts",)
 def on_execute_model(state: PluginState, original, runner, scheduler_output, *args, **kwargs):
     """The hook on a model runner's ``execute_model``, before vLLM prepares the step: a parked
     host-share worker is woken (Note [An idle worker parks]); a large step of a lane with
-    ``early_start`` starts its windows now (Note [Large steps start early]), from the step's
+    ``early_start`` starts its fills now (Note [Large steps start early]), from the step's
     scheduled token count, and after it a prepare its forward did not use (a replayed graph)
     is dropped; vLLM's dummy runs are left alone."""
     lane, tokens = None, 0
@@ -520,7 +520,7 @@ def _dump(lane: ExpertLane, base: str) -> None:
                                   f"at most {row['in_place_tokens']} tokens needing more than "
                                   f"one: 2, the second over the host store in place; larger "
                                   f"steps: one pass, over "
-                                  + ("a window of the slots' memory (Note [Large steps stream "
+                                  + ("rows of the slots' memory (Note [Large steps stream "
                                      "through the slots])" if (row["ring"] or {}).get("arena")
                                      else "a buffer of the layer ring")),
                        "top_k": experts.top_k})

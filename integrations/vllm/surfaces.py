@@ -165,7 +165,7 @@ SURFACES: tuple[Surface, ...] = (
             "where vLLM's kernel would compute them"),
     Surface(_V1_RUNNER, "GPUModelRunner.execute_model", "method", "experts",
             "before vLLM prepares a step: a large step of an expert lane with early_start "
-            "starts its windows of the slots (Note [Large steps start early])",
+            "starts its fills of the slots (Note [Large steps start early])",
             versions=((0, 26), (0, 33)), hook="ringflow.integrations.vllm.experts:"
             "on_execute_model", params=("self", "scheduler_output"), required=False,
             group="runner step"),

@@ -202,7 +202,7 @@ HOST_LANES = {
     "host-auto": {"slots": 32, "layer_buffers": 0, "host_share": "auto"},
     # beside the bench's decode layouts: layers 0 and 1 held whole in the ring (no cache, so
     # no host share there), 2 and 3 on 64 slots; the arena over layers 1 and 3 (placed by
-    # ringflow), its prompts through a window of the slots. Prompts of 8+ tokens take the
+    # ringflow), its prompts through rows of the slots. Prompts of 8+ tokens take the
     # held ring or the window, decode steps the caches with half their misses on the CPU
     "host-held-half": {"slots": 64, "layer_tokens": 8, "decode_from_ring": True,
                        "host_share": 0.5},
@@ -312,7 +312,7 @@ def host_runs():
 @pytest.mark.parametrize("name", list(ARENA_LANES))
 def test_large_steps_through_the_slots_give_the_resident_bits(arena_runs, mode, name):
     """``layer_buffers: slots`` (Note [Large steps stream through the slots]): the prompts of
-    8, 14 and 70 tokens compute each chosen layer from a window of the slots' own (poisoned)
+    8, 14 and 70 tokens compute each chosen layer from rows of the slots' own (poisoned)
     rows through an expert map, the next prompt's first layer carried in the tail, and the
     decode steps (eager, or vLLM's FULL decode graphs waiting on the windows' fills) from the
     slots: vLLM's tokens and top-5 logprobs bit for bit, greedy and sampled."""
