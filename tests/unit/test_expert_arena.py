@@ -1,5 +1,5 @@
 """The expert arena (Note [Large steps stream through the slots]): large steps computed from
-windows of the caches' own rows, against the float64 MoE, the bytes each step copies, the
+the caches' own rows through expert maps, against the float64 MoE, the bytes each step copies, the
 joint proof with the caches' operations and the mutants it must catch; on a GPU (marked cuda)
 its copies on ringflow's copy stream under a slow reader and a captured small step replayed
 while a carried fill lands."""
@@ -110,9 +110,9 @@ def test_a_lone_large_step_copies_only_what_the_device_does_not_hold():
 
 
 def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
-    """The first layer's window holds the experts its own cache installed during decode:
-    its fill copies only the others, and its small steps' entries stay in its table."""
-    lane, hosts = make_lane(slots=6)  # 24 rows, two windows: positions 0 and 1 in their own
+    """The first layer's fill keeps in place the experts its own cache installed during
+    decode and copies only the others; its small steps' entries stay in its table."""
+    lane, hosts = make_lane(slots=6)  # 24 rows, two layers' worth: position 0 in its own
     for s in range(4):
         run_step(lane, hosts, 2, s)  # small steps fill the caches
     first = lane.caches[LAYERS[0]]
@@ -158,7 +158,7 @@ def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_
     # a fill that does not wait for its rows' last reader
     (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "copy"
                                            and op.on and op.on[0] == "retired")], "cross-stream"),
-    # a layer that reads its window without waiting for the fill
+    # a layer that reads its rows without waiting for the fill
     (lambda ops: [op for op in ops if not (op.kind == "wait" and op.stream == "compute"
                                            and _before_read(ops, op))], "cross-stream"),
     # a map naming a row of another layer's expert
@@ -232,7 +232,7 @@ def test_large_steps_started_early_equal_the_float64_moe_and_the_joint_trace_pro
 def test_a_prepared_step_that_a_graph_replays_is_dropped_after_it(caplog):
     """vLLM replays a step from a CUDA graph (its layer_tokens at or below the largest
     captured size) after execute_model started it early: no lane Python runs, the captured
-    small steps install over the prepared window. ``finish_step`` drops the unused prepare
+    small steps install over the prepared rows. ``finish_step`` drops the unused prepare
     (said once), so the next large step, not prepared, starts afresh and is exact; left in
     place, that step would read what the replays overwrote (the mutant below)."""
     import logging
@@ -267,12 +267,12 @@ def test_a_prepared_step_that_a_graph_replays_is_dropped_after_it(caplog):
 
 def test_an_early_start_issues_the_top_up_before_the_forward():
     """After decode steps, a prepared large step's top-up (its first layer's experts the
-    window lacks) is in the trace before the first layer's read, with nothing of the step's
+    arena lacks) is in the trace before the first layer's read, with nothing of the step's
     forward between the prepare and it; begin(0) starts nothing more."""
     lane, hosts = make_lane(slots=6)
     run_step(lane, hosts, 8, 0)
     for s in range(3):
-        run_step(lane, hosts, 1, 1 + s)  # decode installs over the carried window
+        run_step(lane, hosts, 1, 1 + s)  # decode installs over the carried rows
     lane.ring.trace = ops = []
     steps = lane.ring.steps
     assert lane.prepare_step(8)
@@ -408,7 +408,7 @@ def test_the_arena_on_a_gpu_is_exact_with_a_slow_reader_and_its_trace_proves(slo
 @pytest.mark.cuda
 def test_large_steps_started_early_on_a_gpu_are_exact_and_refuse_another_stream():
     """Note [Large steps start early] on the copy stream, a slow reader at every layer, small
-    steps installing over the carried window between (poisoned rows after each read): each
+    steps installing over the carried rows between (poisoned rows after each read): each
     prepared step equals the float64 MoE, the trace proves; a first layer issued on another
     stream than its prepare's is refused by name (its early fills were ordered after the
     prepare's stream only)."""

@@ -1020,9 +1020,9 @@ def test_the_copy_load_copies_on_a_stream_of_ringflows_own():
 @pytest.mark.parametrize("layout", ["held", "arena"])
 def test_a_host_share_beside_held_layers_or_the_arena_equals_the_float64_moe(layout, share):
     """The bench's fastest decode layouts with a host share: held layers (no cache, so no host
-    share) or the arena's windows (its carried fills may still write the slots a small step
-    reads). Small steps hand the cached layers' misses to the host, large steps take the ring
-    or the windows; every step equals the float64 MoE, each cached layer's host ran at every
+    share) or the arena (its carried fills may still write the slots a small step reads).
+    Small steps hand the cached layers' misses to the host, large steps take the ring or the
+    arena's rows; every step equals the float64 MoE, each cached layer's host ran at every
     small step, and the lane's joint trace, host operations among the caches', proves."""
     from ringflow.orchestrator.expert_hazards import check_lane
     from tests.helpers.expert_lanes import LAYERS, SIZES, run_step
