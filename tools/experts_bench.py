@@ -326,10 +326,14 @@ def predict_host_share(table: dict, results: dict, name: str, sibling: str, batc
     model's copy time of a step's misses less its split time (the worker's report, from the
     rates measured at the engine's start), under the hard routing (the model's misses are
     uniform routing's). Written beside the measured cell as ``predicted_tok_s`` and
-    ``measured_vs_predicted`` (#47: within 1.2x either way)."""
+    ``measured_vs_predicted`` (#47: within 1.2x either way). Only layers that keep fewer
+    slots than experts count: a whole layer (slots per layer) has no misses in the model.
+    Where the model's saving is not less than the sibling's whole step (its uniform misses
+    outnumber what the step copied: the routing repeats more than uniform routing), there is
+    no prediction: ``predicted_tok_s`` is None and ``unpredicted`` says why."""
     row, other = table.get(name, {}), table.get(sibling, {})
     layers = [layer["host_share"] for layer in results.get(name, {}).get("report", [])
-              if "host_share" in layer]
+              if "host_share" in layer and layer.get("slots", 0) < layer.get("experts", 0)]
     if "error" in row or "error" in other or not layers:
         return
     for routing in routings:
@@ -342,7 +346,16 @@ def predict_host_share(table: dict, results: dict, name: str, sibling: str, batc
             if key not in row or key not in other or None in splits:
                 continue
             saved_ms = sum(s["copy_ms"] - s["layer_ms"] for s in splits)
-            predicted = 1000 * b / (1000 * b / other[key]["median"] - saved_ms)
+            step_ms = 1000 * b / other[key]["median"]
+            if saved_ms >= step_ms:
+                for stale in ("predicted_vs_" + sibling, "measured_vs_predicted"):
+                    row[key].pop(stale, None)
+                row[key]["predicted_tok_s"] = None
+                row[key]["unpredicted"] = (
+                    f"the model saves {saved_ms:.2f} ms of a {step_ms:.2f} ms step: its "
+                    f"uniform routing's misses outnumber the step's copies")
+                continue
+            predicted = 1000 * b / (step_ms - saved_ms)
             row[key]["predicted_tok_s"] = round(predicted, 1)
             row[key]["predicted_vs_" + sibling] = round(predicted / other[key]["median"], 3)
             row[key]["measured_vs_predicted"] = round(row[key]["median"] / predicted, 3)
@@ -416,7 +429,8 @@ def main() -> int:
     prompts = {p: [TokensPrompt(prompt_token_ids=[(j * 7919 + p) % (vocab - 3) + 3
                                                   for j in range(p)])] for p in prefills}
     short = [TokensPrompt(prompt_token_ids=[(i * 31 + j * 17) % (vocab - 3) + 3
-                                            for j in range(16)]) for i in range(max(batches))]
+                                            for j in range(16)]) for i in range(max(batches,
+                                                                                    default=1))]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     second = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, detokenize=False)
 
@@ -653,7 +667,10 @@ def main() -> int:
                       f"offloader, x{cell.get('vs_vllm-uva', '-')} its UVA offloader")
     for name, sibling in HOST_SIBLINGS.items():
         for key, cell in doc["table"].get(name, {}).items():
-            if isinstance(cell, dict) and "predicted_tok_s" in cell:
+            if isinstance(cell, dict) and cell.get("unpredicted"):
+                print(f"[experts-bench] {name} {key}: {cell['median']:,} tok/s, no prediction: "
+                      f"{cell['unpredicted']}")
+            elif isinstance(cell, dict) and "predicted_tok_s" in cell:
                 print(f"[experts-bench] {name} {key}: {cell['median']:,} tok/s, the host "
                       f"split's model predicted {cell['predicted_tok_s']:,} "
                       f"(x{cell['predicted_vs_' + sibling]} {sibling}; measured "
