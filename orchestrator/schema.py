@@ -354,7 +354,8 @@ FIELDS: dict[str, ProfileField] = {
                                        words="'off', 'auto', or a number in 0..1"),
     "experts.host_tokens": _integer("the host share serves steps of at most this many tokens "
                                     "(and of one pass through the slots); larger steps copy "
-                                    "every miss", 1, 256, 8),
+                                    "every miss. 1: the share gained at batch 1 and never at "
+                                    "batch 8 where measured", 1, 256, 1),
     "experts.host_rates": ProfileField("the host's rates as tools/host_rates.py wrote them, for "
                                        "host_share: auto; omitted: measured at start-up on the "
                                        "first chosen layer's experts, beside host-to-device "

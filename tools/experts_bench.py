@@ -44,7 +44,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
-* ``ringflow-host``: the lane with ``host_share: auto``: decode steps of up to 8 tokens hand
+* ``ringflow-host``: the lane with ``host_share: auto`` (and ``host_tokens: 8``, as every
+  host peer, ``HOST_AUTO``): decode steps of up to 8 tokens hand
   part of each layer's misses to the host's CPU, the share the host's rates (measured at the
   engine's start) predict makes the copy and the CPU finish together (Note [Host split]);
 * ``ringflow-held-plan``: ``ringflow-held`` with ``RINGFLOW_EXPERT_PLAN_KERNEL=1`` (set while
@@ -134,6 +135,9 @@ FP8 = {"block": {"quant_method": "fp8", "activation_scheme": "dynamic",
        "tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
 SLOTS = 32  # a quarter of 128
 RING = 2  # the lane's layer buffers
+#: the host-share peers: auto, on decode steps of up to 8 tokens (host_tokens' default is 1,
+#: since the share never gained at batch 8 where measured), so batch 8 keeps being measured
+HOST_AUTO = {"host_share": "auto", "host_tokens": 8}
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan",
@@ -239,15 +243,14 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                      "additional_config": {"ringflow": {
             "name": "experts-bench-whole-host-plan",
-            "experts": {**whole_layers(layers), "host_share": "auto"}}}},
+            "experts": {**whole_layers(layers), **HOST_AUTO}}}},
         "ringflow-arena-first": {**lane, "additional_config": {"ringflow": {
             "name": "experts-bench-arena-first", "experts": {
                 "layers": list(range(layers - RING)), "slots": held_slots(layers),
                 "layer_buffers": "slots"}}}},
         "ringflow-host-fills": {**lane, "additional_config": experts(
             "experts-bench-host-fills", ring_from_slots=False)},
-        "ringflow-host": {**lane, "additional_config": experts("experts-bench-host",
-                                                                host_share="auto")},
+        "ringflow-host": {**lane, "additional_config": experts("experts-bench-host", **HOST_AUTO)},
         # held layers with each one-pass decode step planned by one kernel (Note [One
         # kernel plans the step]): the bookkeeping's share of the batch-1 step
         "ringflow-held-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
@@ -256,12 +259,12 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-held-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                     "additional_config": experts(
             "experts-bench-held-host-plan", decode_from_ring=True, slots=held_slots(layers),
-            host_share="auto")},
+            **HOST_AUTO)},
         # held layers for decode (the fastest copy-only layout at batch 1) with the host
         # computing its share of the other layers' misses (Note [Host split])
         "ringflow-held-host": {**lane, "additional_config": experts(
             "experts-bench-held-host", decode_from_ring=True, slots=held_slots(layers),
-            host_share="auto")},
+            **HOST_AUTO)},
         # vLLM offloads whole parameters until its count reaches cpu_offload_gb: the exact
         # layers' worth (a float), where a whole GiB rounded up (2 at 4 layers, as this bench
         # gave it until December 2026) took 2 of the 4 layers off the device, not 1

@@ -145,7 +145,7 @@ def test_the_whole_lane_has_the_arenas_memory_with_its_resident_layers_whole(lay
     plan = bench.configs(layers)["ringflow-whole-plan"]
     assert plan["additional_config"]["ringflow"]["experts"] == whole
     host = bench.configs(layers)["ringflow-whole-host-plan"]["additional_config"]["ringflow"]
-    assert host["experts"] == {**whole, "host_share": "auto"}
+    assert host["experts"] == {**whole, "host_share": "auto", "host_tokens": 8}
 
 
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():

@@ -90,6 +90,22 @@ def test_the_policy_shares_by_token_count_and_stops_where_one_pass_ends():
     assert forced.share(1) == 1.0 and "forced" in forced.why
 
 
+def test_a_profile_shares_steps_of_one_token_unless_it_asks_for_more():
+    """experts.host_tokens defaults to 1 (the share gained at batch 1 and never at batch 8
+    where measured): rates that gain at every size share one-token steps only, and a
+    profile's host_tokens: 8 shares up to 8."""
+    from ringflow.orchestrator.sections import experts_section
+
+    def policy(**section):
+        spec = experts_section({"layers": "all", "host_share": "auto", **section}, None)
+        return host_policy(rates(0.1), experts=128, top_k=8, slots=64,
+                           expert_bytes=QWEN_BYTES, max_tokens=spec.host_tokens)
+
+    assert policy().max_tokens == 1 and policy().share(1) > 0
+    assert policy().share(2) == 0
+    assert policy(host_tokens=8).max_tokens == 8
+
+
 # the CPU MoE
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
