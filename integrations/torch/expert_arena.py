@@ -44,7 +44,13 @@ Note [Large steps stream through the slots]
        needs), and a fill that cannot take enough waits for that. A row written for ``p``
        leaves its owner's slot table (``ExpertCache.drop``), and the arena records what it
        wrote there: the record counts only while that table entry stays empty within the
-       owner's generation (an install sets it; a forget or lend counts a generation).
+       owner's generation (an install sets it; a forget or lend counts a generation). The
+       fill copies the rows no read holds first, then each reader's rows after that
+       reader's retire event, the oldest reader first: the copy engine does not wait for the
+       layer before to copy what that layer does not read (Note [Arena timeline] in
+       tools/arena_timeline.py: at the bench's 4 layers, whole layers beside half ones, a
+       lone large step 27.4 ms where every copy of a fill waited for all its readers took
+       30.9, chunks 35.1 against 38.7, modeled; not yet measured on a GPU).
     3. **Carried** fills (issued in a step's tail) are topped up at the next start: what the
        small steps in between installed over is copied again, nothing else.
     4. **Small steps** of a chosen layer wait for every position's ready event before they
@@ -87,6 +93,16 @@ Note [Large steps stream through the slots]
     chunks 1.32x, batch-1 decode 14.1x the prefetch offloader and 0.92x the UVA offloader;
     198 experts copied per large step over 56, as counted; bit for bit all-resident vLLM in
     eager and FULL_AND_PIECEWISE (``arena-whole-13``).
+
+    At 8 layers (the same memory as 4 resident layers: layers 0 and 4 whole, the others 42
+    slots), measured on an H100 at ``7cc1b8b`` (``experts-bench-8l-whole-prefetch-h100.json``,
+    four rounds): a lone 8k prompt 0.89x vLLM's prefetch offloader, 32k in chunks 1.34x. The
+    lone step copies what the device cannot hold (516 experts before its last layer), as many
+    as the offloader copies inside its step; but every half layer's fill goes into rows that
+    the layer before it reads, so each waits for that layer's compute and the copy engine
+    idles through six of them, where the offloader's four buffers keep it busy. Replaying
+    the arena's trace (Note [Arena timeline]) gives 0.90x for that, and the layouts tried
+    with the same memory (whole layers 0 and 1, one whole layer, none whole) no better.
 
     Cost and gain: a large step copies each chosen layer's experts that the arena does not
     hold where it can keep them. When a layer's copy must wait for the layer before it to
@@ -485,29 +501,34 @@ class ExpertArena:
         self.fills += 1
         self.rows_in_place += len(kept)
         self.rows_from_host += len(placed)
-        readers = sorted({self._read_by[r] for _, r in placed} - {None})
-        for q in readers:
-            self._op("wait", "copy", on=("retired", q))
-        for _, r in placed:
+        # rows no read holds first, then each reader's, oldest first, after its retire event:
+        # the copy engine need not wait for the layer before to copy what it does not read
+        # (Note [Large steps stream through the slots], step 2)
+        by_reader: dict[int | None, list[tuple[int, int]]] = {}
+        for x, r in placed:
+            by_reader.setdefault(self._read_by[r], []).append((x, r))
             self._read_by[r] = None  # written now: the next write waits for its next reader
-        runs = _runs(sorted(placed))
-        for q, pairs in _by_owner(placed, self._owner).items():
-            self._op("place", "copy", pairs=pairs, on=position, space=q)
-        self._op("record", "copy", on=("ready", position))
         host = self.caches[position].host
-        if self.stream is None:  # the CPU: in line
-            for x, r, n in runs:
+        for q in sorted(by_reader, key=lambda q: -1 if q is None
+                        else self.layers - (position - q - 1) % self.layers):
+            if q is not None:
+                self._op("wait", "copy", on=("retired", q))
+                if self.stream is not None:
+                    self.stream.wait_event(self._retire[q])
+            group = by_reader[q]
+            for owner, pairs in _by_owner(group, self._owner).items():
+                self._op("place", "copy", pairs=pairs, on=position, space=owner)
+            for x, r, n in _runs(sorted(group)):
                 for name, dst in self.rows.items():
-                    dst[r:r + n].copy_(host[name][x:x + n])
-            return len(placed)
-        for q in readers:
-            self.stream.wait_event(self._retire[q])
-        for x, r, n in runs:
-            for name, dst in self.rows.items():
-                row = dst[0].numel() * dst.element_size()
-                copy_async(dst.data_ptr() + r * row, host[name].data_ptr() + x * row, n * row,
-                           self.stream.cuda_stream)
-        self._ready[position].record(self.stream)
+                    if self.stream is None:  # the CPU: in line
+                        dst[r:r + n].copy_(host[name][x:x + n])
+                        continue
+                    row = dst[0].numel() * dst.element_size()
+                    copy_async(dst.data_ptr() + r * row, host[name].data_ptr() + x * row,
+                               n * row, self.stream.cuda_stream)
+        self._op("record", "copy", on=("ready", position))
+        if self.stream is not None:
+            self._ready[position].record(self.stream)
         return len(placed)
 
     def _spare_rank(self, r: int, c: tuple[int, int] | None, position: int,

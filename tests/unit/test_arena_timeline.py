@@ -1,0 +1,79 @@
+"""tools/arena_timeline.py (Note [Arena timeline]): the trace's replay on two streams, vLLM's
+prefetch offloader's rule in the same units, and what it shows of the arena's fills: rows no
+read holds are copied before the fill waits for the layer before it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ringflow.orchestrator.expert_hazards import ExpertOp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    spec = importlib.util.spec_from_file_location("arena_timeline",
+                                                  ROOT / "tools/arena_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_replay_orders_each_stream_by_its_waits(timeline):
+    """Layer 0 computes (2); a copy of 3 experts waits for its retire (2 + 3); layer 1 waits
+    for that copy (5 + 2); a copy issued before any wait overlaps layer 0."""
+    ops = [ExpertOp("read", "compute", ((0, 0),), on=0),
+           ExpertOp("record", "compute", on=("retired", 0)),
+           ExpertOp("place", "copy", ((5, 0),), on=2),  # no wait: from t=0
+           ExpertOp("wait", "copy", on=("retired", 0)),
+           ExpertOp("place", "copy", ((1, 0), (2, 1), (3, 2)), on=1),
+           ExpertOp("record", "copy", on=("ready", 1)),
+           ExpertOp("wait", "compute", on=("ready", 1)),
+           ExpertOp("read", "compute", ((1, 0),), on=1),
+           ExpertOp("read", "compute", ((2, 1),), on=1)]  # the same layer: no second cost
+    assert timeline.replay(ops, expert_ms=1.0, layer_ms=2.0) == 7.0
+    assert timeline.replay(ops[:2] + ops[3:4] + ops[2:3] + ops[4:], 1.0, 2.0) == 8.0
+
+
+def test_the_offloader_copies_its_first_buffers_before_a_lone_step(timeline):
+    """4 layers, 1 and 3 offloaded, one buffer ahead: layer 1's copy is done before the step;
+    layer 3's starts once layer 1 retired (its buffer's last user)."""
+    copy = timeline.EXPERTS * 0.1
+    assert timeline.offloader(4, [1, 3], 1, 0.1, 1.0, 1) == pytest.approx(2.0 + copy + 1.0)
+    # back to back: each step copies both; the next step's layer 1 once layer 3 retired
+    two = timeline.offloader(4, [1, 3], 1, 0.1, 1.0, 2)
+    assert two == pytest.approx(2.0 + copy + 1.0 + copy + 1.0 + copy + 1.0)
+
+
+def test_a_fill_copies_the_rows_no_read_holds_before_it_waits(timeline):
+    """Whole layers beside half ones at real expert counts (the bench's 4 layers): some fill
+    of a lone step copies rows before its wait for the layer before to retire, and the
+    replay with every wait of a fill hoisted before its copies (the order before this) is
+    slower."""
+    lane = timeline.arena_lane([128, 64, 128, 64])
+    timeline.step(lane, 16, 0)
+    for s in range(1, 9):
+        timeline.step(lane, 1 + s % 2, s)
+    lane.ring.trace = ops = []
+    timeline.step(lane, 16, 20)
+    early = [i for i, op in enumerate(ops) if op.kind == "place" and any(
+        later.kind == "wait" and later.stream == "copy" and later.on[0] == "retired"
+        for later in ops[i + 1:next(j for j in range(i, len(ops))
+                                    if ops[j].kind == "record" and ops[j].stream == "copy")])]
+    assert early, [(op.kind, op.on) for op in ops]
+    hoisted, fill = [], []
+    for op in ops:
+        if op.stream == "copy" and op.kind in ("place", "wait"):
+            fill.append(op)
+            continue
+        if op.stream == "copy" and op.kind == "record":
+            hoisted += [o for o in fill if o.kind == "wait"] + [o for o in fill
+                                                                if o.kind == "place"]
+            fill = []
+        hoisted.append(op)
+    assert len(hoisted) == len(ops)
+    assert timeline.replay(ops, 0.172, 1.8) < timeline.replay(hoisted, 0.172, 1.8)

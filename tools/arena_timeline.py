@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""A large step's time through the expert arena, from the arena's own trace, on the CPU: where a
+layout's copies wait for compute, before a GPU is lent to measure it.
+
+    python3 tools/arena_timeline.py [--slots 128,42,42,42,128,42,42,42] [--layer-ms 1.8]
+                                    [--expert-ms 0.172] [--ahead 4]
+
+Note [Arena timeline]
+    ExpertArena's trace (Note [Large steps stream through the slots]) holds every ordering a
+    large step has: ``place`` on the copy stream, ``read`` on the compute stream, the ready and
+    retire events each records and the other waits for. Replayed on two streams, a place
+    taking ``expert_ms`` per expert and a layer's first read ``layer_ms``, it gives the step's
+    time where copies and kernels run at those rates and nothing else waits. This tool runs
+    the lane on the CPU (real expert counts, tiny experts: the arena copies every expert a
+    position lacks whatever the routing), after a warm step and a few decode steps, traces a
+    lone large step and four back to back, and replays both. vLLM's prefetch offloader with
+    the same device memory is the same replay over its own rule: ``ahead`` buffers over the
+    offloaded layers in order, the first ``ahead`` of them copied before a lone step (while
+    the GPU idles), each later copy starting once the previous copy is done and the layer
+    that last used its buffer retired.
+
+    Checked against the H100's bench (trees ``2f0bb92`` and ``7cc1b8b``, whose fills copied
+    every row after all its readers retired; the defaults: an expert of Qwen3-30B-A3B, 9.4 MB
+    at the pinned rate, an 8k-token layer's compute a guess, 1.8 ms), with that order
+    replayed: at 8 layers (``128,42,42,42,128,42,42,42`` against every layer offloaded, four
+    ahead) the model gives a lone step 0.90x the prefetch offloader (measured 0.89x) and
+    chunks 1.38x (measured 1.34x); at 4 layers (``128,64,128,64`` against every other layer
+    offloaded, one ahead) 0.89x and 1.10x, where the bench measured 1.01x and 1.32x: right
+    at 8 layers, pessimistic at 4 (what the offloader's own steps cost beside its copies is
+    not modeled). Use it to compare the arena's layouts and orders with each other, not to
+    promise a ratio. What it shows at 8 layers: every half layer's fill goes into rows the
+    layer before it reads, so the lone step's copies and computes alternate (the copy
+    engine idles for each layer's compute), where the offloader's four buffers keep its
+    copy engine busy. Copying a fill's rows that no read holds before waiting (the order
+    since) gives 27.4 ms against 30.9 for the 4-layer lone step and 35.1 against 38.7 per
+    chunk; at 8 layers it changes nothing (every row such a fill takes was read by the
+    layer before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from experts_bench import EXPERT_BYTES, prefetch_layout  # noqa: E402
+
+from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows  # noqa: E402
+from ringflow.integrations.torch.expert_cache import ExpertCache  # noqa: E402
+from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute  # noqa: E402
+from ringflow.orchestrator.expert_model import PINNED_GBPS  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 8, 4
+
+
+def replay(ops, expert_ms: float, layer_ms: float) -> float:
+    """The time at which the traced ops' last read ends: places cost ``expert_ms`` per expert
+    on their stream, a position's first read ``layer_ms`` (its later reads are the same
+    kernel over other rows), records stamp events, waits take the latest of their stream and
+    the event (or the other stream, where the wait names one)."""
+    clock = {"copy": 0.0, "compute": 0.0}
+    events: dict[object, float] = {}
+    end, read = 0.0, None
+    for op in ops:
+        if op.kind == "wait":
+            clock[op.stream] = max(clock[op.stream], clock[op.on] if op.on in clock
+                                   else events.get(op.on, 0.0))
+        elif op.kind == "record":
+            events[op.on] = clock[op.stream]
+            if op.stream == "compute" and op.on[0] == "retired":
+                read = None  # the next read of any position is a new layer
+        elif op.kind == "place":
+            clock[op.stream] += expert_ms * len(op.pairs)
+        elif op.kind == "read":
+            if read != op.on:
+                clock[op.stream] += layer_ms
+                read = op.on
+            end = max(end, clock[op.stream])
+    return end
+
+
+def offloader(layers: int, offloaded: list[int], ahead: int, expert_ms: float,
+              layer_ms: float, steps: int) -> float:
+    """vLLM's prefetch offloader over ``steps`` back to back steps (Note [Arena timeline]):
+    when the last step's last layer ends. Its ``k``-th copy (offloaded layers in order, step
+    after step) starts once copy ``k - 1`` is done and copy ``k - ahead``'s layer, the last
+    user of its buffer, retired; the first ``ahead`` are done before the first step."""
+    order = [(s, i) for s in range(steps) for i in offloaded]
+    ready, retired, copy_end, clock = {}, {}, 0.0, 0.0
+    for k, key in enumerate(order[:ahead]):
+        ready[key] = 0.0
+    for s in range(steps):
+        for i in range(layers):
+            k = order.index((s, i)) if (s, i) in order else None
+            if k is not None and k >= ahead:  # its buffer's last user ran before it
+                copy_end = max(copy_end, retired[order[k - ahead]]) + EXPERTS * expert_ms
+                ready[(s, i)] = copy_end
+            clock = max(clock, ready.get((s, i), 0.0)) + layer_ms
+            retired[(s, i)] = clock
+    return clock
+
+
+def arena_lane(slots: list[int]) -> ExpertLane:
+    """The arena over ``slots`` per layer on the CPU, tiny experts of real count."""
+    g = torch.Generator().manual_seed(0)
+    hosts = [{"w13": torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g),
+              "w2": torch.randn(EXPERTS, HIDDEN, INTER, generator=g)} for _ in slots]
+    rows, views = arena_rows(hosts[0], slots, "cpu")
+    caches = {i: ExpertCache(h, n, "cpu", rows=v)
+              for i, (h, n, v) in enumerate(zip(hosts, slots, views))}
+    arena = ExpertArena(list(caches.values()), rows)
+    return ExpertLane(caches, {i: TorchCompute() for i in caches}, arena, layer_tokens=16,
+                      early_start=True)
+
+
+def step(lane: ExpertLane, tokens: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for i in sorted(lane.caches):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, TOP_K, generator=g), -1)
+        lane.forward(i, torch.randn(tokens, HIDDEN, generator=g), weights, ids)
+
+
+def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
+                chunks: int = 4) -> dict[str, float]:
+    """A lone large step after decode, and back to back ones: their copies and times."""
+    lane = arena_lane(slots)
+    arena = lane.ring
+    step(lane, 16, 0)  # the whole layers' slots fill
+    for s in range(1, 9):
+        step(lane, 1 + s % 2, s)  # decode
+    arena.trace = ops = []
+    before = arena.rows_from_host
+    step(lane, 16, 20)
+    lone = {"lone_copies": arena.rows_from_host - before,
+            "lone_ms": replay(ops, expert_ms, layer_ms)}
+    arena.trace = ops = []
+    before = arena.rows_from_host
+    for s in range(chunks):
+        step(lane, 16, 30 + s)
+    return {**lone, "chunk_copies": (arena.rows_from_host - before) / chunks,
+            "chunk_ms": replay(ops, expert_ms, layer_ms) / chunks}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", default="128,42,42,42,128,42,42,42",
+                        help="slots per chosen layer, in order (the arena's layout)")
+    parser.add_argument("--expert-ms", type=float, default=EXPERT_BYTES / PINNED_GBPS / 1e6,
+                        help="one expert's copy (default 9.4 MB at the pinned rate)")
+    parser.add_argument("--layer-ms", type=float, default=1.8,
+                        help="one layer's compute at the step's tokens (a guess for 8k)")
+    parser.add_argument("--ahead", type=int, default=None,
+                        help="the prefetch offloader's buffers (default: the bench's "
+                             "prefetch_layout for the same device memory)")
+    args = parser.parse_args(argv)
+    slots = [int(s) for s in args.slots.split(",")]
+    layers = len(slots)
+    group, num, step = prefetch_layout(layers, math.ceil(sum(slots) / EXPERTS))  # its memory
+    offloaded = [i for i in range(layers) if i % group >= group - num]
+    ahead = args.ahead or step
+    ours = arena_times(slots, args.expert_ms, args.layer_ms)
+    theirs = {"lone_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 1),
+              "chunk_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 4)
+              / 4}
+    doc = {"slots": slots, "offloaded": offloaded, "ahead": ahead, "arena": ours,
+           "offloader": theirs,
+           "lone_vs_offloader": round(theirs["lone_ms"] / ours["lone_ms"], 3),
+           "chunk_vs_offloader": round(theirs["chunk_ms"] / ours["chunk_ms"], 3)}
+    print(f"arena {slots}: lone step {ours['lone_ms']:.1f} ms ({ours['lone_copies']} experts "
+          f"copied), chunk {ours['chunk_ms']:.1f} ms ({ours['chunk_copies']:.0f}); the prefetch "
+          f"offloader ({len(offloaded)} layers offloaded, {ahead} ahead) {theirs['lone_ms']:.1f}"
+          f" / {theirs['chunk_ms']:.1f} ms: x{doc['lone_vs_offloader']} lone, "
+          f"x{doc['chunk_vs_offloader']} chunks")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
