@@ -218,7 +218,7 @@ class ExpertsSpec:
     early_start: bool = False  # an arena's large step starts before its forward (Note [Large ...])
     auto_percent: int = 25  # slots: auto takes this share of what vLLM's budget leaves
     host_share: str | float = "off"  # misses the host's CPU computes (Note [Host split])
-    host_tokens: int = 1  # the host share serves steps of at most this many tokens (Note [Host split])
+    host_tokens: int = 1  # steps of up to this many tokens take the host share (Note [Host split])
     host_rates: str | None = None  # tools/host_rates.py's JSON; None: measured at start-up
     host_threads: int = 0  # the host share's CPU threads; 0: the fastest measured
 

@@ -44,10 +44,10 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);
-* ``ringflow-host``: the lane with ``host_share: auto`` (and ``host_tokens: 8``, as every
-  host peer, ``HOST_AUTO``): decode steps of up to 8 tokens hand
-  part of each layer's misses to the host's CPU, the share the host's rates (measured at the
-  engine's start) predict makes the copy and the CPU finish together (Note [Host split]);
+* ``ringflow-host``: the lane with ``host_share: auto`` and ``host_tokens: 8`` (every host
+  peer's ``HOST_AUTO``): decode steps of up to 8 tokens hand part of each layer's misses to
+  the host's CPU, the share the host's rates (measured at the engine's start) predict makes
+  the copy and the CPU finish together (Note [Host split]);
 * ``ringflow-held-plan``: ``ringflow-held`` with ``RINGFLOW_EXPERT_PLAN_KERNEL=1`` (set while
   the engine loads): each one-pass decode step's cache bookkeeping in one kernel (Note [One
   kernel plans the step]);
