@@ -92,12 +92,12 @@ def offloader(layers: int, offloaded: list[int], ahead: int, expert_ms: float,
     after step) starts once copy ``k - 1`` is done and copy ``k - ahead``'s layer, the last
     user of its buffer, retired; the first ``ahead`` are done before the first step."""
     order = [(s, i) for s in range(steps) for i in offloaded]
-    ready, retired, copy_end, clock = {}, {}, 0.0, 0.0
-    for k, key in enumerate(order[:ahead]):
-        ready[key] = 0.0
+    index = {key: k for k, key in enumerate(order)}
+    ready = dict.fromkeys(order[:ahead], 0.0)
+    retired, copy_end, clock = {}, 0.0, 0.0
     for s in range(steps):
         for i in range(layers):
-            k = order.index((s, i)) if (s, i) in order else None
+            k = index.get((s, i))
             if k is not None and k >= ahead:  # its buffer's last user ran before it
                 copy_end = max(copy_end, retired[order[k - ahead]]) + EXPERTS * expert_ms
                 ready[(s, i)] = copy_end
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
            "lone_vs_offloader": round(theirs["lone_ms"] / ours["lone_ms"], 3),
            "chunk_vs_offloader": round(theirs["chunk_ms"] / ours["chunk_ms"], 3)}
     print(f"arena {slots}: lone step {ours['lone_ms']:.1f} ms ({ours['lone_copies']} experts "
-          f"copied), chunk {ours['chunk_ms']:.1f} ms ({ours['chunk_copies']:.0f}); the prefetch "
+          f"copied, its tail's too), chunk {ours['chunk_ms']:.1f} ms ({ours['chunk_copies']:.0f}); the prefetch "
           f"offloader ({len(offloaded)} layers offloaded, {ahead} ahead) {theirs['lone_ms']:.1f}"
           f" / {theirs['chunk_ms']:.1f} ms: x{doc['lone_vs_offloader']} lone, "
           f"x{doc['chunk_vs_offloader']} chunks")
