@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     slots = [int(s) for s in args.slots.split(",")]
     layers = len(slots)
-    group, num, step = prefetch_layout(layers, math.ceil(sum(slots) / EXPERTS))  # its memory
+    group, num, buffers = prefetch_layout(layers, math.ceil(sum(slots) / EXPERTS))  # its memory
     offloaded = [i for i in range(layers) if i % group >= group - num]
-    ahead = args.ahead or step
+    ahead = args.ahead or buffers
     ours = arena_times(slots, args.expert_ms, args.layer_ms)
     theirs = {"lone_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 1),
               "chunk_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 4)
@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
            "lone_vs_offloader": round(theirs["lone_ms"] / ours["lone_ms"], 3),
            "chunk_vs_offloader": round(theirs["chunk_ms"] / ours["chunk_ms"], 3)}
     print(f"arena {slots}: lone step {ours['lone_ms']:.1f} ms ({ours['lone_copies']} experts "
-          f"copied, its tail's too), chunk {ours['chunk_ms']:.1f} ms ({ours['chunk_copies']:.0f}); the prefetch "
-          f"offloader ({len(offloaded)} layers offloaded, {ahead} ahead) {theirs['lone_ms']:.1f}"
-          f" / {theirs['chunk_ms']:.1f} ms: x{doc['lone_vs_offloader']} lone, "
-          f"x{doc['chunk_vs_offloader']} chunks")
+          f"copied, its tail's too), chunk {ours['chunk_ms']:.1f} ms "
+          f"({ours['chunk_copies']:.0f}); the prefetch offloader ({len(offloaded)} layers "
+          f"offloaded, {ahead} ahead) {theirs['lone_ms']:.1f} / {theirs['chunk_ms']:.1f} ms: "
+          f"x{doc['lone_vs_offloader']} lone, x{doc['chunk_vs_offloader']} chunks")
     return doc
 
 
