@@ -236,3 +236,25 @@ def test_one_peer_with_a_host_share_per_run():
                           "ringflow,ringflow-host,ringflow-host@0.33"],
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 2 and "one peer with a host share per run" in ran.stderr, ran
+
+
+def test_hard_decode_cells_whose_caches_never_missed_are_marked_not_hard():
+    """The fp8 dummy checkpoints' sampled decode repeated its experts (every layer's hit rate
+    1.0 on the H100): such a run's hard-routing cells are marked; a lane whose cached layers
+    missed, a whole layer's 1.0 beside them, and vLLM's peers (no report) are not."""
+    bench = _bench()
+    cells = {"decode_hard_b1_tok_s": {"median": 400.0}, "decode_easy_b1_tok_s": {"median": 500.0},
+             "prefill_8192_tok_s": {"median": 9e4}}
+    table = {name: {k: dict(v) for k, v in cells.items()}
+             for name in ("fp8", "bf16", "vllm-uva")}
+    table["broken"] = {"error": "did not start"}
+    whole = {"experts": 128, "slots": 128, "hit_rate": 1.0}
+    results = {"fp8": {"report": [whole, {"experts": 128, "slots": 64, "hit_rate": 0.9994}]},
+               "bf16": {"report": [whole, {"experts": 128, "slots": 64, "hit_rate": 0.7059}]},
+               "broken": {"error": "did not start"}}
+    bench.flag_repeated_routing(table, results)
+    assert table["fp8"]["decode_hard_b1_tok_s"]["routing_repeated"] == 0.9994
+    assert all("routing_repeated" not in table["fp8"][k]
+               for k in ("decode_easy_b1_tok_s", "prefill_8192_tok_s"))
+    assert not any("routing_repeated" in cell for name in ("bf16", "vllm-uva")
+                   for cell in table[name].values())
