@@ -127,18 +127,24 @@ def step(lane: ExpertLane, tokens: int, seed: int) -> None:
         lane.forward(i, torch.randn(tokens, HIDDEN, generator=g), weights, ids)
 
 
-def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
-                chunks: int = 4) -> dict[str, float]:
-    """A lone large step after decode, and back to back ones: their copies and times."""
+def lone_trace(slots: list[int]) -> tuple[ExpertLane, list]:
+    """The lane over ``slots`` after a warm large step and decode, and the trace of one lone
+    large step after them."""
     lane = arena_lane(slots)
-    arena = lane.ring
     step(lane, 16, 0)  # the whole layers' slots fill
     for s in range(1, 9):
         step(lane, 1 + s % 2, s)  # decode
-    arena.trace = ops = []
-    before = arena.rows_from_host
+    lane.ring.trace = ops = []
     step(lane, 16, 20)
-    lone = {"lone_copies": arena.rows_from_host - before,
+    return lane, ops
+
+
+def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
+                chunks: int = 4) -> dict[str, float]:
+    """A lone large step after decode, and back to back ones: their copies and times."""
+    lane, ops = lone_trace(slots)
+    arena = lane.ring
+    lone = {"lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place"),
             "lone_ms": replay(ops, expert_ms, layer_ms)}
     arena.trace = ops = []
     before = arena.rows_from_host

@@ -325,6 +325,13 @@ HOST_SIBLINGS = {"ringflow-host": "ringflow", "ringflow-held-host": "ringflow-he
                  "ringflow-whole-host-plan": "ringflow-whole-plan"}
 
 
+def cached_layers(results: dict, name: str) -> list[dict]:
+    """``name``'s worker_report rows of the layers that can miss: fewer slots than experts (a
+    whole layer of slots per layer misses only rows a large step lent)."""
+    return [layer for layer in results.get(name, {}).get("report") or []
+            if layer.get("slots", 0) < layer.get("experts", 0)]
+
+
 def predict_host_share(table: dict, results: dict, name: str, sibling: str, batches,
                        routings) -> None:
     """What the host split's model (Note [Host split]) predicts for ``name``'s decode from its
@@ -338,8 +345,8 @@ def predict_host_share(table: dict, results: dict, name: str, sibling: str, batc
     outnumber what the step copied: the routing repeats more than uniform routing), there is
     no prediction: ``predicted_tok_s`` is None and ``unpredicted`` says why."""
     row, other = table.get(name, {}), table.get(sibling, {})
-    layers = [layer["host_share"] for layer in results.get(name, {}).get("report", [])
-              if "host_share" in layer and layer.get("slots", 0) < layer.get("experts", 0)]
+    layers = [layer["host_share"] for layer in cached_layers(results, name)
+              if "host_share" in layer]
     if "error" in row or "error" in other or not layers:
         return
     for routing in routings:
@@ -374,9 +381,8 @@ def flag_repeated_routing(table: dict, results: dict) -> None:
     is not the hard case, whatever the routing asked. The hit rates span every step the
     engine ran, so a lower one proves nothing either way; this one does."""
     for name, row in table.items():
-        report = results.get(name, {}).get("report") or []
-        rates = [layer["hit_rate"] for layer in report
-                 if layer.get("slots", 0) < layer.get("experts", 0) and "hit_rate" in layer]
+        rates = [layer["hit_rate"] for layer in cached_layers(results, name)
+                 if "hit_rate" in layer]
         if "error" in row or not rates or min(rates) < 0.99:
             continue
         for key, cell in row.items():

@@ -23,7 +23,8 @@ log = logging.getLogger("ringflow")
 def shared_slots(caches: dict[int, ExpertCache]) -> int | None:
     """The slot count the host split is sized from (Note [Host split]: one hit rate for every
     layer): that of the layers that do not keep every expert, as whole layers beside them
-    (``experts.slots`` per layer) never miss once filled; None where every layer keeps all.
+    (``experts.slots`` per layer) miss only rows a large step lent; None where every layer
+    keeps all.
 
     Raises:
         ProfileError: those layers have different counts.

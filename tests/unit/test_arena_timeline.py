@@ -54,12 +54,7 @@ def test_a_fill_copies_the_rows_no_read_holds_before_it_waits(timeline):
     of a lone step copies rows before its wait for the layer before to retire, and the
     replay with every wait of a fill hoisted before its copies (the order before this) is
     slower."""
-    lane = timeline.arena_lane([128, 64, 128, 64])
-    timeline.step(lane, 16, 0)
-    for s in range(1, 9):
-        timeline.step(lane, 1 + s % 2, s)
-    lane.ring.trace = ops = []
-    timeline.step(lane, 16, 20)
+    _, ops = timeline.lone_trace([128, 64, 128, 64])
     early = [i for i, op in enumerate(ops) if op.kind == "place" and any(
         later.kind == "wait" and later.stream == "copy" and later.on[0] == "retired"
         for later in ops[i + 1:next(j for j in range(i, len(ops))

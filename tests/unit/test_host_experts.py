@@ -860,7 +860,7 @@ def test_vllms_cpu_build_keeps_the_host_share_off_and_says_why(caplog):
 
 
 def test_the_host_split_takes_the_slot_count_of_the_layers_that_miss(caplog):
-    """Slots per layer (Note [Host split]): whole layers never miss once filled, so the split
+    """Slots per layer (Note [Host split]): whole layers miss only lent rows, so the split
     is sized from the other layers' one count; every layer whole leaves nothing to share
     (off, said once); layers that miss with different counts are refused by name."""
     from ringflow.errors import ProfileError
