@@ -5,6 +5,8 @@ read holds are copied before the fill waits for the layer before it."""
 from __future__ import annotations
 
 import importlib.util
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -75,14 +77,19 @@ def test_a_fill_copies_the_rows_no_read_holds_before_it_waits(timeline):
 
 
 def test_the_readmes_command_compares_the_bench_layouts_with_the_offloaders(timeline, capsys):
-    """`python3 tools/arena_timeline.py --slots 128,64,128,64` (the vLLM README's): the
-    offloader given the same memory as the bench gives it (4 layers: 1 and 3 offloaded, one
+    """Every `python3 tools/arena_timeline.py` command the vLLM README prints runs as printed;
+    the offloader given the same memory as the bench gives it (4 layers: 1 and 3 offloaded, one
     ahead; 8 layers: every layer, four ahead), its ratio printed, and the arena's lone step
     copying at least what the device cannot hold."""
+    readme = (ROOT / "integrations/vllm/README.md").read_text()
+    printed = re.findall(r"`python3 tools/arena_timeline.py([^`]*)`", readme)
+    assert printed
+    for args in printed:  # each as the README prints it
+        doc = timeline.main(shlex.split(args))
+        assert doc["arena"]["lone_copies"] > 0 and doc["lone_vs_offloader"] > 0
+        assert "x" + str(doc["lone_vs_offloader"]) in capsys.readouterr().out
     four = timeline.main(["--slots", "128,64,128,64"])
     assert four["offloaded"] == [1, 3] and four["ahead"] == 1
-    assert four["arena"]["lone_copies"] > 0 and four["lone_vs_offloader"] > 0
-    assert "x" + str(four["lone_vs_offloader"]) in capsys.readouterr().out
     eight = timeline.main([])
     assert eight["offloaded"] == list(range(8)) and eight["ahead"] == 4
     # the lone step copies what the device cannot hold, and its tail's share
