@@ -35,6 +35,14 @@ Note [Arena timeline]
     since) gives 27.4 ms against 30.9 for the 4-layer lone step and 35.1 against 38.7 per
     chunk; at 8 layers it changes nothing (every row such a fill takes was read by the
     layer before).
+
+    The lone step is also replayed after prompts that each ended at their first token
+    (``lone_trace(slots, "prompt")``; the H100 bench's cells without decode windows ran so,
+    a prompt after the previous one and its token): the arena's rank that took the rows of
+    the layer that ran last left layer 2 of ``128,64,128,64`` to copy its lent rows back
+    between layers 1 and 3, 34.0 ms against 27.4 after decode; taking the earliest layer's
+    rows, which the tail gives back (the rank since), gives 27.4 both ways, and 35.6 ms per
+    chunk against 35.1.
 """
 
 from __future__ import annotations
@@ -127,13 +135,17 @@ def step(lane: ExpertLane, tokens: int, seed: int) -> None:
         lane.forward(i, torch.randn(tokens, HIDDEN, generator=g), weights, ids)
 
 
-def lone_trace(slots: list[int]) -> tuple[ExpertLane, list]:
-    """The lane over ``slots`` after a warm large step and decode, and the trace of one lone
-    large step after them."""
+def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, list]:
+    """The lane over ``slots`` after a warm large step and then ``after``: ``decode`` (eight
+    small steps) or ``prompt`` (three lone large steps, each followed by one small step:
+    prompts that end at their first token), and the trace of one lone large step after
+    them."""
     lane = arena_lane(slots)
     step(lane, 16, 0)  # the whole layers' slots fill
-    for s in range(1, 9):
-        step(lane, 1 + s % 2, s)  # decode
+    for s in range(1, 9 if after == "decode" else 4):
+        if after == "prompt":
+            step(lane, 16, 40 + s)
+        step(lane, 1 + s % 2, s)
     lane.ring.trace = ops = []
     step(lane, 16, 20)
     return lane, ops
@@ -142,10 +154,12 @@ def lone_trace(slots: list[int]) -> tuple[ExpertLane, list]:
 def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
                 chunks: int = 4) -> dict[str, float]:
     """A lone large step after decode, and back to back ones: their copies and times."""
+    _, after_prompt = lone_trace(slots, "prompt")
     lane, ops = lone_trace(slots)
     arena = lane.ring
     lone = {"lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place"),
-            "lone_ms": replay(ops, expert_ms, layer_ms)}
+            "lone_ms": replay(ops, expert_ms, layer_ms),
+            "lone_after_prompt_ms": replay(after_prompt, expert_ms, layer_ms)}
     arena.trace = ops = []
     before = arena.rows_from_host
     for s in range(chunks):
@@ -180,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
            "lone_vs_offloader": round(theirs["lone_ms"] / ours["lone_ms"], 3),
            "chunk_vs_offloader": round(theirs["chunk_ms"] / ours["chunk_ms"], 3)}
     print(f"arena {slots}: lone step {ours['lone_ms']:.1f} ms ({ours['lone_copies']} experts "
-          f"copied, its tail's too), chunk {ours['chunk_ms']:.1f} ms "
+          f"copied, its tail's too; after a prompt and its one token "
+          f"{ours['lone_after_prompt_ms']:.1f} ms), chunk {ours['chunk_ms']:.1f} ms "
           f"({ours['chunk_copies']:.0f}); the prefetch offloader ({len(offloaded)} layers "
           f"offloaded, {ahead} ahead) {theirs['lone_ms']:.1f} / {theirs['chunk_ms']:.1f} ms: "
           f"x{doc['lone_vs_offloader']} lone, x{doc['chunk_vs_offloader']} chunks")

@@ -79,10 +79,14 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
 * prefill: one prompt of each ``--prefills`` size, generating one token, in steps of at most
   ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200,
   vLLM 0.26's engine arguments: a 32k prompt is four steps, back to back; ``--chunk 32768``:
-  one step each): tokens/s of the prompt. Each round measures its prefills right after the
-  previous round's decode steps, the larger right after the smaller; then the same prompt
-  generating two tokens: the difference is the first decode step after the prompt
-  (``next_token_after_*_ms``, what a user waits for the second token);
+  one step each): tokens/s of the prompt; then the same prompt generating two tokens: the
+  difference is the first decode step after the prompt (``next_token_after_*_ms``, what a
+  user waits for the second token). Each of these prompts follows a request decoding
+  ``--decode-before`` tokens (default 16, sampled at batch 1, ``prefill_calls``), so every
+  engine's prompts follow the same work whichever cells the run measures: the lane's lone
+  prompt costs what the steps before it left in its slots (until December 2026 a prompt
+  followed the cell measured before it: with ``--batches ""`` another prompt and its one
+  token, else the previous round's decode windows);
 * decode: steady-state step time at each batch size, the batch's prefill outside the window:
   the same batch generating ``short`` and ``long`` new tokens, ``long`` grown (once per
   engine, routing and batch) until the difference takes at least ``--window`` seconds; tok/s = batch x (long - short) / (t_long -
@@ -390,6 +394,19 @@ def flag_repeated_routing(table: dict, results: dict) -> None:
                 cell["routing_repeated"] = round(min(rates), 4)
 
 
+def prefill_calls(prefills: list[int], decode_before: int) -> list[tuple[str, int]]:
+    """One round's prompt requests in order, (kind, tokens): each prompt, alone (``first``:
+    one new token) and then again (``second``: two), right after a ``settle`` request of
+    ``decode_before`` new tokens (none where 0)."""
+    calls: list[tuple[str, int]] = []
+    for p in prefills:
+        for kind in ("first", "second"):
+            if decode_before:
+                calls.append(("settle", decode_before))
+            calls.append((kind, p))
+    return calls
+
+
 def spread(values: list[float]) -> dict:
     return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
             "max": round(max(values), 1), "rounds": [round(v, 1) for v in values]}
@@ -407,6 +424,9 @@ def main() -> int:
                         help="max_num_batched_tokens: longer prompts prefill in chunks")
     parser.add_argument("--batches", default="1,8,64", help="decode batch sizes")
     parser.add_argument("--window", type=float, default=1.0, help="decode window, seconds")
+    parser.add_argument("--decode-before", type=int, default=16,
+                        help="new tokens of one sampled request before each timed prompt, so "
+                             "every prompt follows the same work (0: none)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new round starts (a lent GPU's limit)")
     parser.add_argument("--fp8", choices=sorted(FP8), default=None,
@@ -420,9 +440,10 @@ def main() -> int:
     prefills = [int(p) for p in args.prefills.split(",") if p]
     batches = [int(b) for b in args.batches.split(",") if b]
     routings = [r for r in args.routings.split(",") if r]
-    if (args.rounds < 1 or args.layers < 4 or args.chunk < 1
+    if (args.rounds < 1 or args.layers < 4 or args.chunk < 1 or args.decode_before < 0
             or not set(routings) <= set(ROUTINGS)):
-        parser.error("--rounds >= 1, --layers >= 4, --chunk >= 1, --routings among hard,easy")
+        parser.error("--rounds >= 1, --layers >= 4, --chunk >= 1, --decode-before >= 0, "
+                     "--routings among hard,easy")
     if args.trace and not prefills:
         parser.error("--trace profiles a prompt of the first --prefills size: give one")
     chosen = configs(args.layers, args.fp8)
@@ -478,14 +499,18 @@ def main() -> int:
 
     def measure(name: str, llm) -> None:
         r = results[name]
-        for p in prefills:
-            took = timed(llm, prompts[p], first)
-            r.setdefault(f"prefill_{p}_tok_s", []).append(p / took)
-            # the same prompt and one decode step more: what a user waits for the second
-            # token (held layers are carried again after a large step, Note [Small steps
-            # read the held layers]); the prefill's own spread is in the difference
-            r.setdefault(f"next_token_after_{p}_ms", []).append(
-                1000 * (timed(llm, prompts[p], second) - took))
+        took = {}
+        for kind, n in prefill_calls(prefills, args.decode_before):
+            if kind == "settle":
+                timed(llm, short[:1], params("hard", n))
+            elif kind == "first":
+                took[n] = timed(llm, prompts[n], first)
+                r.setdefault(f"prefill_{n}_tok_s", []).append(n / took[n])
+            else:  # the same prompt and one decode step more: what a user waits for the
+                # second token (held layers are carried again after a large step, Note [Small
+                # steps read the held layers]); the prefill's own spread is in the difference
+                r.setdefault(f"next_token_after_{n}_ms", []).append(
+                    1000 * (timed(llm, prompts[n], second) - took[n]))
         for routing in routings:
             for b in batches:
                 key = (name, routing, b)
@@ -570,6 +595,7 @@ def main() -> int:
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
                                            "token" if ROUTINGS[k] else "greedy: the same "
                                            "experts every step") for k in routings},
+                             decode_before_prompt=args.decode_before if prefills else None,
                              pinned_gbps=PINNED_GBPS, decode_windows={
                                  f"{n}/{rt}/b{b}": w for (n, rt, b), w in windows.items()},
                              copy_bound_tok_s=bounds, table=table, raw=results)

@@ -37,8 +37,15 @@ Note [Large steps stream through the slots]
        by a fill or read in flight, in runs of consecutive experts and rows (DMA): empty rows
        first, then rows a fill wrote for another layer, then other layers' own cached
        experts; within each, ``p``'s own rows first (one copied there is entered in its table,
-       ``ExpertCache.adopt``: the small steps after find it), then those whose layer the steps
-       ahead need last. Another layer's own entries are taken only when no read is in flight
+       ``ExpertCache.adopt``: the small steps after find it), then, for rows a fill wrote,
+       those whose layer the steps ahead need last; for a layer's own entries, those of the
+       layers that already ran in this step, the earliest first (the next step's first
+       layer gets its rows back in this step's tail, a later one only between the next
+       step's layers: taking the layer that ran last, as the rank did until December 2026,
+       left a whole layer between two half ones to copy its rows back on the step's path
+       after a prompt that ended at its first token; modeled 34.0 ms against 27.4 for such a
+       4-layer lone step, Note [Arena timeline]), then the layers still ahead, the one
+       needed last first. Another layer's own entries are taken only when no read is in flight
        or pending: until the layer before ``p`` retires, its rows may free up for ``p`` (a
        whole layer's, once it ran, rather than a half layer's cache that the step still
        needs), and a fill that cannot take enough waits for that. A row written for ``p``
@@ -536,18 +543,24 @@ class ExpertArena:
         """How readily a fill of ``position`` takes row ``r`` (holding ``c``), lower first;
         None: not now. Empty rows first, then rows a fill wrote for another layer, then a
         layer's own cached experts (its slot table's entries); among each, the position's
-        own rows first (its table adopts what is copied there), then those the steps ahead
-        need last. A layer's own entries are taken only ``now``: while a read is pending,
-        its rows may free up for this fill when it retires (step 2 of the Note)."""
+        own rows first (its table adopts what is copied there). Among rows a fill wrote,
+        those the steps ahead need last first. Among a layer's own entries, first those of
+        the layers that already ran in this step, the earliest first: the next step's first
+        layer gets its rows back in this step's tail (a carried fill, while the engine
+        samples), a later one only between the next step's layers, on its path; then the
+        layers still ahead in this step, the one needed last first. A layer's own entries
+        are taken only ``now``: while a read is pending, its rows may free up for this fill
+        when it retires (step 2 of the Note)."""
         foreign = self._owner[r][0] != position  # False (first): the position's own row
         if c is None or c[0] == position:  # empty, or a second copy of one of its own
             return 0, foreign, 0
         q = c[0]
-        later = -((q - position) % self.layers)  # the steps ahead need q's rows after this
         q_owns = self._owner[r][0] == q and self._tables[q][self._owner[r][1]] == c[1]
         if not q_owns:
-            return 1, foreign, later
-        return (2, foreign, later) if now else None
+            return 1, foreign, -((q - position) % self.layers)  # needed last first
+        if not now:
+            return None
+        return 2, foreign, (q > position, q if q < position else -q)
 
     def _write_map(self, position: int, where: list[int]) -> None:
         """Position ``position``'s expert -> row map, on the compute stream (the layer that

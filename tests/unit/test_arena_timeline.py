@@ -94,3 +94,12 @@ def test_the_readmes_command_compares_the_bench_layouts_with_the_offloaders(time
     assert eight["offloaded"] == list(range(8)) and eight["ahead"] == 4
     # the lone step copies what the device cannot hold, and its tail's share
     assert eight["arena"]["lone_copies"] >= 8 * 128 - sum(eight["slots"])
+
+
+def test_a_lone_step_after_prompts_costs_what_it_costs_after_decode(timeline):
+    """The bench's 4 layers: a lone large step right after prompts that ended at their first
+    token is as quick as one after decode (the tail gave back the rows the half layers
+    borrowed, and the whole layer between them kept its own); the rank that took the last
+    layer's rows left it 34.0 ms against 27.4."""
+    ours = timeline.arena_times([128, 64, 128, 64], 0.172, 1.8)
+    assert ours["lone_after_prompt_ms"] <= ours["lone_ms"] + 0.5

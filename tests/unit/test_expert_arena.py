@@ -109,6 +109,26 @@ def test_a_lone_large_step_copies_only_what_the_device_does_not_hold():
         assert sorted(c.expert_in[:c.slots].tolist()) == list(range(E))
 
 
+def test_prompts_one_token_apart_leave_the_whole_layer_between_them_whole():
+    """Lone large steps with one decode step between (prompts that end at their first
+    token): the half layers borrow rows of layer 0 only, whose tail gives them back, so
+    layer 2 stays whole and each step copies only the half layers' missing experts before
+    its last layer. Taking layer 2's rows, the layer that ran last (the rank before), left
+    it to copy them back between layers 1 and 3, on the step's path."""
+    lane, hosts = make_lane(WHOLE)
+    run_step(lane, hosts, 8, 0)
+    for s in range(1, 4):
+        assert_exact(*run_step(lane, hosts, 8, 10 * s))
+        run_step(lane, hosts, 1, 10 * s + 1)
+        c = lane.caches[LAYERS[2]]
+        assert sorted(c.expert_in[:c.slots].tolist()) == list(range(E))
+    lane.ring.trace = ops = []
+    assert_exact(*run_step(lane, hosts, 8, 99))
+    last_read = max(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 3)
+    placed = {(op.on, op.space) for op in ops[:last_read] if op.kind == "place"}
+    assert placed == {(1, 0), (3, 0)}
+
+
 def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
     """The first layer's fill keeps in place the experts its own cache installed during
     decode and copies only the others; its small steps' entries stay in its table."""

@@ -258,3 +258,17 @@ def test_hard_decode_cells_whose_caches_never_missed_are_marked_not_hard():
                for k in ("decode_easy_b1_tok_s", "prefill_8192_tok_s"))
     assert not any("routing_repeated" in cell for name in ("bf16", "vllm-uva")
                    for cell in table[name].values())
+
+
+def test_every_timed_prompt_follows_the_same_decode():
+    """Each prompt, alone and with its second token, comes right after a request decoding
+    --decode-before tokens: the lane's lone prompt costs what the steps before it left in
+    its slots, so the cells the run measures before it must not change it; 0 leaves none."""
+    bench = _bench()
+    calls = bench.prefill_calls([8192, 32768], 16)
+    timed = [i for i, (kind, _) in enumerate(calls) if kind != "settle"]
+    assert [calls[i] for i in timed] == [("first", 8192), ("second", 8192),
+                                         ("first", 32768), ("second", 32768)]
+    assert all(calls[i - 1] == ("settle", 16) for i in timed)
+    assert bench.prefill_calls([8192], 0) == [("first", 8192), ("second", 8192)]
+    assert bench.prefill_calls([], 16) == []
