@@ -57,7 +57,7 @@ Note [Large steps stream through the slots]
        layer before to copy what that layer does not read (Note [Arena timeline] in
        tools/arena_timeline.py: at the bench's 4 layers, whole layers beside half ones, a
        lone large step 27.4 ms where every copy of a fill waited for all its readers took
-       30.9, chunks 35.1 against 38.7, modeled; not yet measured on a GPU).
+       30.9, chunks 35.1 against 38.7, modeled; exact on an H100, its bench below).
     3. **Carried** fills (issued in a step's tail) are topped up at the next start: what the
        small steps in between installed over is copied again, nothing else.
     4. **Small steps** of a chosen layer wait for every position's ready event before they
@@ -99,7 +99,11 @@ Note [Large steps stream through the slots]
     lone 8k prompt 1.01x the prefetch offloader (level within the rounds' spread), 32k in 8k
     chunks 1.32x, batch-1 decode 14.1x the prefetch offloader and 0.92x the UVA offloader;
     198 experts copied per large step over 56, as counted; bit for bit all-resident vLLM in
-    eager and FULL_AND_PIECEWISE (``arena-whole-13``).
+    eager and FULL_AND_PIECEWISE (``arena-whole-13``). With both rules of step 2 (the fills'
+    order and the earliest layer's rows, tree ``1e011cf``), each prompt after the same
+    16-token decode, five rounds on an H100 (``experts-bench-4l-rank-prefetch-h100.json``):
+    8k 1.03x the prefetch offloader (ranges overlap), 32k 1.32x; per-tensor fp8 1.08x and
+    1.20x (``experts-bench-4l-rank-fp8tensor-h100.json``).
 
     At 8 layers (the same memory as 4 resident layers: layers 0 and 4 whole, the others 42
     slots), measured on an H100 at ``7cc1b8b`` (``experts-bench-8l-whole-prefetch-h100.json``,
