@@ -26,8 +26,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
 * ``ringflow-arena``: all but two layers' experts in pinned host memory, layers 0 and
   ``layers // 2`` resident (at 4 layers the prefetch offloader's layout: 1 and 3 offloaded),
   the lane over the others with ``held_slots(layers)`` slots each and no ring: large steps stream each layer through
-  windows of the slots' own memory (``layer_buffers: slots``, Note [Large steps stream
-  through the slots]), the same device memory;
+  the slots' own memory (``layer_buffers: slots``, Note [Large steps stream through the
+  slots]), the same device memory;
 * ``ringflow-arena-early``: ``ringflow-arena`` whose large steps start at vLLM's
   ``execute_model`` (``early_start: true``, Note [Large steps start early]);
 * ``ringflow-whole``: every layer's experts in pinned host memory, ``ringflow-arena``'s
@@ -40,7 +40,7 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   with the CPU at decode);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
-  interleaving the resident layers hides the windows' fills;
+  interleaving the resident layers hides the arena's fills;
 * ``ringflow-host-fills``: the lane whose ring copies every expert of a layer from host
   memory (``ring_from_slots: false``), not those its slots hold (Note [Ring fills from the
   slots]);

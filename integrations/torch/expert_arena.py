@@ -459,7 +459,7 @@ class ExpertArena:
 
     def _fill(self, position: int) -> int:
         """Step 2 of the Note: the rows ``position`` computes from, its experts found in place
-        or copied into the rows the steps ahead need last. Returns how many experts were
+        or copied into spare rows (``_spare_rank``). Returns how many experts were
         copied, or -1 where the rows it may take now are too few."""
         e = self.experts
         now = self._reading is None and not self._at  # no read to wait for: take what it must

@@ -277,7 +277,7 @@ def enable(state: PluginState, profile: Profile, decoder: list, copies: dict,
               f"layer_buffers: slots, {ring.windows} layer(s)' worth of rows): the experts "
               f"they hold where they are, the rest copied "
               + ("ahead on a copy engine" if device.type == "cuda" else "in line")
-              + " into the rows the steps ahead need last"
+              + " into spare rows (empty ones first, then other layers' once they ran)"
               if arena else
               f"; a larger one takes each layer whole from a ring of {ring.buffers} layer "
               f"buffers ({mib(ring.bytes)}), "
