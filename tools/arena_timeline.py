@@ -42,7 +42,9 @@ Note [Arena timeline]
     the layer that ran last left layer 2 of ``128,64,128,64`` to copy its lent rows back
     between layers 1 and 3, 34.0 ms against 27.4 after decode; taking the earliest layer's
     rows, which the tail gives back (the rank since), gives 27.4 both ways, and 35.6 ms per
-    chunk against 35.1.
+    chunk against 35.1. With it (tree ``1e011cf``) the model gives 4 layers 1.0x / 1.19x the
+    offloader where the H100 measured 1.03x / 1.32x, each prompt after a 16-token decode:
+    pessimistic at 4 layers still.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, lis
     small steps) or ``prompt`` (three lone large steps, each followed by one small step:
     prompts that end at their first token), and the trace of one lone large step after
     them."""
+    if after not in ("decode", "prompt"):
+        raise ValueError(f"after is decode or prompt, not {after!r}")
     lane = arena_lane(slots)
     step(lane, 16, 0)  # the whole layers' slots fill
     for s in range(1, 9 if after == "decode" else 4):
@@ -153,7 +157,8 @@ def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, lis
 
 def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
                 chunks: int = 4) -> dict[str, float]:
-    """A lone large step after decode, and back to back ones: their copies and times."""
+    """A lone large step after decode and one after prompts (``lone_trace``), and back to
+    back ones: their copies and times."""
     _, after_prompt = lone_trace(slots, "prompt")
     lane, ops = lone_trace(slots)
     arena = lane.ring
