@@ -28,10 +28,14 @@ Note [Arena timeline]
     offloaded, one ahead) 0.89x and 1.10x, where the bench measured 1.01x and 1.32x: right
     at 8 layers, pessimistic at 4 (what the offloader's own steps cost beside its copies is
     not modeled). Use it to compare the arena's layouts and orders with each other, not to
-    promise a ratio. What it shows at 8 layers: every half layer's fill goes into rows the
-    layer before it reads, so the lone step's copies and computes alternate (the copy
-    engine idles for each layer's compute), where the offloader's four buffers keep its
-    copy engine busy. Copying a fill's rows that no read holds before waiting (the order
+    promise a ratio. What it showed at 8 layers: every half layer's fill went into rows the
+    layer before it reads, so the lone step's copies and computes alternated (the copy
+    engine idled for each layer's compute), where the offloader's four buffers keep its
+    copy engine busy. Since a fill takes the whole first layer's rows that the layer before
+    does not read before those it reads (Note [Large steps stream through the slots], step
+    2), it gives the 8-layer lone step 93.9 ms where it gave 101.1 (0.97x the offloader's
+    91.5; whole layers 0 and 1, ``128,128,43,43,43,43,42,42``: 91.5, 1.0x), chunks 109.1
+    against 112.2; the 4-layer layouts' traces are the same. Copying a fill's rows that no read holds before waiting (the order
     since) gives 27.4 ms against 30.9 for the 4-layer lone step and 35.1 against 38.7 per
     chunk; at 8 layers it changes nothing (every row such a fill takes was read by the
     layer before).

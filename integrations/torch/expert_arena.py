@@ -38,7 +38,13 @@ Note [Large steps stream through the slots]
        first, then rows a fill wrote for another layer, then other layers' own cached
        experts; within each, ``p``'s own rows first (one copied there is entered in its table,
        ``ExpertCache.adopt``: the small steps after find it), then, for rows a fill wrote,
-       those whose layer the steps ahead need last; for a layer's own entries, those of the
+       those the layer before ``p`` does not read (a copy into one it reads waits for that
+       layer's compute), then those whose layer the steps ahead need last, and a whole first
+       layer's own rows that the layer before does not read rank with the former (the first
+       layer ran, the tail gives them back; at 8 layers, each half layer's fill then copies
+       into them while the layer before computes, modeled 0.97x the prefetch offloader's
+       lone step where every fill waited for the layer before, 0.90x; the 4-layer layouts'
+       traces do not change); for a layer's other own entries, those of the
        layers that already ran in this step, the earliest first (the next step's first
        layer gets its rows back in this step's tail, a later one only between the next
        step's layers: taking the layer that ran last, as the rank did until December 2026,
@@ -109,11 +115,15 @@ Note [Large steps stream through the slots]
     slots), measured on an H100 at ``7cc1b8b`` (``experts-bench-8l-whole-prefetch-h100.json``,
     four rounds): a lone 8k prompt 0.89x vLLM's prefetch offloader, 32k in chunks 1.34x. The
     lone step copies what the device cannot hold (516 experts before its last layer), as many
-    as the offloader copies inside its step; but every half layer's fill goes into rows that
-    the layer before it reads, so each waits for that layer's compute and the copy engine
-    idles through six of them, where the offloader's four buffers keep it busy. Replaying
-    the arena's trace (Note [Arena timeline]) gives 0.90x for that, and the layouts tried
+    as the offloader copies inside its step; but every half layer's fill went into rows that
+    the layer before it reads, so each waited for that layer's compute and the copy engine
+    idled through six of them, where the offloader's four buffers keep it busy. Replaying
+    the arena's trace (Note [Arena timeline]) gave 0.90x for that, and the layouts tried
     with the same memory (whole layers 0 and 1, one whole layer, none whole) no better.
+    Since the fills take the whole first layer's other rows before those the layer before
+    reads (step 2), the replay gives 0.97x (whole layers 0 and 1: 1.0x) and chunks 1.42x;
+    each lone step copies 42 more experts, in its tail (644 in all). Not yet measured on a
+    GPU.
 
     Cost and gain: a large step copies each chosen layer's experts that the arena does not
     hold where it can keep them. When a layer's copy must wait for the layer before it to
@@ -548,22 +558,28 @@ class ExpertArena:
         None: not now. Empty rows first, then rows a fill wrote for another layer, then a
         layer's own cached experts (its slot table's entries); among each, the position's
         own rows first (its table adopts what is copied there). Among rows a fill wrote,
-        those the steps ahead need last first. Among a layer's own entries, first those of
-        the layers that already ran in this step, the earliest first: the next step's first
-        layer gets its rows back in this step's tail (a carried fill, while the engine
-        samples), a later one only between the next step's layers, on its path; then the
-        layers still ahead in this step, the one needed last first. A layer's own entries
-        are taken only ``now``: while a read is pending, its rows may free up for this fill
-        when it retires (step 2 of the Note)."""
+        those the layer before ``position`` does not read first (a copy into one it reads
+        waits for its compute), then those the steps ahead need last; after the ones it does
+        not read, a whole first layer's own rows that the layer before does not read (the
+        first layer ran; the tail gives them back). Among the other own entries, first
+        those of the layers that already ran in this step, the earliest first: the next
+        step's first layer gets its rows back in this step's tail (a carried fill, while the
+        engine samples), a later one only between the next step's layers, on its path; then
+        the layers still ahead in this step, the one needed last first. A layer's own
+        entries are taken only ``now``: while a read is pending, its rows may free up for
+        this fill when it retires (step 2 of the Note)."""
         foreign = self._owner[r][0] != position  # False (first): the position's own row
         if c is None or c[0] == position:  # empty, or a second copy of one of its own
             return 0, foreign, 0
         q = c[0]
         q_owns = self._owner[r][0] == q and self._tables[q][self._owner[r][1]] == c[1]
+        busy = self._read_by[r] == (position - 1) % self.layers  # a copy waits for its compute
         if not q_owns:
-            return 1, foreign, -((q - position) % self.layers)  # needed last first
+            return 1, foreign, busy, 0, -((q - position) % self.layers)  # needed last first
         if not now:
             return None
+        if q == 0 and position > 0 and not busy and self.caches[0].slots >= self.experts:
+            return 1, foreign, False, 1, 0  # the whole first layer's: the tail gives them back
         return 2, foreign, (q > position, q if q < position else -q)
 
     def _write_map(self, position: int, where: list[int]) -> None:

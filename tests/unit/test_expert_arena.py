@@ -129,6 +129,29 @@ def test_prompts_one_token_apart_leave_the_whole_layer_between_them_whole():
     assert placed == {(1, 0), (3, 0)}
 
 
+def test_a_fill_takes_the_whole_first_layers_free_rows_before_those_the_layer_before_reads():
+    """A whole first layer beside three thin ones: layer 1 borrows 8 of layer 0's 12 rows;
+    layer 2's fill copies 4 into layer 0's other rows before it waits for layer 1 to retire
+    (only then the 4 more it needs of the rows layer 1 reads), and layer 3's likewise, so
+    the copy engine is not idle through the layer before. The rank before took every row
+    that layer 1 read first: each fill waited for the layer before for all its copies. The
+    tail gives all of layer 0's rows back."""
+    lane, hosts = make_lane([E, E // 3, E // 3, E // 3])
+    run_step(lane, hosts, 8, 0)
+    for s in range(1, 7):
+        run_step(lane, hosts, 1 + s % 2, s)
+    lane.ring.trace = ops = []
+    assert_exact(*run_step(lane, hosts, 8, 9))
+    copies = [op for op in ops if op.stream == "copy"]
+    for p in (2, 3):
+        fill = [op for op in copies if op.on == p or op.on == ("retired", p - 1)]
+        first_wait = next(i for i, op in enumerate(fill) if op.kind == "wait")
+        early = [op for op in fill[:first_wait] if op.kind == "place"]
+        assert early and all(op.space == 0 for op in early), [(op.kind, op.on) for op in fill]
+    c = lane.caches[LAYERS[0]]
+    assert sorted(c.expert_in[:c.slots].tolist()) == list(range(E))
+
+
 def test_a_large_step_after_decode_keeps_in_place_what_the_slots_cached():
     """The first layer's fill keeps in place the experts its own cache installed during
     decode and copies only the others; its small steps' entries stay in its table."""
