@@ -22,6 +22,9 @@ from tests.helpers.expert_lanes import (E, H, K, LAYERS, SIZES, assert_exact, ho
 #: every other layer whole, the others half (the bench's 4-layer layout: layers 0 and 2 keep
 #: all 128 experts, 1 and 3 64 each); what a large step copies is counted against it below
 WHOLE = [E, E // 2, E, E // 2]
+#: a whole first layer beside three with a third of their experts each: the later layers'
+#: fills take the first layer's rows that the layer before does not read before those it reads
+THIN = [E, E // 3, E // 3, E // 3]
 
 
 def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_reads=False,
@@ -39,7 +42,7 @@ def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_read
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
-@pytest.mark.parametrize("slots", [3, 4, 6, 9, 12, WHOLE])
+@pytest.mark.parametrize("slots", [3, 4, 6, 9, 12, WHOLE, THIN])
 def test_steps_on_both_sides_of_the_threshold_equal_the_float64_moe(slots, poison_reads):
     lane, hosts = make_lane(slots, poison_reads=poison_reads)
     for s, tokens in enumerate(SIZES):
@@ -136,7 +139,7 @@ def test_a_fill_takes_the_whole_first_layers_free_rows_before_those_the_layer_be
     the copy engine is not idle through the layer before. The rank before took every row
     that layer 1 read first: each fill waited for the layer before for all its copies. The
     tail gives all of layer 0's rows back."""
-    lane, hosts = make_lane([E, E // 3, E // 3, E // 3])
+    lane, hosts = make_lane(THIN)
     run_step(lane, hosts, 8, 0)
     for s in range(1, 7):
         run_step(lane, hosts, 1 + s % 2, s)
@@ -182,7 +185,8 @@ def joint_trace(steps=SIZES, slots=3, exact=True, poison_reads=False):
 
 
 @pytest.mark.parametrize("slots, poison_reads", [(3, False), (6, True), (12, False),
-                                                  (WHOLE, True), (WHOLE, False)])
+                                                  (WHOLE, True), (WHOLE, False),
+                                                  (THIN, True)])
 def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_reads):
     lane, ops = joint_trace(slots=slots, poison_reads=poison_reads)
     check_lane(ops, 0)
@@ -209,7 +213,7 @@ def test_the_joint_trace_proves_the_arena_and_the_caches_together(slots, poison_
                   if op.kind == "read" and op.on is not None else op for op in ops],
      "read-before-write"),
 ])
-@pytest.mark.parametrize("slots", [3, WHOLE])
+@pytest.mark.parametrize("slots", [3, WHOLE, THIN])
 def test_each_arena_hazard_is_named(mutate, kind, slots):
     _, ops = joint_trace(steps=[8, 1, 2, 9, 1, 7], slots=slots)
     check_lane(ops, 0)
@@ -435,7 +439,7 @@ def gpu_lane(slow: int, slots: int | list[int] = 3, poison_reads: bool = True):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("slots", [3, 6, WHOLE])
+@pytest.mark.parametrize("slots", [3, 6, WHOLE, THIN])
 def test_the_arena_on_a_gpu_is_exact_with_a_slow_reader_and_its_trace_proves(slots):
     lane, hosts = gpu_lane(slow=2_000_000, slots=slots)
     ops = []
