@@ -37,7 +37,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   them back (Note [Large steps stream through the slots]), the same device memory;
   ``ringflow-whole-plan`` the same with ``RINGFLOW_EXPERT_PLAN_KERNEL=1``,
   ``ringflow-whole-host-plan`` with ``host_share: auto`` too (the half layers' misses split
-  with the CPU at decode);
+  with the CPU at decode); ``ringflow-front-plan``: the same memory with the whole layers
+  first (layers 0 and 1);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the arena's fills;
@@ -148,7 +149,7 @@ HOST_AUTO = {"host_share": "auto", "host_tokens": 8}
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan",
-         "ringflow-whole-host-plan", "ringflow-arena-first",
+         "ringflow-front-plan", "ringflow-whole-host-plan", "ringflow-arena-first",
          "ringflow-host-fills", "ringflow-host", "ringflow-held-host", "ringflow-held-plan",
          "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
@@ -200,11 +201,12 @@ def arena_layers(layers: int) -> list[int]:
     return [i for i in range(layers) if i not in resident]
 
 
-def whole_layers(layers: int) -> dict:
+def whole_layers(layers: int, front: bool = False) -> dict:
     """``ringflow-whole``'s experts section: every layer chosen, ``ringflow-arena``'s resident
-    layers with all 128 experts in their slots, the others ``held_slots(layers)``, all one
-    arena (Note [Large steps stream through the slots]): the arena's device memory."""
-    chosen = set(arena_layers(layers))
+    layers with all 128 experts in their slots (``front``: the first ``RING`` layers
+    instead), the others ``held_slots(layers)``, all one arena (Note [Large steps stream
+    through the slots]): the arena's device memory."""
+    chosen = set(range(RING, layers)) if front else set(arena_layers(layers))
     return {"layers": "all", "layer_buffers": "slots", "early_start": True,
             "slots": {str(i): held_slots(layers) if i in chosen else 128
                       for i in range(layers)}}
@@ -247,6 +249,12 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-whole-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                 "additional_config": {"ringflow": {
             "name": "experts-bench-whole-plan", "experts": whole_layers(layers)}}},
+        # the whole layers first: at 8 layers the arena's timeline replays its lone step
+        # 0.99x the prefetch offloader where layers 0 and 4 whole give 0.97x (4 layers: a
+        # lone step 1.07x, chunks 1.04x against 1.0x and 1.19x; Note [Arena timeline])
+        "ringflow-front-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                "additional_config": {"ringflow": {
+            "name": "experts-bench-front-plan", "experts": whole_layers(layers, front=True)}}},
         "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                      "additional_config": {"ringflow": {
             "name": "experts-bench-whole-host-plan",

@@ -146,6 +146,13 @@ def test_the_whole_lane_has_the_arenas_memory_with_its_resident_layers_whole(lay
     assert plan["additional_config"]["ringflow"]["experts"] == whole
     host = bench.configs(layers)["ringflow-whole-host-plan"]["additional_config"]["ringflow"]
     assert host["experts"] == {**whole, "host_share": "auto", "host_tokens": 8}
+    # the same rows with the whole layers first
+    front = bench.configs(layers)["ringflow-front-plan"]
+    assert front["env"] == plan["env"]
+    slots = front["additional_config"]["ringflow"]["experts"]["slots"]
+    assert [slots[str(i)] for i in range(layers)] == \
+        [128] * bench.RING + [arena["slots"]] * (layers - bench.RING)
+    assert sum(slots.values()) == sum(whole["slots"].values())
 
 
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
@@ -160,7 +167,8 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     switched = {n: c["env"] for n, c in peers.items() if "env" in c}
     assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
                         for name in ("ringflow-held-plan", "ringflow-held-host-plan",
-                                     "ringflow-whole-plan", "ringflow-whole-host-plan")}
+                                     "ringflow-whole-plan", "ringflow-front-plan",
+                                     "ringflow-whole-host-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)
 
 
