@@ -34,36 +34,43 @@ Note [Large steps stream through the slots]
     2. **Fill** position ``p``: rows that already hold one of ``p``'s experts stay where they
        are (``p``'s own cache entries, or rows a fill wrote earlier that nothing rewrote
        since); ``p``'s other experts are copied from host memory into other rows not held
-       by a fill or read in flight, in runs of consecutive experts and rows (DMA): empty rows
-       first, then rows a fill wrote for another layer, then other layers' own cached
-       experts; within each, ``p``'s own rows first (one copied there is entered in its table,
-       ``ExpertCache.adopt``: the small steps after find it), then, for rows a fill wrote,
-       those the layer before ``p`` does not read (a copy into one it reads waits for that
-       layer's compute), then those whose layer the steps ahead need last, and a whole first
-       layer's own rows that the layer before does not read rank with the former (the first
-       layer ran, the tail gives them back; at 8 layers, each half layer's fill then copies
-       into them while the layer before computes, modeled 0.97x the prefetch offloader's
-       lone step where every fill waited for the layer before, 0.90x; the 4-layer layouts'
-       traces do not change); for a layer's other own entries, those of the
-       layers that already ran in this step, the earliest first (the next step's first
-       layer gets its rows back in this step's tail, a later one only between the next
-       step's layers: taking the layer that ran last, as the rank did until December 2026,
-       left a whole layer between two half ones to copy its rows back on the step's path
-       after a prompt that ended at its first token; modeled 34.0 ms against 27.4 for such a
-       4-layer lone step, Note [Arena timeline]), then the layers still ahead, the one
-       needed last first. Another layer's own entries are taken only when no read is in flight
-       or pending: until the layer before ``p`` retires, its rows may free up for ``p`` (a
-       whole layer's, once it ran, rather than a half layer's cache that the step still
-       needs), and a fill that cannot take enough waits for that. A row written for ``p``
-       leaves its owner's slot table (``ExpertCache.drop``), and the arena records what it
-       wrote there: the record counts only while that table entry stays empty within the
-       owner's generation (an install sets it; a forget or lend counts a generation). The
-       fill copies the rows no read holds first, then each reader's rows after that
-       reader's retire event, the oldest reader first: the copy engine does not wait for the
-       layer before to copy what that layer does not read (Note [Arena timeline] in
-       tools/arena_timeline.py: at the bench's 4 layers, whole layers beside half ones, a
-       lone large step 27.4 ms where every copy of a fill waited for all its readers took
-       30.9, chunks 35.1 against 38.7, modeled; exact on an H100, its bench below).
+       by a fill or read in flight, in runs of consecutive experts and rows (DMA). Which
+       rows (``_spare_rank``), in this order, and within each class ``p``'s own rows first
+       (one copied there is entered in its table, ``ExpertCache.adopt``: the small steps
+       after find it):
+
+       a. empty rows;
+       b. rows a fill wrote for another layer that the layer before ``p`` does not read,
+          those whose layer the steps ahead need last first; then a whole first layer's own
+          rows that the layer before does not read (it ran, and the tail gives them back;
+          as own entries, only when no read is pending, as in c);
+          then the rows a fill wrote that the layer before reads (a copy into one waits for
+          that layer's compute). At 8 layers this lets each half layer's fill copy while the
+          layer before computes: modeled 0.97x the prefetch offloader's lone step, where
+          every fill waited for the layer before (0.90x); the 4-layer layouts' traces do not
+          change;
+       c. other layers' own cached experts: those of the layers that already ran in this
+          step, the earliest first (the next step's first layer gets its rows back in this
+          step's tail, a later one only between the next step's layers: taking the layer
+          that ran last, as the rank did until December 2026, left a whole layer between two
+          half ones to copy its rows back on the step's path after a prompt that ended at
+          its first token, modeled 34.0 ms against 27.4 for the 4-layer lone step, Note
+          [Arena timeline]); then the layers still ahead, the one needed last first. These
+          only when no read is in flight or pending: until the layer before ``p`` retires,
+          its rows may free up for ``p`` (a whole layer's, once it ran, rather than a half
+          layer's cache that the step still needs), and a fill that cannot take enough
+          waits for that.
+
+       A row written for ``p`` leaves its owner's slot table (``ExpertCache.drop``), and the
+       arena records what it wrote there: the record counts only while that table entry
+       stays empty within the owner's generation (an install sets it; a forget or lend
+       counts a generation). The fill copies the rows no read holds first, then each
+       reader's rows after that reader's retire event, the oldest reader first: the copy
+       engine does not wait for the layer before to copy what that layer does not read
+       (Note [Arena timeline] in tools/arena_timeline.py: at the bench's 4 layers, whole
+       layers beside half ones, a lone large step 27.4 ms where every copy of a fill waited
+       for all its readers took 30.9, chunks 35.1 against 38.7, modeled; exact on an H100,
+       its bench below).
     3. **Carried** fills (issued in a step's tail) are topped up at the next start: what the
        small steps in between installed over is copied again, nothing else.
     4. **Small steps** of a chosen layer wait for every position's ready event before they
@@ -555,19 +562,8 @@ class ExpertArena:
     def _spare_rank(self, r: int, c: tuple[int, int] | None, position: int,
                     now: bool) -> tuple | None:
         """How readily a fill of ``position`` takes row ``r`` (holding ``c``), lower first;
-        None: not now. Empty rows first, then rows a fill wrote for another layer, then a
-        layer's own cached experts (its slot table's entries); among each, the position's
-        own rows first (its table adopts what is copied there). Among rows a fill wrote,
-        those the layer before ``position`` does not read first (a copy into one it reads
-        waits for its compute), then those the steps ahead need last; after the ones it does
-        not read, a whole first layer's own rows that the layer before does not read (the
-        first layer ran; the tail gives them back). Among the other own entries, first
-        those of the layers that already ran in this step, the earliest first: the next
-        step's first layer gets its rows back in this step's tail (a carried fill, while the
-        engine samples), a later one only between the next step's layers, on its path; then
-        the layers still ahead in this step, the one needed last first. A layer's own
-        entries are taken only ``now``: while a read is pending, its rows may free up for
-        this fill when it retires (step 2 of the Note)."""
+        None: not now (another layer's own entry while a read is pending: its rows may free
+        up when it retires). The classes and their order: step 2 of the Note, a to c."""
         foreign = self._owner[r][0] != position  # False (first): the position's own row
         if c is None or c[0] == position:  # empty, or a second copy of one of its own
             return 0, foreign, 0
