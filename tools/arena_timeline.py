@@ -31,14 +31,14 @@ Note [Arena timeline]
     promise a ratio. What it showed at 8 layers: every half layer's fill went into rows the
     layer before it reads, so the lone step's copies and computes alternated (the copy
     engine idled for each layer's compute), where the offloader's four buffers keep its
-    copy engine busy. Since a fill takes the whole first layer's rows that the layer before
-    does not read before those it reads (Note [Large steps stream through the slots], step
-    2), it gives the 8-layer lone step 93.9 ms where it gave 101.1 (0.97x the offloader's
-    91.5; whole layers 0 and 1, ``128,128,43,43,43,43,42,42``: 91.5, 1.0x), chunks 109.1
-    against 112.2; the 4-layer layouts' traces are the same. Copying a fill's rows that no read holds before waiting (the order
+    copy engine busy. Copying a fill's rows that no read holds before waiting (the order
     since) gives 27.4 ms against 30.9 for the 4-layer lone step and 35.1 against 38.7 per
-    chunk; at 8 layers it changes nothing (every row such a fill takes was read by the
-    layer before).
+    chunk, and at 8 layers nothing (every row such a fill took was read by the layer
+    before). Since a fill also takes the whole first layer's rows that the layer before
+    does not read before those it reads (Note [Large steps stream through the slots], step
+    2), the 8-layer lone step takes 93.9 ms where it took 101.1 (0.97x the offloader's
+    91.5; whole layers 0 and 1, ``128,128,43,43,43,43,42,42``: 91.5, 1.0x), chunks 109.1
+    against 112.2; the 4-layer layouts' traces are the same.
 
     The lone step is also replayed after prompts that each ended at their first token
     (``lone_trace(slots, "prompt")``; the H100 bench's cells without decode windows ran so,
@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from experts_bench import EXPERT_BYTES, prefetch_layout  # noqa: E402
 
+from ringflow.errors import ConfigError  # noqa: E402
 from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows  # noqa: E402
 from ringflow.integrations.torch.expert_cache import ExpertCache  # noqa: E402
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute  # noqa: E402
@@ -147,7 +148,7 @@ def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, lis
     prompts that end at their first token), and the trace of one lone large step after
     them."""
     if after not in ("decode", "prompt"):
-        raise ValueError(f"after is decode or prompt, not {after!r}")
+        raise ConfigError(f"lone_trace: after is decode or prompt, not {after!r}")
     lane = arena_lane(slots)
     step(lane, 16, 0)  # the whole layers' slots fill
     for s in range(1, 9 if after == "decode" else 4):

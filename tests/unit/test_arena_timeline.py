@@ -114,3 +114,9 @@ def test_eight_layers_fill_the_whole_first_layers_free_rows_while_the_layer_befo
     eight = timeline.main([])
     assert eight["lone_vs_offloader"] >= 0.95
     assert eight["chunk_vs_offloader"] >= 1.378
+
+
+def test_a_lone_trace_after_something_else_is_refused(timeline):
+    from ringflow.errors import ConfigError
+    with pytest.raises(ConfigError, match="after is decode or prompt, not 'chunks'"):
+        timeline.lone_trace([128, 64, 128, 64], "chunks")
