@@ -415,6 +415,16 @@ def prefill_calls(prefills: list[int], decode_before: int) -> list[tuple[str, in
     return calls
 
 
+def round_fits(elapsed: float, round_s: float, deadline: float | None) -> bool:
+    """Whether another interleaved round, as long as the last, ends within ``deadline``
+    seconds of the bench's start (None: no deadline). Checked before each round, so that a
+    deadline just under a lent GPU's limit costs no round that would have fit; until
+    December 2026 a round started only while the elapsed time was under the deadline, and a
+    deadline set well below the limit to leave room for one (420 s of a 565 s call) ended
+    an 8-layer run after its first round with two minutes unused."""
+    return deadline is None or elapsed + round_s <= deadline
+
+
 def spread(values: list[float]) -> dict:
     return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
             "max": round(max(values), 1), "rounds": [round(v, 1) for v in values]}
@@ -436,7 +446,9 @@ def main() -> int:
                         help="new tokens of one sampled request before each timed prompt, so "
                              "every prompt follows the same work (0: none)")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which no new round starts (a lent GPU's limit)")
+                        help="seconds from the start by which every round must end: a round "
+                             "starts only if one as long as the last fits (a lent GPU's "
+                             "limit, less the JSON's writing)")
     parser.add_argument("--fp8", choices=sorted(FP8), default=None,
                         help="fp8 experts: a checkpoint in 128x128 blocks or per tensor")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -620,6 +632,7 @@ def main() -> int:
             "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
             "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}}
     engines, results = {}, {}
+    round_s = 0.0  # one interleaved round's measuring, every engine's (round 0: theirs summed)
     for name, extra in chosen.items():
         t0 = time.perf_counter()
         extra = dict(extra)
@@ -651,19 +664,24 @@ def main() -> int:
             llm.generate(prompts[p], first, use_tqdm=False)
         for b in batches:
             llm.generate(short[:b], params(routings[0], 4), use_tqdm=False)
+        t0 = time.perf_counter()
         measure(name, llm)  # round 0 now: a run cut short keeps every engine measured so far
+        round_s += time.perf_counter() - t0
         summary(1)
 
     done = 1
     for round_ in range(1, args.rounds):
-        if args.deadline and time.perf_counter() - begun > args.deadline:
-            print(f"[experts-bench] --deadline: stopping after {done} rounds", flush=True)
+        if not round_fits(time.perf_counter() - begun, round_s, args.deadline):
+            print(f"[experts-bench] --deadline: stopping after {done} rounds (a round takes "
+                  f"{round_s:.0f} s)", flush=True)
             break
+        t0 = time.perf_counter()
         for name, llm in engines.items():  # interleaved: every configuration once per round
             measure(name, llm)
+        round_s = time.perf_counter() - t0
         done = round_ + 1
         summary(done)
-        print(f"[experts-bench] round {done} done", flush=True)
+        print(f"[experts-bench] round {done} done in {round_s:.0f} s", flush=True)
     if args.trace:
         from ringflow.bench import gpu_trace
 

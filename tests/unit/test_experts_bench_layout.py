@@ -280,3 +280,13 @@ def test_every_timed_prompt_follows_the_same_decode():
     assert all(calls[i - 1] == ("settle", 16) for i in timed)
     assert bench.prefill_calls([8192], 0) == [("first", 8192), ("second", 8192)]
     assert bench.prefill_calls([], 16) == []
+
+
+def test_a_round_starts_only_if_one_as_long_as_the_last_ends_by_the_deadline():
+    """--deadline bounds when the last round ends, not when it starts: a deadline just under
+    the GPU's limit gets every round that fits and none that would be cut off."""
+    fits = _bench().round_fits
+    assert fits(400.0, 20.0, 565.0)  # 145 s left: a 20 s round fits
+    assert not fits(550.0, 20.0, 565.0)  # it would end at 570
+    assert fits(545.0, 20.0, 565.0)  # it ends at 565, the deadline itself
+    assert fits(10_000.0, 1_000.0, None)  # no deadline: every round
