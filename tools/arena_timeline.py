@@ -48,7 +48,12 @@ Note [Arena timeline]
     rows, which the tail gives back (the rank since), gives 27.4 both ways, and 35.6 ms per
     chunk against 35.1. With it (tree ``1e011cf``) the model gives 4 layers 1.0x / 1.19x the
     offloader where the H100 measured 1.03x / 1.32x, each prompt after a 16-token decode:
-    pessimistic at 4 layers still.
+    pessimistic at 4 layers still. At 8 layers it was not right after all: the H100 measured
+    that lone step at ``0b7744e`` (one round) 125 ms against the replay's 94 (the offloader:
+    100 against 92), 0.80x where the replay gave 0.97x. A layer's compute of 4 ms instead
+    of the 1.8 guessed (what the resident engine's 8k step suggests) brings the replay to
+    101 ms (offloader 96): still 24 ms short. The replay's gain from the rank is not a
+    measured gain.
 """
 
 from __future__ import annotations

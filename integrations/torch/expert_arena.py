@@ -129,8 +129,16 @@ Note [Large steps stream through the slots]
     with the same memory (whole layers 0 and 1, one whole layer, none whole) no better.
     Since the fills take the whole first layer's other rows before those the layer before
     reads (step 2), the replay gives 0.97x (whole layers 0 and 1: 1.0x) and chunks 1.42x;
-    each lone step copies 42 more experts, in its tail (644 in all). Not yet measured on a
-    GPU.
+    each lone step copies 42 more experts, in its tail (644 in all). On the H100 at
+    ``0b7744e`` (``experts-bench-8l-rank2-prefetch-h100.json``, one round: the engines'
+    start-up spent the bench's deadline) the lone 8k prompt took 125 ms, 0.80x the
+    offloader's 100 (whole layers 0 and 1: 0.78x), 32k 1.29x: inside the spread of
+    ``7cc1b8b``'s four rounds (111-129 ms), so the rank's gain is not shown, and the replay
+    (94 ms) misses 31 ms of the GPU's step where it misses 9 of the offloader's. What it
+    misses is not known: the next GPU session traces this step (copy engine idle against
+    compute, ``experts_bench.py --trace``). Held layers (``ringflow-held``, a ring of two
+    layer buffers beside 32 slots per layer) took 102 ms there at ``3d9c6a3`` (0.97x, three
+    rounds), copy-bound, at the cost of an 82 ms second token.
 
     Cost and gain: a large step copies each chosen layer's experts that the arena does not
     hold where it can keep them. When a layer's copy must wait for the layer before it to
