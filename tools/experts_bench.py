@@ -101,7 +101,8 @@ traces in ``DIR``), then one request of 16 prompt tokens and 34 new ones at batc
 kernels per token: the lane's bookkeeping beside vLLM's MoE);
 ``ringflow/bench/gpu_trace.py`` reads each trace into where the GPU time went (kernels,
 host-to-device copies and their rate, copies with no kernel beside them, idle stretches and
-the host calls across them), in the JSON under ``traces`` and printed.
+the host calls across them, and where the copy engine waited inside the step with the kernels
+running across each wait: ``copy_gaps``), in the JSON under ``traces`` and printed.
 
 The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
 than the difference it would show says nothing. A lane's hard decode cells carry
@@ -726,6 +727,16 @@ def main() -> int:
                   f"({t['kernels']}) | "
                   f"{t['h2d_ms']} ({t['h2d_gbps']}) | {t['copy_only_ms']} | {t['idle_ms']} | "
                   f"{gaps} |")
+        print("| trace | first bulk copy ms | copy engine waiting ms | its longest waits (ms: "
+              "kernels across) |")
+        print("| --- " * 4 + "|")
+        for name, t in traces.items():
+            c = t.get("copy_gaps")
+            if not c:
+                continue
+            waits = "; ".join(f"{g['ms']} at {g['at_ms']}: {', '.join(g['kernels'][:2])}"
+                              for g in c["gaps"][:4])
+            print(f"| {name} | {c['first_copy_ms']} | {c['idle_ms']} | {waits} |")
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
         f"next_token_after_{p}_ms" for p in prefills] + [
         f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]

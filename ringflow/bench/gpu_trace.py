@@ -76,6 +76,52 @@ def _is_h2d(e: dict) -> bool:
     return e.get("cat") == "gpu_memcpy" and "HtoD" in str(e.get("name", ""))
 
 
+BULK_BYTES = 1 << 20  # a host-to-device copy of experts or weights, not a map or an index
+
+
+def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dict:
+    """Where the copy engine waited inside the step: the stretches with no bulk host-to-device
+    copy (at least ``BULK_BYTES``) from the window's start to the last kernel's end (copies
+    after it, a step's tail, wait for nothing), each with the kernels that ran across it.
+
+    A lane that copies what the device cannot hold is copy-bound when these add up to little;
+    a stretch under a layer's ``fused_moe_kernel`` is a fill waiting for that layer to retire,
+    one under attention or before any copy is the step's start. The replay of Note [Arena
+    timeline] assumes what this measures (the copy engine idles only where a fill waits for a
+    reader): at 8 layers the H100 took 31 ms more than it, which these stretches locate.
+    ``first_copy_ms``: from the window's start to the first bulk copy; ``idle_ms``: the
+    stretches' sum; ``bulk_gb`` and ``bulk_copies``: what the step's bulk copies moved."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    kernels = [e for e in gpu if e.get("cat") == "kernel"]
+    if not kernels:
+        raise OutputError("the trace holds no kernels: was the profiler given "
+                          "ProfilerActivity.CUDA, and did the step run on the GPU?")
+    start = min(float(e["ts"]) for e in gpu)
+    last = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kernels)
+    bulk = [e for e in gpu if _is_h2d(e) and float(e["ts"]) < last
+            and int((e.get("args") or {}).get("bytes", 0)) >= BULK_BYTES]
+    busy = [(a, min(b, last)) for a, b in _union(_spans(bulk, ("gpu_memcpy",)))]
+    idle = [(a, b) for a, b in zip([start] + [b for _, b in busy], [a for a, _ in busy] + [last])
+            if b - a >= min_gap_ms * 1e3]
+    spans = _spans(kernels, ("kernel",))
+    names = [str(e.get("name", "?")) for e in kernels]
+    found = []
+    for a, b in sorted(idle, key=lambda s: s[0] - s[1])[:gaps]:
+        under: dict[str, float] = {}
+        for (x, y), n in zip(spans, names):
+            if min(b, y) > max(a, x):
+                under[n[:48]] = under.get(n[:48], 0.0) + min(b, y) - max(a, x)
+        top = sorted(under.items(), key=lambda kv: -kv[1])[:3]
+        found.append({"at_ms": round((a - start) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
+                      "kernels": [f"{n} {round(t / 1e3, 3)} ms" for n, t in top]})
+    return {"first_copy_ms": round((busy[0][0] - start) / 1e3, 3) if busy else None,
+            "idle_ms": round(_length(idle) / 1e3, 3),
+            "bulk_copies": len(bulk),
+            "bulk_gb": round(sum(int((e.get("args") or {}).get("bytes", 0))
+                                 for e in bulk) / 1e9, 4),
+            "gaps": found}
+
+
 def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dict:
     """One step's GPU time, in ms from its first GPU event to its last (see the module);
     ``kernels`` counts the kernels launched (a CUDA graph's, one per node).
@@ -127,6 +173,8 @@ def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
         "kernel_only_ms": round((_length(kernels) - overlap) / 1e3, 3),
         "idle_ms": round(((end - start) - _length(busy)) / 1e3, 3),
         "gaps": found,
+        "copy_gaps": (copy_gaps(events, min_gap_ms, gaps)
+                      if h2d_us and any(e["cat"] == "kernel" for e in gpu) else None),
         "streams": {k: {**v, "kernels_ms": round(v["kernels_ms"], 3),
                         "copies_ms": round(v["copies_ms"], 3)} for k, v in streams.items()},
     }

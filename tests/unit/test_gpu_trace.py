@@ -88,6 +88,52 @@ def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
     assert gpu_trace.summarize(gpu_trace.load(tmp_path / "t.json.gz"))["kernel_ms"] == 2
 
 
+def test_the_copy_engines_waits_inside_the_step_name_the_kernels_across_them():
+    """A lone step that copies two layers: the copy engine starts late (the first layer's
+    attention), waits under the first layer's MoE for its retire, and copies a tail after the
+    last kernel, which is no wait; small map copies do not count as bulk."""
+    mb = 1 << 20
+    events = [
+        x("kernel", "flash_attn", 0, 2, stream=7), x("kernel", "fused_moe_kernel", 2, 4, stream=7),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 2.5, 2.6, stream=7, bytes=1024),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3, 10, stream=9, bytes=400 * mb),
+        x("kernel", "fused_moe_kernel", 10, 12, stream=7),  # the layer the copy served
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 12.5, 20, stream=9, bytes=400 * mb),
+        x("kernel", "fused_moe_kernel", 20, 22, stream=7),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 22, 30, stream=9, bytes=400 * mb),
+    ]
+    got = gpu_trace.summarize(events)["copy_gaps"]
+    assert got["first_copy_ms"] == 3
+    assert got["bulk_copies"] == 2  # the tail's starts at the last kernel's end: not the step's
+    # [0, 3] before the first copy, [10, 12.5] under the MoE, [20, 22] after the last one
+    assert got["idle_ms"] == 7.5
+    assert [(g["at_ms"], g["ms"]) for g in got["gaps"]] == [(0, 3), (10, 2.5), (20, 2)]
+    assert got["gaps"][0]["kernels"] == ["flash_attn 2.0 ms", "fused_moe_kernel 1.0 ms"]
+    assert got["gaps"][1]["kernels"] == ["fused_moe_kernel 2.0 ms"]
+    assert gpu_trace.summarize([x("kernel", "k", 0, 1, stream=1)])["copy_gaps"] is None
+    copies_only = [x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 1, stream=9, bytes=mb)]
+    assert gpu_trace.summarize(copies_only)["copy_gaps"] is None  # no kernel: no step to wait in
+    with pytest.raises(OutputError, match="no kernels"):
+        gpu_trace.copy_gaps(copies_only)
+
+
+def test_the_h100s_4_layer_arena_trace_waited_at_its_start_and_under_two_moe_layers():
+    """The stored H100 trace of the arena's lone 8k prompt (4 layers, tree df16898): the
+    copy engine started 6.4 ms in (layer 0 and the arena's first layer's attention ran
+    before its first fill was issued) and waited 1.6 ms under each of two layers' MoE; the
+    2.6 GB of bulk copies before the last kernel are the step's, the rest its tail."""
+    from pathlib import Path
+
+    trace = (Path(__file__).resolve().parents[2] / "profiles/results/logs"
+             / "trace-arena-8k-h100-df16898.json.gz")
+    got = gpu_trace.summarize(gpu_trace.load(trace))["copy_gaps"]
+    assert got["first_copy_ms"] == pytest.approx(6.43, abs=0.01)
+    assert got["idle_ms"] == pytest.approx(9.68, abs=0.01)
+    assert got["bulk_gb"] == pytest.approx(2.617, abs=0.001)
+    assert [g["ms"] > 1.5 for g in got["gaps"]] == [True, True, True]
+    assert all(g["kernels"][0].startswith("fused_moe_kernel") for g in got["gaps"][1:])
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_a_copy_beside_matmuls_overlaps_and_a_host_sleep_is_a_gap(tmp_path):
     """A real trace: a pinned 256 MiB copy on ringflow's own stream beside a loop of matmuls
