@@ -120,3 +120,10 @@ def test_a_lone_trace_after_something_else_is_refused(timeline):
     from ringflow.errors import ConfigError
     with pytest.raises(ConfigError, match="after is decode or prompt, not 'chunks'"):
         timeline.lone_trace([128, 64, 128, 64], "chunks")
+
+
+def test_the_engine_trace_needs_vllm_in_this_process(timeline, monkeypatch):
+    from ringflow.errors import ConfigError
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        timeline.engine_trace([128, 64, 128, 64])
