@@ -4,7 +4,7 @@
     python3 tools/experts_bench.py [--layers 4] [--rounds 5] [--only a,b] [--routings hard,easy]
                                    [--prefills 8192,32768] [--chunk 8192] [--batches 1,8,64]
                                    [--window 1] [--deadline S] [--fp8 block|tensor]
-                                   [--json FILE]
+                                   [--deep-gemm-warmup skip] [--json FILE]
 
 A Qwen3-30B-A3B-shaped MoE (hidden 2048, 128 experts of intermediate 768, top-8, bf16, dummy
 weights: speed does not depend on values; ``--layers`` of its 48 layers; ``--fp8``: its experts
@@ -452,6 +452,9 @@ def main() -> int:
                              "limit, less the JSON's writing)")
     parser.add_argument("--fp8", choices=sorted(FP8), default=None,
                         help="fp8 experts: a checkpoint in 128x128 blocks or per tensor")
+    parser.add_argument("--deep-gemm-warmup", choices=("skip", "relax", "full"), default=None,
+                        help="vLLM's VLLM_DEEP_GEMM_WARMUP for every engine (block fp8 on "
+                             "Hopper; vLLM's default relax spends minutes at the first start)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--trace", default=None,
                         help="after the rounds, profile one lone prompt and one batch-1 decode "
@@ -480,6 +483,12 @@ def main() -> int:
                      f"its copy-only sibling")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM's offloaders need V1 (0.26)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(function)
+    if args.deep_gemm_warmup:
+        # vLLM compiles DeepGEMM's kernels (block fp8's linear layers on Hopper) for every
+        # shape it might meet when the first engine starts: 193-217 s on an H100, most of a
+        # lent GPU's call. With skip, each engine's warm-up requests compile the shapes the
+        # rounds use, before any is timed; every peer runs under the same setting
+        os.environ["VLLM_DEEP_GEMM_WARMUP"] = args.deep_gemm_warmup
 
     import torch
     import vllm
@@ -613,6 +622,7 @@ def main() -> int:
                                  prefetch_layout(args.layers, device_layers(args.layers)))),
                              model=f"Qwen3-30B-A3B shapes, {args.layers} layers, dummy weights",
                              experts_format=(f"fp8, {args.fp8}" if args.fp8 else "bfloat16"),
+                             deep_gemm_warmup=os.environ.get("VLLM_DEEP_GEMM_WARMUP"),
                              routings={k: ("sampled, temperature 1, seeded: new experts every "
                                            "token" if ROUTINGS[k] else "greedy: the same "
                                            "experts every step") for k in routings},
