@@ -744,8 +744,9 @@ def main() -> int:
             c = t.get("copy_gaps")
             if not c:
                 continue
-            waits = "; ".join(f"{g['ms']} at {g['at_ms']}: {', '.join(g['kernels'][:2])}"
-                              for g in c["gaps"][:4])
+            waits = "; ".join(f"{g['ms']} at {g['at_ms']}"
+                              f"{' (next copy issued late)' if g.get('issued_late') else ''}: "
+                              f"{', '.join(g['kernels'][:2])}" for g in c["gaps"][:4])
             print(f"| {name} | {c['first_copy_ms']} | {c['idle_ms']} | {waits} |")
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
         f"next_token_after_{p}_ms" for p in prefills] + [

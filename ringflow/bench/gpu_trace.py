@@ -90,7 +90,11 @@ def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
     timeline] assumes what this measures (the copy engine idles only where a fill waits for a
     reader): at 8 layers the H100 took 31 ms more than it, which these stretches locate.
     ``first_copy_ms``: from the window's start to the first bulk copy; ``idle_ms``: the
-    stretches' sum; ``bulk_gb`` and ``bulk_copies``: what the step's bulk copies moved."""
+    stretches' sum; ``bulk_gb`` and ``bulk_copies``: what the step's bulk copies moved. Each
+    stretch that a copy ends names when the host issued that copy (``issued_ms``, by the
+    trace's correlation ids) and ``issued_late``: issued after the stretch began, so the copy
+    engine had nothing queued (the host was behind), rather than a queued copy waiting for
+    an event."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     kernels = [e for e in gpu if e.get("cat") == "kernel"]
     if not kernels:
@@ -105,6 +109,8 @@ def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
             if b - a >= min_gap_ms * 1e3]
     spans = _spans(kernels, ("kernel",))
     names = [str(e.get("name", "?")) for e in kernels]
+    issued = {(e.get("args") or {}).get("correlation"): float(e["ts"]) for e in events
+              if e.get("ph") == "X" and e.get("cat") in HOST_CATS}
     found = []
     for a, b in sorted(idle, key=lambda s: s[0] - s[1])[:gaps]:
         under: dict[str, float] = {}
@@ -112,8 +118,18 @@ def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
             if min(b, y) > max(a, x):
                 under[n[:48]] = under.get(n[:48], 0.0) + min(b, y) - max(a, x)
         top = sorted(under.items(), key=lambda kv: -kv[1])[:3]
-        found.append({"at_ms": round((a - start) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
-                      "kernels": [f"{n} {round(t / 1e3, 3)} ms" for n, t in top]})
+        gap = {"at_ms": round((a - start) / 1e3, 3), "ms": round((b - a) / 1e3, 3),
+               "kernels": [f"{n} {round(t / 1e3, 3)} ms" for n, t in top]}
+        # the copy that ends the wait, and when the host issued it: after the wait began, the
+        # host was late (the GPU had nothing queued); before, the copy waited for an event
+        after = [e for e in bulk if float(e["ts"]) >= b]
+        if after:
+            host = issued.get((min(after, key=lambda e: float(e["ts"])).get("args") or {})
+                              .get("correlation"))
+            if host is not None:
+                gap["issued_ms"] = round((host - start) / 1e3, 3)
+                gap["issued_late"] = host > a
+        found.append(gap)
     return {"first_copy_ms": round((busy[0][0] - start) / 1e3, 3) if busy else None,
             "idle_ms": round(_length(idle) / 1e3, 3),
             "bulk_copies": len(bulk),

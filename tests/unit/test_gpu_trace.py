@@ -110,6 +110,28 @@ def test_the_copy_engines_waits_inside_the_step_name_the_kernels_across_them():
     assert [(g["at_ms"], g["ms"]) for g in got["gaps"]] == [(0, 3), (10, 2.5), (20, 2)]
     assert got["gaps"][0]["kernels"] == ["flash_attn 2.0 ms", "fused_moe_kernel 1.0 ms"]
     assert got["gaps"][1]["kernels"] == ["fused_moe_kernel 2.0 ms"]
+    assert "issued_ms" not in got["gaps"][0]  # no host calls in this trace: nothing to say
+
+
+def test_a_wait_names_whether_the_host_issued_the_next_copy_late():
+    """The copy after the first wait was issued 2.9 ms in, after that wait began: the host
+    was behind (a sync in the step); the one after the second wait was issued at 1 ms and
+    waited for an event."""
+    mb = 1 << 20
+    events = [
+        x("kernel", "fused_moe_kernel", 0, 3, stream=7),
+        x("cuda_runtime", "cudaMemcpyAsync", 2.9, 2.95, correlation=5),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3, 8, stream=9, bytes=300 * mb,
+          correlation=5),
+        x("cuda_runtime", "cudaMemcpyAsync", 1, 1.05, correlation=6),
+        x("kernel", "fused_moe_kernel", 8, 10, stream=7),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10, 14, stream=9, bytes=300 * mb,
+          correlation=6),
+        x("kernel", "fused_moe_kernel", 14, 15, stream=7),
+    ]
+    first, second = sorted(gpu_trace.copy_gaps(events)["gaps"], key=lambda g: g["at_ms"])[:2]
+    assert (first["at_ms"], first["issued_ms"], first["issued_late"]) == (0, 2.9, True)
+    assert (second["at_ms"], second["issued_ms"], second["issued_late"]) == (8, 1, False)
     assert gpu_trace.summarize([x("kernel", "k", 0, 1, stream=1)])["copy_gaps"] is None
     copies_only = [x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 1, stream=9, bytes=mb)]
     assert gpu_trace.summarize(copies_only)["copy_gaps"] is None  # no kernel: no step to wait in
@@ -132,6 +154,9 @@ def test_the_h100s_4_layer_arena_trace_waited_at_its_start_and_under_two_moe_lay
     assert got["bulk_gb"] == pytest.approx(2.617, abs=0.001)
     assert [g["ms"] > 1.5 for g in got["gaps"]] == [True, True, True]
     assert all(g["kernels"][0].startswith("fused_moe_kernel") for g in got["gaps"][1:])
+    # the first fill was issued only 6.4 ms in (the arena read its tables there, a host sync,
+    # before early starts); the waits under the MoE were for retire events, queued long before
+    assert got["gaps"][0]["issued_late"] and not any(g["issued_late"] for g in got["gaps"][1:])
 
 
 @pytest.mark.cuda
