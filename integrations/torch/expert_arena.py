@@ -47,8 +47,8 @@ Note [Large steps stream through the slots]
           then the rows a fill wrote that the layer before reads (a copy into one waits for
           that layer's compute). At 8 layers this lets each half layer's fill copy while the
           layer before computes: modeled 0.97x the prefetch offloader's lone step, where
-          every fill waited for the layer before (0.90x); the 4-layer layouts' traces do not
-          change;
+          every fill waited for the layer before (0.90x), but not borne out on an H100 (0.80x
+          in one round, below); the 4-layer layouts' traces do not change;
        c. other layers' own cached experts: those of the layers that already ran in this
           step, the earliest first (the next step's first layer gets its rows back in this
           step's tail, a later one only between the next step's layers: taking the layer
@@ -322,6 +322,8 @@ class ExpertArena:
         self.early_starts = self.early_used = self.early_dropped = 0
         self._early: object | None = None  # the stream a prepare ordered its fills after
         self.rows_in_place = self.rows_from_host = 0
+        #: the first position keeps every expert: its rows, once it ran, rank as fills' (step 2b)
+        self._whole_first = caches[0].slots >= self.experts
 
     @property
     def layers(self) -> int:
@@ -582,7 +584,7 @@ class ExpertArena:
             return 1, foreign, busy, 0, -((q - position) % self.layers)  # needed last first
         if not now:
             return None
-        if q == 0 and position > 0 and not busy and self.caches[0].slots >= self.experts:
+        if q == 0 and position > 0 and not busy and self._whole_first:
             return 1, foreign, False, 1, 0  # the whole first layer's: the tail gives them back
         return 2, foreign, (q > position, q if q < position else -q)
 
