@@ -66,6 +66,7 @@ Note [Arena timeline]
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -79,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experts_bench import EXPERT_BYTES, prefetch_layout  # noqa: E402
 
 from ringflow.errors import ConfigError  # noqa: E402
+from ringflow.graphs.streams import dedicated_streams  # noqa: E402
 from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows  # noqa: E402
 from ringflow.integrations.torch.expert_cache import ExpertCache  # noqa: E402
 from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute  # noqa: E402
@@ -134,25 +136,43 @@ def offloader(layers: int, offloaded: list[int], ahead: int, expert_ms: float,
     return clock
 
 
-def arena_lane(slots: list[int]) -> ExpertLane:
-    """The arena over ``slots`` per layer on the CPU, tiny experts of real count."""
+def arena_lane(slots: list[int], device: str = "cpu", hidden: int = HIDDEN, inter: int = INTER,
+               compute=None) -> ExpertLane:
+    """The arena over ``slots`` per layer, experts of real count: on the CPU tiny ones (random),
+    on a GPU ``hidden`` x ``inter`` ones in pinned host memory (left unset: ``gpu_times``
+    times copies and waits, not values), computed by ``compute()`` per layer."""
+    cuda = torch.device(device).type == "cuda"
     g = torch.Generator().manual_seed(0)
-    hosts = [{"w13": torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g),
-              "w2": torch.randn(EXPERTS, HIDDEN, INTER, generator=g)} for _ in slots]
-    rows, views = arena_rows(hosts[0], slots, "cpu")
-    caches = {i: ExpertCache(h, n, "cpu", rows=v)
+    if cuda:  # one pinned block per parameter, a layer's store a slice of it
+        w13 = torch.empty(len(slots), EXPERTS, 2 * inter, hidden, dtype=torch.bfloat16,
+                          pin_memory=True)
+        w2 = torch.empty(len(slots), EXPERTS, hidden, inter, dtype=torch.bfloat16,
+                         pin_memory=True)
+        hosts = [{"w13": w13[i], "w2": w2[i]} for i in range(len(slots))]
+    else:
+        hosts = [{"w13": torch.randn(EXPERTS, 2 * inter, hidden, generator=g),
+                  "w2": torch.randn(EXPERTS, hidden, inter, generator=g)} for _ in slots]
+    rows, views = arena_rows(hosts[0], slots, device)
+    caches = {i: ExpertCache(h, n, device, rows=v)
               for i, (h, n, v) in enumerate(zip(hosts, slots, views))}
-    arena = ExpertArena(list(caches.values()), rows)
-    return ExpertLane(caches, {i: TorchCompute() for i in caches}, arena, layer_tokens=16,
+    stream = (dedicated_streams(caches[0], caches[0].device, ["arena-timeline-copy"],
+                                priority=0)["arena-timeline-copy"] if cuda else None)
+    arena = ExpertArena(list(caches.values()), rows, stream)
+    make = compute or TorchCompute
+    return ExpertLane(caches, {i: make() for i in caches}, arena, layer_tokens=16,
                       early_start=True)
 
 
 def step(lane: ExpertLane, tokens: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
+    cache = next(iter(lane.caches.values()))
+    hidden, device = cache.weights["w13"].shape[2], cache.device
+    dtype = cache.weights["w13"].dtype
     for i in sorted(lane.caches):
         ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
         weights = torch.softmax(torch.randn(tokens, TOP_K, generator=g), -1)
-        lane.forward(i, torch.randn(tokens, HIDDEN, generator=g), weights, ids)
+        lane.forward(i, torch.randn(tokens, hidden, generator=g).to(device, dtype),
+                     weights.to(device), ids.to(device))
 
 
 def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, list]:
@@ -183,7 +203,6 @@ def engine_trace(slots: list[int], prompt: int = 512, layer_tokens: int = 256) -
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise ConfigError("engine_trace reads the lane in this process: set "
                           "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM is imported")
-    import json
     import tempfile
 
     from vllm import LLM, SamplingParams
@@ -239,6 +258,99 @@ def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
             "chunk_ms": replay(ops, expert_ms, layer_ms) / chunks}
 
 
+class LayerCompute:
+    """A GPU stand-in for a large step's layer (attention and MoE at the prompt's tokens):
+    matmuls over arena rows lasting about ``layer_ms`` (``calibrate``); small steps compute
+    for real (``TorchCompute``), as their installs and reads are what they order."""
+
+    reps = 0
+    _x: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        self._small = TorchCompute()
+
+    @classmethod
+    def calibrate(cls, layer_ms: float, hidden: int, inter: int, device: torch.device) -> None:
+        """Matmuls of an 8k-token prompt by one expert's gate and up, as many as ``layer_ms``
+        takes on this GPU."""
+        cls._x = torch.randn(8192, hidden, device=device, dtype=torch.bfloat16)
+        w = torch.randn(2 * inter, hidden, device=device, dtype=torch.bfloat16)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        for _ in range(3):  # warm, then time 20
+            cls._x @ w.T
+        start.record()
+        for _ in range(20):
+            cls._x @ w.T
+        end.record()
+        end.synchronize()
+        cls.reps = max(1, round(layer_ms / (start.elapsed_time(end) / 20)))
+
+    def __call__(self, x, weights, topk_weights, topk_ids, expert_map, last=True,
+                 host_rows=None):
+        if x.shape[0] < 16:  # the lane's layer_tokens: a small step
+            return self._small(x, weights, topk_weights, topk_ids, expert_map, last, host_rows)
+        w13 = weights["w13"]
+        for k in range(self.reps):  # reads rows the fill wrote, as the layer's kernel does
+            self._x @ w13[k % w13.shape[0]].T
+        return torch.zeros_like(x)
+
+
+def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 4,
+              trace: str | None = None) -> dict:
+    """The lane over ``slots`` on this GPU with Qwen3-30B-A3B's experts (9.4 MB, pinned) and a
+    layer's compute of ``layer_ms`` (``LayerCompute``): each of ``rounds`` lone large steps
+    after eight decode steps (as ``lone_trace``), timed on the compute stream from the step's
+    first issue to its last layer's end, and ``chunks`` back to back; beside each, the replay
+    of the same lane's trace at the pinned rate. Where the GPU's time exceeds the replay's,
+    the GPU runs the lane's order slower than Note [Arena timeline] assumes; ``trace`` (a
+    file) holds a torch.profiler trace of one lone step, its ``copy_gaps`` in the result."""
+    from ringflow.bench.gpu_trace import copy_gaps, load
+
+    device = torch.device("cuda")
+    LayerCompute.calibrate(layer_ms, 2048, 768, device)
+    lane = arena_lane(slots, "cuda", 2048, 768, LayerCompute)
+    compute = torch.cuda.current_stream()
+
+    def timed(run) -> float:
+        torch.cuda.synchronize()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(compute)
+        run()
+        end.record(compute)
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    def decode(base: int) -> None:
+        for s in range(1, 9):
+            step(lane, 1 + s % 2, base + s)
+
+    step(lane, 16, 0)  # the whole layers' slots fill
+    lone, chunk, expert_ms = [], [], EXPERT_BYTES / PINNED_GBPS / 1e6
+    for r in range(rounds):
+        decode(100 * r)
+        lone.append(timed(lambda: step(lane, 16, 20)))
+        decode(100 * r + 50)
+        chunk.append(timed(lambda: [step(lane, 16, 30 + c) for c in range(chunks)]) / chunks)
+    decode(900)
+    lane.ring.trace = ops = []  # traced apart: the trace reads each map to the host
+    step(lane, 16, 20)
+    lane.ring.trace = None
+    out = {"gpu": torch.cuda.get_device_name(), "layer_reps": LayerCompute.reps,
+           "lone_ms": sorted(lone), "chunk_ms": sorted(chunk),
+           "lone_replay_ms": round(replay(ops, expert_ms, layer_ms), 1),
+           "lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place")}
+    if trace:
+        decode(950)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            step(lane, 16, 20)
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(trace)
+        out["copy_gaps"] = copy_gaps(load(trace))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", default="128,42,42,42,128,42,42,42",
@@ -253,6 +365,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engine", action="store_true",
                         help="also trace the lone step as vLLM's engine drives the lane (in "
                              "this process: VLLM_ENABLE_V1_MULTIPROCESSING=0) and replay it")
+    parser.add_argument("--gpu", action="store_true",
+                        help="also run the lane on this GPU with real experts and a stand-in "
+                             "layer of --layer-ms, and time its lone steps and chunks beside "
+                             "the replay of its own trace (gpu_times)")
+    parser.add_argument("--gpu-trace", default=None,
+                        help="with --gpu: a torch.profiler trace of one lone step, to this "
+                             "file; its copy_gaps printed")
+    parser.add_argument("--json", default=None, help="write the result to this file")
     args = parser.parse_args(argv)
     slots = [int(s) for s in args.slots.split(",")]
     layers = len(slots)
@@ -277,6 +397,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"({ours['chunk_copies']:.0f}); the prefetch offloader ({len(offloaded)} layers "
           f"offloaded, {ahead} ahead) {theirs['lone_ms']:.1f} / {theirs['chunk_ms']:.1f} ms: "
           f"x{doc['lone_vs_offloader']} lone, x{doc['chunk_vs_offloader']} chunks")
+    if args.gpu:
+        doc["gpu"] = g = gpu_times(slots, args.layer_ms, trace=args.gpu_trace)
+        print(f"on {g['gpu']}: lone step {g['lone_ms']} ms (replayed {g['lone_replay_ms']}, "
+              f"{g['lone_copies']} experts copied), chunk {g['chunk_ms']} ms")
+        for gap in (g.get("copy_gaps") or {}).get("gaps", []):
+            print(f"  copy engine waits {gap}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if "engine" in doc:
         print(f"vLLM's engine driving the same arena: lone step {doc['engine']['lone_ms']:.1f} ms "
               f"({doc['engine']['lone_copies']} experts copied)")

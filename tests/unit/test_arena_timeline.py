@@ -127,3 +127,23 @@ def test_the_engine_trace_needs_vllm_in_this_process(timeline, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
         timeline.engine_trace([128, 64, 128, 64])
+
+
+@pytest.mark.cuda
+def test_the_lane_on_a_gpu_copies_what_the_cpu_trace_copies(timeline, tmp_path):
+    """gpu_times runs the same lane with real experts on the GPU: its lone step copies the
+    experts the CPU's lone trace copies, and the profiled step's bulk copies move them (and
+    no more than its tail adds). Times are the tool's to print, not asserted."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run `pytest -m cuda` on one")
+    slots = [128, 64, 128, 64]
+    _, ops = timeline.lone_trace(slots)
+    cpu = sum(len(op.pairs) for op in ops if op.kind == "place")
+    out = timeline.gpu_times(slots, layer_ms=1.0, rounds=1, chunks=2,
+                             trace=str(tmp_path / "lone.json"))
+    assert out["lone_copies"] == cpu
+    assert len(out["lone_ms"]) == 1 and out["lone_ms"][0] > 0
+    moved = out["copy_gaps"]["bulk_gb"] * 1e9 / timeline.EXPERT_BYTES
+    # after other decode steps than the trace's; the tail's copies past the last kernel uncounted
+    assert 0.5 * cpu <= moved <= 1.1 * cpu
