@@ -163,16 +163,26 @@ def arena_lane(slots: list[int], device: str = "cpu", hidden: int = HIDDEN, inte
                       early_start=True)
 
 
-def step(lane: ExpertLane, tokens: int, seed: int) -> None:
+def inputs(lane: ExpertLane, tokens: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """One step's (tokens, routing weights, expert ids) per layer, on the lane's device."""
     g = torch.Generator().manual_seed(seed)
     cache = next(iter(lane.caches.values()))
     hidden, device = cache.weights["w13"].shape[2], cache.device
     dtype = cache.weights["w13"].dtype
-    for i in sorted(lane.caches):
+    out = []
+    for _ in sorted(lane.caches):
         ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(tokens)])
         weights = torch.softmax(torch.randn(tokens, TOP_K, generator=g), -1)
-        lane.forward(i, torch.randn(tokens, hidden, generator=g).to(device, dtype),
-                     weights.to(device), ids.to(device))
+        out.append((torch.randn(tokens, hidden, generator=g).to(device, dtype),
+                    weights.to(device), ids.to(device)))
+    return out
+
+
+def step(lane: ExpertLane, tokens: int, seed: int, made: list | None = None) -> None:
+    """One step of every layer; ``made``: its ``inputs``, already on the device (a GPU's
+    timing then holds no host-to-device copy of them, as vLLM's steps do not)."""
+    for i, args in zip(sorted(lane.caches), made or inputs(lane, tokens, seed)):
+        lane.forward(i, *args)
 
 
 def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, list]:
@@ -296,26 +306,33 @@ class LayerCompute:
 
 
 def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 4,
-              trace: str | None = None) -> dict:
+              trace: str | None = None, ints_by_copy: bool = False) -> dict:
     """The lane over ``slots`` on this GPU with Qwen3-30B-A3B's experts (9.4 MB, pinned) and a
     layer's compute of ``layer_ms`` (``LayerCompute``): each of ``rounds`` lone large steps
     after eight decode steps (as ``lone_trace``), timed on the compute stream from the step's
-    first issue to its last layer's end, and ``chunks`` back to back; beside each, the replay
-    of the same lane's trace at the pinned rate. Where the GPU's time exceeds the replay's,
-    the GPU runs the lane's order slower than Note [Arena timeline] assumes; ``trace`` (a
-    file) holds a torch.profiler trace of one lone step, its ``copy_gaps`` in the result."""
+    first issue to the end of what it issued there, and ``chunks`` back to back; beside them,
+    the replay of the same lane's trace at the pinned rate. Where the GPU's time exceeds the
+    replay's, the GPU runs the lane's order slower than Note [Arena timeline] assumes;
+    ``trace`` (a file) holds a torch.profiler trace of one lone step, its ``copy_gaps`` in the
+    result. ``ints_by_copy``: the arena's small tables written through a copy engine, as
+    until December 2026 (Note [Small writes beside bulk copies])."""
     from ringflow.bench.gpu_trace import copy_gaps, load
+    from ringflow.integrations.torch import expert_arena, expert_cache
 
     device = torch.device("cuda")
     LayerCompute.calibrate(layer_ms, 2048, 768, device)
     lane = arena_lane(slots, "cuda", 2048, 768, LayerCompute)
     compute = torch.cuda.current_stream()
+    ints = expert_cache.device_ints_by_copy if ints_by_copy else expert_cache.device_ints
+    saved = expert_cache.device_ints, expert_arena.device_ints
+    expert_cache.device_ints = expert_arena.device_ints = ints
 
-    def timed(run) -> float:
+    def timed(made: list[list]) -> float:
         torch.cuda.synchronize()
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record(compute)
-        run()
+        for m in made:
+            step(lane, 16, 0, m)
         end.record(compute)
         torch.cuda.synchronize()
         return start.elapsed_time(end)
@@ -324,30 +341,35 @@ def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 
         for s in range(1, 9):
             step(lane, 1 + s % 2, base + s)
 
-    step(lane, 16, 0)  # the whole layers' slots fill
-    lone, chunk, expert_ms = [], [], EXPERT_BYTES / PINNED_GBPS / 1e6
-    for r in range(rounds):
-        decode(100 * r)
-        lone.append(timed(lambda: step(lane, 16, 20)))
-        decode(100 * r + 50)
-        chunk.append(timed(lambda: [step(lane, 16, 30 + c) for c in range(chunks)]) / chunks)
-    decode(900)
-    lane.ring.trace = ops = []  # traced apart: the trace reads each map to the host
-    step(lane, 16, 20)
-    lane.ring.trace = None
-    out = {"gpu": torch.cuda.get_device_name(), "layer_reps": LayerCompute.reps,
-           "lone_ms": sorted(lone), "chunk_ms": sorted(chunk),
-           "lone_replay_ms": round(replay(ops, expert_ms, layer_ms), 1),
-           "lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place")}
-    if trace:
-        decode(950)
-        torch.cuda.synchronize()
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            step(lane, 16, 20)
+    try:
+        step(lane, 16, 0)  # the whole layers' slots fill
+        lone, chunk, expert_ms = [], [], EXPERT_BYTES / PINNED_GBPS / 1e6
+        for r in range(rounds):
+            decode(100 * r)
+            lone.append(timed([inputs(lane, 16, 20)]))
+            decode(100 * r + 50)
+            chunk.append(timed([inputs(lane, 16, 30 + c) for c in range(chunks)]) / chunks)
+        decode(900)
+        lane.ring.trace = ops = []  # traced apart: the trace reads each map to the host
+        step(lane, 16, 20)
+        lane.ring.trace = None
+        out = {"gpu": torch.cuda.get_device_name(), "ints_by_copy": ints_by_copy,
+               "layer_reps": LayerCompute.reps, "lone_ms": sorted(lone),
+               "chunk_ms": sorted(chunk),
+               "lone_replay_ms": round(replay(ops, expert_ms, layer_ms), 1),
+               "lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place")}
+        if trace:
+            decode(950)
+            made = inputs(lane, 16, 20)
             torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
-        out["copy_gaps"] = copy_gaps(load(trace))
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                step(lane, 16, 20, made)
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(trace)
+            out["copy_gaps"] = copy_gaps(load(trace))
+    finally:
+        expert_cache.device_ints, expert_arena.device_ints = saved
     return out
 
 
@@ -372,6 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-trace", default=None,
                         help="with --gpu: a torch.profiler trace of one lone step, to this "
                              "file; its copy_gaps printed")
+    parser.add_argument("--ints-by-copy", action="store_true",
+                        help="with --gpu: also time the arena writing its small tables "
+                             "through a copy engine (as until December 2026)")
     parser.add_argument("--json", default=None, help="write the result to this file")
     args = parser.parse_args(argv)
     slots = [int(s) for s in args.slots.split(",")]
@@ -398,11 +423,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"offloaded, {ahead} ahead) {theirs['lone_ms']:.1f} / {theirs['chunk_ms']:.1f} ms: "
           f"x{doc['lone_vs_offloader']} lone, x{doc['chunk_vs_offloader']} chunks")
     if args.gpu:
-        doc["gpu"] = g = gpu_times(slots, args.layer_ms, trace=args.gpu_trace)
-        print(f"on {g['gpu']}: lone step {g['lone_ms']} ms (replayed {g['lone_replay_ms']}, "
-              f"{g['lone_copies']} experts copied), chunk {g['chunk_ms']} ms")
-        for gap in (g.get("copy_gaps") or {}).get("gaps", []):
-            print(f"  copy engine waits {gap}")
+        runs = [False, True] if args.ints_by_copy else [False]
+        doc["gpu"] = [gpu_times(slots, args.layer_ms, trace=args.gpu_trace and (
+            args.gpu_trace if not by_copy else args.gpu_trace.replace(".json", "-by-copy.json")),
+            ints_by_copy=by_copy) for by_copy in runs]
+        for g in doc["gpu"]:
+            print(f"on {g['gpu']}{' (tables by copy engine)' if g['ints_by_copy'] else ''}: "
+                  f"lone step {[round(t, 1) for t in g['lone_ms']]} ms (replayed "
+                  f"{g['lone_replay_ms']}, {g['lone_copies']} experts copied), chunk "
+                  f"{[round(t, 1) for t in g['chunk_ms']]} ms")
+            for gap in (g.get("copy_gaps") or {}).get("gaps", []):
+                print(f"  copy engine waits {gap}")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if "engine" in doc:

@@ -46,10 +46,24 @@ Note [Expert cache]
     eager step; ``hit_rate`` reads them (one host sync, at report time). With ``trace`` set, each
     step's installs and reads are recorded for the proof of Note [Expert lane hazards]
     (orchestrator/expert_hazards.py).
+
+Note [Small writes beside bulk copies]
+    A large step through the expert arena writes small tables on the compute stream while its
+    copy stream moves experts: each fill's expert map, and the slots it drops from or adopts
+    into a cache (``device_ints``). Written by torch's pinned copy, each went through a copy
+    engine, and on an H100 a copy engine served it after every bulk host-to-device copy
+    issued before it on the copy stream: the step's tail (the next step's first fills) wrote
+    a map at 91.7 ms that ran at 122.0, when the last of 6.1 GB of queued experts landed, so
+    the compute stream waited 19 ms for copies it does not read, and in vLLM the logits and
+    the sampler after the last layer with it (``tools/arena_timeline.py --gpu``: the 8-layer
+    lone step 118-125 ms against 97 replayed). ``device_ints`` stages the values in pinned memory and
+    widens them with a kernel that reads them across the host link: the compute stream's
+    order is its own again. Under CUDA graph capture it keeps torch's copy (a graph node).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Iterator, Mapping
 
@@ -67,10 +81,44 @@ _LATEST = torch.iinfo(torch.int64).max
 
 def device_ints(values: list, device: torch.device) -> torch.Tensor:
     """``values`` (a list of ints, or of tuples of them) as an int64 tensor on ``device``,
-    without a host sync: through pinned memory on a GPU (the copy is queued on the current
-    stream, and torch keeps the pinned block until it ran)."""
+    without a host sync and without a copy engine (Note [Small writes beside bulk copies]):
+    on a GPU, staged in pinned memory and widened by a kernel on the current stream that
+    reads it across the host link."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    if torch.cuda.is_current_stream_capturing():  # a graph keeps torch's own copy node
+        return device_ints_by_copy(values, device)
+    if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
+        raise KernelError(f"device_ints stages int32: {int(t.abs().max())} does not fit")
+    staged = t.to(torch.int32).pin_memory()
+    view = torch.as_tensor(_PinnedView(staged), device=device)  # the same pinned bytes
+    out = view.to(torch.int64)  # an SM kernel: no copy engine, so no queue behind bulk copies
+    done = torch.cuda.Event()
+    done.record()
+    _STAGED.append((done, staged))  # kept until the kernel read it
+    while _STAGED and _STAGED[0][0].query():
+        _STAGED.popleft()
+    return out
+
+
+def device_ints_by_copy(values: list, device: torch.device) -> torch.Tensor:
+    """``device_ints`` through a copy engine (torch's pinned copy), as it was until December
+    2026: queued behind any bulk host-to-device copy issued before it on any stream."""
     t = torch.tensor(values, dtype=torch.int64)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+class _PinnedView:
+    """A pinned CPU tensor's bytes as CUDA sees them (unified addressing: the same address),
+    for ``torch.as_tensor`` to wrap without copying."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": "<i4",
+                                         "data": (t.data_ptr(), False), "version": 2}
+
+
+_STAGED: collections.deque = collections.deque()  # (event, pinned tensor) not yet read
 
 
 class ExpertCache:
