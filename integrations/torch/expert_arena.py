@@ -47,8 +47,9 @@ Note [Large steps stream through the slots]
           then the rows a fill wrote that the layer before reads (a copy into one waits for
           that layer's compute). At 8 layers this lets each half layer's fill copy while the
           layer before computes: modeled 0.97x the prefetch offloader's lone step, where
-          every fill waited for the layer before (0.90x), but not borne out on an H100 (0.80x
-          in one round, below); the 4-layer layouts' traces do not change;
+          every fill waited for the layer before (0.90x); on an H100 0.80x in one round,
+          until the arena's small tables stopped queueing behind its copies (0.96x, below);
+          the 4-layer layouts' traces do not change;
        c. other layers' own cached experts: those of the layers that already ran in this
           step, the earliest first (the next step's first layer gets its rows back in this
           step's tail, a later one only between the next step's layers: taking the layer
@@ -134,9 +135,16 @@ Note [Large steps stream through the slots]
     start-up spent the bench's deadline) the lone 8k prompt took 125 ms, 0.80x the
     offloader's 100 (whole layers 0 and 1: 0.78x), 32k 1.29x: inside the spread of
     ``7cc1b8b``'s four rounds (111-129 ms), so the rank's gain is not shown, and the replay
-    (94 ms) misses 31 ms of the GPU's step where it misses 9 of the offloader's. What it
-    misses is not known: the next GPU session traces this step (copy engine idle against
-    compute, ``experts_bench.py --trace``). Held layers (``ringflow-held``, a ring of two
+    (94 ms) misses 31 ms of the GPU's step where it misses 9 of the offloader's. The lane
+    alone on the GPU (``tools/arena_timeline.py --gpu``, no vLLM) showed where: its step's
+    small table writes (the tail's maps, drops and adoptions) went through a copy engine and
+    waited there behind the copy stream's queued experts, holding the compute stream 19 ms
+    past its last layer (Note [Small writes beside bulk copies], integrations/torch/
+    expert_cache.py). Written by a kernel since (tree ``dbb748f``, five rounds,
+    ``experts-bench-8l-kernelints-prefetch-h100.json``): the lone 8k prompt 79,770
+    [79,609-79,947] tok/s, **0.96x** the offloader's 82,778 [82,072-83,241] (was 0.80x),
+    32k 1.40x; the tail's copies moved to the next token (32 ms after the prompt, was 9):
+    prompt and next token together take what they took. Held layers (``ringflow-held``, a ring of two
     layer buffers beside 32 slots per layer) took 102 ms there at ``3d9c6a3`` (0.97x, three
     rounds), copy-bound, at the cost of an 82 ms second token.
 

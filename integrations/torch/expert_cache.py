@@ -52,11 +52,12 @@ Note [Small writes beside bulk copies]
     copy stream moves experts: each fill's expert map, and the slots it drops from or adopts
     into a cache (``device_ints``). Written by torch's pinned copy, each went through a copy
     engine, and on an H100 a copy engine served it after every bulk host-to-device copy
-    issued before it on the copy stream: the step's tail (the next step's first fills) wrote
-    a map at 91.7 ms that ran at 122.0, when the last of 6.1 GB of queued experts landed, so
-    the compute stream waited 19 ms for copies it does not read, and in vLLM the logits and
-    the sampler after the last layer with it (``tools/arena_timeline.py --gpu``: the 8-layer
-    lone step 118-125 ms against 97 replayed). ``device_ints`` stages the values in pinned memory and
+    issued before it on the copy stream: in the 8-layer lone step the tail's map (the next
+    step's first fill), issued at 22.9 ms, ran at 119.7, when the last of 6.1 GB of queued
+    experts landed, 19 ms after the last layer ended; the compute stream waited that long for
+    copies it does not read, and in vLLM the logits and the sampler after the last layer with
+    it (``tools/arena_timeline.py --gpu``: that lone step 117.8-118.0 ms against 97.2
+    replayed, 98.8-99.0 since). ``device_ints`` stages the values in pinned memory and
     widens them with a kernel that reads them across the host link: the compute stream's
     order is its own again. Under CUDA graph capture it keeps torch's copy (a graph node).
 """

@@ -88,7 +88,10 @@ def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
     a stretch under a layer's ``fused_moe_kernel`` is a fill waiting for that layer to retire,
     one under attention or before any copy is the step's start. The replay of Note [Arena
     timeline] assumes what this measures (the copy engine idles only where a fill waits for a
-    reader): at 8 layers the H100 took 31 ms more than it, which these stretches locate.
+    reader). At 8 layers on an H100 (``tools/arena_timeline.py --gpu``) they added up to
+    8 ms while the step took 21 more than the replay: the copy engine was busy to the end,
+    and the step waited instead for small writes queued behind its copies (Note [Small
+    writes beside bulk copies]); the compute stream's own copies are what to read next.
     ``first_copy_ms``: from the window's start to the first bulk copy; ``idle_ms``: the
     stretches' sum; ``bulk_gb`` and ``bulk_copies``: what the step's bulk copies moved. Each
     stretch that a copy ends names when the host issued that copy (``issued_ms``, by the
