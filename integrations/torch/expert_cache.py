@@ -96,7 +96,7 @@ def device_ints(values: list, device: torch.device) -> torch.Tensor:
     view = torch.as_tensor(_PinnedView(staged), device=device)  # the same pinned bytes
     out = view.to(torch.int64)  # an SM kernel: no copy engine, so no queue behind bulk copies
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(device))  # the stream the kernel ran on
     _STAGED.append((done, staged))  # kept until the kernel read it
     while _STAGED and _STAGED[0][0].query():
         _STAGED.popleft()
