@@ -122,31 +122,30 @@ Note [Large steps stream through the slots]
     At 8 layers (the same memory as 4 resident layers: layers 0 and 4 whole, the others 42
     slots), measured on an H100 at ``7cc1b8b`` (``experts-bench-8l-whole-prefetch-h100.json``,
     four rounds): a lone 8k prompt 0.89x vLLM's prefetch offloader, 32k in chunks 1.34x. The
-    lone step copies what the device cannot hold (516 experts before its last layer), as many
-    as the offloader copies inside its step; but every half layer's fill went into rows that
-    the layer before it reads, so each waited for that layer's compute and the copy engine
-    idled through six of them, where the offloader's four buffers keep it busy. Replaying
-    the arena's trace (Note [Arena timeline]) gave 0.90x for that, and the layouts tried
-    with the same memory (whole layers 0 and 1, one whole layer, none whole) no better.
-    Since the fills take the whole first layer's other rows before those the layer before
-    reads (step 2), the replay gives 0.97x (whole layers 0 and 1: 1.0x) and chunks 1.42x;
-    each lone step copies 42 more experts, in its tail (644 in all). On the H100 at
-    ``0b7744e`` (``experts-bench-8l-rank2-prefetch-h100.json``, one round: the engines'
-    start-up spent the bench's deadline) the lone 8k prompt took 125 ms, 0.80x the
-    offloader's 100 (whole layers 0 and 1: 0.78x), 32k 1.29x: inside the spread of
-    ``7cc1b8b``'s four rounds (111-129 ms), so the rank's gain is not shown, and the replay
-    (94 ms) misses 31 ms of the GPU's step where it misses 9 of the offloader's. The lane
-    alone on the GPU (``tools/arena_timeline.py --gpu``, no vLLM) showed where: its step's
-    small table writes (the tail's maps, drops and adoptions) went through a copy engine and
-    waited there behind the copy stream's queued experts, holding the compute stream 19 ms
-    past its last layer (Note [Small writes beside bulk copies], integrations/torch/
-    expert_cache.py). Written by a kernel since (tree ``dbb748f``, five rounds,
-    ``experts-bench-8l-kernelints-prefetch-h100.json``): the lone 8k prompt 79,770
-    [79,609-79,947] tok/s, **0.96x** the offloader's 82,778 [82,072-83,241] (was 0.80x),
-    32k 1.40x; the tail's copies moved to the next token (32 ms after the prompt, was 9):
-    prompt and next token together take what they took. Held layers (``ringflow-held``, a ring of two
-    layer buffers beside 32 slots per layer) took 102 ms there at ``3d9c6a3`` (0.97x, three
-    rounds), copy-bound, at the cost of an 82 ms second token.
+    lone step copies what the device cannot hold (516 experts before its last layer), as many as
+    the offloader copies inside its step; but every half layer's fill went into rows that the
+    layer before it reads, so each waited for that layer's compute and the copy engine idled
+    through six of them, where the offloader's four buffers keep it busy. Replaying the arena's
+    trace (Note [Arena timeline]) gave 0.90x for that, and the layouts tried with the same
+    memory (whole layers 0 and 1, one whole layer, none whole) no better. Since the fills take
+    the whole first layer's other rows before those the layer before reads (step 2), the replay
+    gives 0.97x (whole layers 0 and 1: 1.0x) and chunks 1.42x; each lone step copies 42 more
+    experts, in its tail (644 in all). On the H100 at ``0b7744e``
+    (``experts-bench-8l-rank2-prefetch-h100.json``, one round: the engines' start-up spent the
+    bench's deadline) the lone 8k prompt took 125 ms, 0.80x the offloader's 100 (whole layers 0
+    and 1: 0.78x), 32k 1.29x: inside the spread of ``7cc1b8b``'s four rounds (111-129 ms), so
+    the rank's gain is not shown, and the replay (94 ms) misses 31 ms of the GPU's step where it
+    misses 9 of the offloader's. The lane alone on the GPU (``tools/arena_timeline.py --gpu``,
+    no vLLM) showed where: its step's small table writes (the tail's maps, drops and adoptions)
+    went through a copy engine and waited there behind the copy stream's queued experts, holding
+    the compute stream 19 ms past its last layer (Note [Small writes beside bulk copies],
+    integrations/torch/expert_cache.py). Written by a kernel since (tree ``dbb748f``, five
+    rounds, ``experts-bench-8l-kernelints-prefetch-h100.json``): the lone 8k prompt 79,770
+    [79,609-79,947] tok/s, **0.96x** the offloader's 82,778 [82,072-83,241] (was 0.80x), 32k
+    1.40x; the tail's copies moved to the next token (32 ms after the prompt, was 9): prompt and
+    next token together take what they took. Held layers (``ringflow-held``, a ring of two layer
+    buffers beside 32 slots per layer) took 102 ms there at ``3d9c6a3`` (0.97x, three rounds),
+    copy-bound, at the cost of an 82 ms second token.
 
     Cost and gain: a large step copies each chosen layer's experts that the arena does not
     hold where it can keep them. When a layer's copy must wait for the layer before it to

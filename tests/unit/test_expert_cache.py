@@ -334,8 +334,8 @@ def test_device_ints_on_the_cpu_are_the_values():
 
 @pytest.mark.cuda
 def test_device_ints_land_while_bulk_copies_are_queued_on_another_stream():
-    """Note [Small writes beside bulk copies]: the values are right (flat and in pairs, the
-    staging reused only after its kernel read it), out of int32 is refused, and the compute
+    """Note [Small writes beside bulk copies]: the values are right (flat and in pairs, over
+    300 calls), out of int32 is refused, and the compute
     stream's write finishes while 2 GB of host-to-device copies queued before it on a side
     stream are still landing (40 ms at the H100's 55 GB/s; checked after 5 ms)."""
     import time
