@@ -64,7 +64,12 @@ Note [Arena timeline]
     map write that a copy engine served after the queued experts (Note [Small writes beside
     bulk copies]); with those writes done by a kernel 98.8-99.0 ms (chunks 112.3 against
     117.7), and the replay right again. The 8-layer bench then measured 0.96x (five rounds,
-    tree ``dbb748f``).
+    tree ``dbb748f``), what the replay gives at ``--layer-ms 2.9`` (0.963x). At that rate
+    the 8-layer layouts of the bench's memory with two whole layers first (``128,128`` then
+    ``43,43,43,43,42,42``, ``64,64,32,32,32,32``, ``80,60,40,30,24,22`` or
+    ``128,26,26,26,25,25``) replay 93.7 ms, the offloader's own time (1.0x; chunks 1.44x;
+    ``86,86,40,40,2,2`` 96.2 ms): both copy the 512 experts the device does not hold inside
+    the step, so 1.0x is the lone step's ceiling at this memory.
 """
 
 from __future__ import annotations
