@@ -86,7 +86,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from experts_bench import EXPERT_BYTES, prefetch_layout  # noqa: E402
+from experts_bench import EXPERT_BYTES, QWEN3_A3B, prefetch_layout  # noqa: E402
 
 from ringflow.bench import records  # noqa: E402
 from ringflow.errors import ConfigError  # noqa: E402
@@ -97,6 +97,7 @@ from ringflow.integrations.torch.expert_lane import ExpertLane, TorchCompute  # 
 from ringflow.orchestrator.expert_model import PINNED_GBPS  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 8, 4
+LARGE = 16  # the lane's layer_tokens: a step of this many tokens is large
 
 
 def replay(ops, expert_ms: float, layer_ms: float) -> float:
@@ -169,7 +170,7 @@ def arena_lane(slots: list[int], device: str = "cpu", hidden: int = HIDDEN, inte
                                 priority=0)["arena-timeline-copy"] if cuda else None)
     arena = ExpertArena(list(caches.values()), rows, stream)
     make = compute or TorchCompute
-    return ExpertLane(caches, {i: make() for i in caches}, arena, layer_tokens=16,
+    return ExpertLane(caches, {i: make() for i in caches}, arena, layer_tokens=LARGE,
                       early_start=True)
 
 
@@ -203,13 +204,13 @@ def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, lis
     if after not in ("decode", "prompt"):
         raise ConfigError(f"lone_trace: after is decode or prompt, not {after!r}")
     lane = arena_lane(slots)
-    step(lane, 16, 0)  # the whole layers' slots fill
+    step(lane, LARGE, 0)  # the whole layers' slots fill
     for s in range(1, 9 if after == "decode" else 4):
         if after == "prompt":
-            step(lane, 16, 40 + s)
+            step(lane, LARGE, 40 + s)
         step(lane, 1 + s % 2, s)
     lane.ring.trace = ops = []
-    step(lane, 16, 20)
+    step(lane, LARGE, 20)
     return lane, ops
 
 
@@ -273,7 +274,7 @@ def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
     arena.trace = ops = []
     before = arena.rows_from_host
     for s in range(chunks):
-        step(lane, 16, 30 + s)
+        step(lane, LARGE, 30 + s)
     return {**lone, "chunk_copies": (arena.rows_from_host - before) / chunks,
             "chunk_ms": replay(ops, expert_ms, layer_ms) / chunks}
 
@@ -307,7 +308,7 @@ class LayerCompute:
 
     def __call__(self, x, weights, topk_weights, topk_ids, expert_map, last=True,
                  host_rows=None):
-        if x.shape[0] < 16:  # the lane's layer_tokens: a small step
+        if x.shape[0] < LARGE:  # a small step
             return self._small(x, weights, topk_weights, topk_ids, expert_map, last, host_rows)
         w13 = weights["w13"]
         for k in range(self.reps):  # reads rows the fill wrote, as the layer's kernel does
@@ -330,8 +331,9 @@ def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 
     from ringflow.integrations.torch import expert_arena, expert_cache
 
     device = torch.device("cuda")
-    LayerCompute.calibrate(layer_ms, 2048, 768, device)
-    lane = arena_lane(slots, "cuda", 2048, 768, LayerCompute)
+    hidden, inter = QWEN3_A3B["hidden_size"], QWEN3_A3B["moe_intermediate_size"]
+    LayerCompute.calibrate(layer_ms, hidden, inter, device)
+    lane = arena_lane(slots, "cuda", hidden, inter, LayerCompute)
     compute = torch.cuda.current_stream()
     ints = expert_cache.device_ints_by_copy if ints_by_copy else expert_cache.device_ints
     saved = expert_cache.device_ints, expert_arena.device_ints
@@ -342,7 +344,7 @@ def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record(compute)
         for m in made:
-            step(lane, 16, 0, m)
+            step(lane, LARGE, 0, m)
         end.record(compute)
         torch.cuda.synchronize()
         return start.elapsed_time(end)
@@ -352,16 +354,16 @@ def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 
             step(lane, 1 + s % 2, base + s)
 
     try:
-        step(lane, 16, 0)  # the whole layers' slots fill
+        step(lane, LARGE, 0)  # the whole layers' slots fill
         lone, chunk, expert_ms = [], [], EXPERT_BYTES / PINNED_GBPS / 1e6
         for r in range(rounds):
             decode(100 * r)
-            lone.append(timed([inputs(lane, 16, 20)]))
+            lone.append(timed([inputs(lane, LARGE, 20)]))
             decode(100 * r + 50)
-            chunk.append(timed([inputs(lane, 16, 30 + c) for c in range(chunks)]) / chunks)
+            chunk.append(timed([inputs(lane, LARGE, 30 + c) for c in range(chunks)]) / chunks)
         decode(900)
         lane.ring.trace = ops = []  # traced apart: the trace reads each map to the host
-        step(lane, 16, 20)
+        step(lane, LARGE, 20)
         lane.ring.trace = None
         out = {"gpu": torch.cuda.get_device_name(), "ints_by_copy": ints_by_copy,
                "layer_reps": LayerCompute.reps, "lone_ms": sorted(lone),
@@ -370,11 +372,11 @@ def gpu_times(slots: list[int], layer_ms: float, rounds: int = 5, chunks: int = 
                "lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place")}
         if trace:
             decode(950)
-            made = inputs(lane, 16, 20)
+            made = inputs(lane, LARGE, 20)
             torch.cuda.synchronize()
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as prof:
-                step(lane, 16, 20, made)
+                step(lane, LARGE, 20, made)
                 torch.cuda.synchronize()
             prof.export_chrome_trace(trace)
             out["copy_gaps"] = copy_gaps(load(trace))

@@ -89,7 +89,7 @@ def device_ints(values: list, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     if torch.cuda.is_current_stream_capturing():  # a graph keeps torch's own copy node
-        return device_ints_by_copy(values, device)
+        return t.pin_memory().to(device, non_blocking=True)
     if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
         raise KernelError(f"device_ints stages int32: {int(t.abs().max())} does not fit")
     staged = t.to(torch.int32).pin_memory()
