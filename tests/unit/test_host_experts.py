@@ -496,8 +496,14 @@ def test_a_parked_host_worker_computes_the_next_steps_as_the_float64_moe():
     lane, cache, host, w13, w2 = lane_with_host(slots=2 * K, share=0.5, idle_ms=1.0)
     g = torch.Generator().manual_seed(12)
     try:
+        parked = host.node.parks
         for s, tokens in enumerate([1, 2, 1, 1]):
-            time.sleep(0.02)  # idle: parked
+            # idle until it parks: a fixed 20 ms sleep parked only 3 of 4 times on a loaded
+            # 2-CPU CI machine, where the worker's thread was not scheduled in time
+            deadline = time.monotonic() + 5.0
+            while host.node.parks <= parked and time.monotonic() < deadline:
+                time.sleep(0.005)
+            parked = host.node.parks
             if s % 2:
                 host.wake()  # as vLLM's execute_model does, before the step
             ids, weights = routing(80 + s, tokens)
