@@ -436,10 +436,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"x{doc['lone_vs_offloader']} lone, x{doc['chunk_vs_offloader']} chunks")
     if args.gpu:
         runs = [False, True] if args.ints_by_copy else [False]
-        doc["gpu"] = [gpu_times(slots, args.layer_ms, trace=args.gpu_trace and (
+        # not "gpu": the record (below) names the GPU there, and a list there overwrote it
+        doc["on_gpu"] = [gpu_times(slots, args.layer_ms, trace=args.gpu_trace and (
             args.gpu_trace if not by_copy else args.gpu_trace.replace(".json", "-by-copy.json")),
             ints_by_copy=by_copy) for by_copy in runs]
-        for g in doc["gpu"]:
+        for g in doc["on_gpu"]:
             print(f"on {g['gpu']}{' (tables by copy engine)' if g['ints_by_copy'] else ''}: "
                   f"lone step {[round(t, 1) for t in g['lone_ms']]} ms (replayed "
                   f"{g['lone_replay_ms']}, {g['lone_copies']} experts copied), chunk "

@@ -99,6 +99,22 @@ def test_the_readmes_command_compares_the_bench_layouts_with_the_offloaders(time
     assert eight["arena"]["lone_copies"] >= 8 * 128 - sum(eight["slots"])
 
 
+def test_the_record_names_the_gpu_beside_the_gpu_runs(timeline, tmp_path, monkeypatch):
+    """``--gpu --json``: the record's ``gpu`` stays the GPU's name (records.environment) and
+    the runs go under ``on_gpu``; at 05e7abc the runs' list took the ``gpu`` key. The GPU run
+    is stood in for, so that this runs on a CPU."""
+    import json
+    from ringflow.bench import records
+    run = {"gpu": "stand-in", "ints_by_copy": False, "lone_ms": [1.0], "chunk_ms": [1.0],
+           "lone_replay_ms": 1.0, "lone_copies": 1}
+    monkeypatch.setattr(timeline, "gpu_times", lambda *a, **k: dict(run))
+    monkeypatch.setattr(records, "environment", lambda program: {"gpu": "the GPU's name",
+                                                                 "command": program})
+    timeline.main(["--gpu", "--json", str(tmp_path / "t.json")])
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["gpu"] == "the GPU's name" and doc["on_gpu"] == [run]
+
+
 def test_a_lone_step_after_prompts_costs_what_it_costs_after_decode(timeline):
     """The bench's 4 layers: a lone large step right after prompts that ended at their first
     token is as quick as one after decode (the tail gave back the rows the half layers
