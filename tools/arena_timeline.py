@@ -69,10 +69,11 @@ Note [Arena timeline]
     ``43,43,43,43,42,42``, ``64,64,32,32,32,32``, ``80,60,40,30,24,22`` or
     ``128,26,26,26,25,25``) replay 93.7 ms, the offloader's own time (1.0x; chunks 1.44x;
     ``86,86,40,40,2,2`` 96.2 ms): both copy the 512 experts the device does not hold inside
-    the step, so 1.0x is the lone step's ceiling at this memory. The bench's front layout
-    (``128,128`` then six of 42: two rows fewer) replays 94.3 ms (0.993x); on the H100 the
-    lane alone took 95.5-96.3 ms and vLLM's engine 0.97x the offloader (five rounds, tree
-    ``05e7abc``): what is left is the replay's 0.7% and about 2% around the lane in vLLM.
+    the step, so 1.0x is the lone step's ceiling at this memory. The bench's front layout as
+    it ran at ``05e7abc`` (``128,128`` then six of 42: four rows fewer than the peers') replays
+    94.3 ms (0.993x); on the H100 the lane alone took 95.5-96.3 ms and vLLM's engine 0.97x
+    the offloader (five rounds): what is left is the replay's 0.7% and about 2% around the
+    lane in vLLM. The bench gives its whole layouts those four rows since (``whole_layers``).
 """
 
 from __future__ import annotations

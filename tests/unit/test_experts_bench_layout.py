@@ -128,31 +128,37 @@ def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(l
     assert chosen * section["slots"] / 128 + bench.RING <= bench.device_layers(layers)
 
 
-@pytest.mark.parametrize("layers", [4, 8])
-def test_the_whole_lane_has_the_arenas_memory_with_its_resident_layers_whole(layers):
+@pytest.mark.parametrize("layers", [4, 8, 16])
+def test_the_whole_lane_has_the_peers_memory_with_its_resident_layers_whole(layers):
     """``ringflow-whole``: every layer chosen (in host memory), the arena's resident layers
-    with all 128 experts in their slots and its chosen ones their slots: the same rows on the
-    device as ``ringflow-arena``, one arena of them, started early."""
+    with all 128 experts in their slots and its chosen ones ``held_slots`` each, the rows that
+    rounds off one each to those nearest after a whole layer: exactly the device memory every
+    peer keeps (``device_layers``), one arena, started early."""
     bench = _bench()
     whole = bench.configs(layers)["ringflow-whole"]["additional_config"]["ringflow"]["experts"]
     arena = bench.configs(layers)["ringflow-arena"]["additional_config"]["ringflow"]["experts"]
     assert whole["layers"] == "all" and whole["layer_buffers"] == "slots"
     assert whole["early_start"] is True
-    assert whole["slots"] == {str(i): arena["slots"] if i in arena["layers"] else 128
-                              for i in range(layers)}
-    assert sum(whole["slots"].values()) == \
-        len(arena["layers"]) * arena["slots"] + 128 * (layers - len(arena["layers"]))
+    rows = bench.device_layers(layers) * 128
+    slots = [whole["slots"][str(i)] for i in range(layers)]
+    assert sum(slots) == rows
+    assert [i for i, n in enumerate(slots) if n == 128] == \
+        [i for i in range(layers) if i not in arena["layers"]]
+    assert {slots[i] for i in arena["layers"]} <= {arena["slots"], arena["slots"] + 1}
+    if layers == 8:  # the 4 rounded-off rows: the two layers after each whole one
+        assert slots == [128, 43, 43, 42, 128, 43, 43, 42]
     plan = bench.configs(layers)["ringflow-whole-plan"]
     assert plan["additional_config"]["ringflow"]["experts"] == whole
     host = bench.configs(layers)["ringflow-whole-host-plan"]["additional_config"]["ringflow"]
     assert host["experts"] == {**whole, "host_share": "auto", "host_tokens": 8}
-    # the same rows with the whole layers first
+    # the same rows with the whole layers first, the spare ones right after them
     front = bench.configs(layers)["ringflow-front-plan"]
     assert front["env"] == plan["env"]
-    slots = front["additional_config"]["ringflow"]["experts"]["slots"]
-    assert [slots[str(i)] for i in range(layers)] == \
-        [128] * bench.RING + [arena["slots"]] * (layers - bench.RING)
-    assert sum(slots.values()) == sum(whole["slots"].values())
+    first = front["additional_config"]["ringflow"]["experts"]["slots"]
+    first = [first[str(i)] for i in range(layers)]
+    assert first[:bench.RING] == [128] * bench.RING and sum(first) == rows
+    assert first[bench.RING:] == sorted(first[bench.RING:], reverse=True)
+    assert set(first[bench.RING:]) <= {arena["slots"], arena["slots"] + 1}
 
 
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
