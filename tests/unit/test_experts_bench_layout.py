@@ -131,9 +131,9 @@ def test_the_arena_lane_offloads_its_layers_and_keeps_the_memory_of_the_others(l
 @pytest.mark.parametrize("layers", [4, 8, 16])
 def test_the_whole_lane_has_the_peers_memory_with_its_resident_layers_whole(layers):
     """``ringflow-whole``: every layer chosen (in host memory), the arena's resident layers
-    with all 128 experts in their slots and its chosen ones ``held_slots`` each, the rows that
-    rounds off one each to those nearest after a whole layer: exactly the device memory every
-    peer keeps (``device_layers``), one arena, started early."""
+    with all 128 experts in their slots and its chosen ones ``held_slots`` each, the rows its
+    rounding leaves one each to those nearest after a whole layer: exactly the device memory
+    every peer keeps (``device_layers``), one arena, started early."""
     bench = _bench()
     whole = bench.configs(layers)["ringflow-whole"]["additional_config"]["ringflow"]["experts"]
     arena = bench.configs(layers)["ringflow-arena"]["additional_config"]["ringflow"]["experts"]
