@@ -15,7 +15,7 @@ Note [Arena timeline]
     taking ``expert_ms`` per expert and a layer's first read ``layer_ms``, it gives the step's
     time where copies and kernels run at those rates and nothing else waits. This tool runs
     the lane on the CPU (real expert counts, tiny experts: the arena copies every expert a
-    position lacks whatever the routing), after a warm step and a few decode steps, traces a
+    position lacks whatever the routing), after two warm steps and a few decode steps, traces a
     lone large step and four back to back, and replays both. vLLM's prefetch offloader with
     the same device memory is the same replay over its own rule: ``ahead`` buffers over the
     offloaded layers in order, the first ``ahead`` of them copied before a lone step (while
@@ -74,6 +74,15 @@ Note [Arena timeline]
     94.3 ms (0.993x); on the H100 the lane alone took 95.5-96.3 ms and vLLM's engine 0.97x
     the offloader (five rounds): what is left is the replay's 0.7% and about 2% around the
     lane in vLLM. The bench gives its whole layouts those four rows since (``whole_layers``).
+
+    Until December 2026 ``lone_trace`` warmed the lane with one large step, from empty
+    slots: that step may leave a whole layer's experts in other layers' empty rows, which
+    the small steps after it copy back a miss at a time, so the lone step measured a
+    transient (``128,43,43,43,128,43,42,42``: 102.7 ms, 96.6 from a steady state). It warms
+    with two since; every layout named above replays as before, but the 4-layer lone step's
+    27.4 against 30.9 for copying the rows no read holds first was that transient's: from a
+    steady state both orders replay 27.4 ms at 4 layers; at 8 layers the order gives 94.2 ms
+    against 101.4 (``128,42,42,42,128,42,42,42``).
 """
 
 from __future__ import annotations
@@ -201,14 +210,19 @@ def step(lane: ExpertLane, tokens: int, seed: int, made: list | None = None) -> 
 
 
 def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, list]:
-    """The lane over ``slots`` after a warm large step and then ``after``: ``decode`` (eight
-    small steps) or ``prompt`` (three lone large steps, each followed by one small step:
-    prompts that end at their first token), and the trace of one lone large step after
-    them."""
+    """The lane over ``slots`` after two warm large steps and then ``after``: ``decode``
+    (eight small steps) or ``prompt`` (three lone large steps, each followed by one small
+    step: prompts that end at their first token), and the trace of one lone large step after
+    them. Two: the first, from empty slots, may leave a whole layer's experts in other
+    layers' empty rows, which small steps then copy back one miss at a time (at
+    ``128,43,43,43,128,43,42,42`` layer 0 held 43 of its 128 after it, and a lone step after
+    eight small ones replayed 102.7 ms against 96.6 after two); in vLLM its profile run is
+    that first step, before any request."""
     if after not in ("decode", "prompt"):
         raise ConfigError(f"lone_trace: after is decode or prompt, not {after!r}")
     lane = arena_lane(slots)
     step(lane, LARGE, 0)  # the whole layers' slots fill
+    step(lane, LARGE, 1)
     for s in range(1, 9 if after == "decode" else 4):
         if after == "prompt":
             step(lane, LARGE, 40 + s)
