@@ -72,8 +72,8 @@ Note [Arena timeline]
     the step, so 1.0x is the lone step's ceiling at this memory. The bench's front layout as
     it ran at ``05e7abc`` (``128,128`` then six of 42: four rows fewer than the peers') replays
     94.3 ms (0.993x); on the H100 the lane alone took 95.5-96.3 ms and vLLM's engine 0.97x
-    the offloader (five rounds): what is left is the replay's 0.7% and about 2% around the
-    lane in vLLM. The bench gives its whole layouts those four rows since (``whole_layers``).
+    the offloader (five rounds): of the 3% left, the replay holds 0.6%, the lane on the GPU
+    1.4% and vLLM around it about 1.3%. The bench gives its whole layouts those four rows since (``whole_layers``).
 
     Until December 2026 ``lone_trace`` warmed the lane with one large step, from empty
     slots: that step may leave a whole layer's experts in other layers' empty rows, which
@@ -213,11 +213,8 @@ def lone_trace(slots: list[int], after: str = "decode") -> tuple[ExpertLane, lis
     """The lane over ``slots`` after two warm large steps and then ``after``: ``decode``
     (eight small steps) or ``prompt`` (three lone large steps, each followed by one small
     step: prompts that end at their first token), and the trace of one lone large step after
-    them. Two: the first, from empty slots, may leave a whole layer's experts in other
-    layers' empty rows, which small steps then copy back one miss at a time (at
-    ``128,43,43,43,128,43,42,42`` layer 0 held 43 of its 128 after it, and a lone step after
-    eight small ones replayed 102.7 ms against 96.6 after two); in vLLM its profile run is
-    that first step, before any request."""
+    them. Two: the first, from empty slots, is a transient (Note [Arena timeline]); in
+    vLLM its profile run is that step, before any request."""
     if after not in ("decode", "prompt"):
         raise ConfigError(f"lone_trace: after is decode or prompt, not {after!r}")
     lane = arena_lane(slots)
