@@ -3,7 +3,7 @@
 layout's copies wait for compute, before a GPU is lent to measure it.
 
     python3 tools/arena_timeline.py [--slots 128,42,42,42,128,42,42,42] [--layer-ms 1.8]
-                                    [--expert-ms 0.172] [--ahead 4] [--engine]
+                                    [--expert-ms 0.172] [--ahead 4] [--host-ms 0] [--engine]
                                     [--gpu [--gpu-trace FILE] [--ints-by-copy]] [--json FILE]
 
 ``--gpu`` runs the same lane on a GPU, real experts and a stand-in layer, beside the replay.
@@ -83,6 +83,24 @@ Note [Arena timeline]
     27.4 against 30.9 for copying the rows no read holds first was that transient's: from a
     steady state both orders replay 27.4 ms at 4 layers; at 8 layers the order gives 94.2 ms
     against 101.4 (``128,42,42,42,128,42,42,42``).
+
+    With those four rows (``128,128,43,43,43,43,42,42``, tree ``7623a46``) vLLM's engine on
+    an H100 still gave 0.96x (78,034 [76,266-80,323] tok/s against 81,442 [80,649-82,615],
+    five rounds, ``experts-trace-8l-front-h100.json``), the replay 1.0x. Its torch.profiler
+    trace of one lone prompt showed where the rest went: not on the GPU's streams but on the
+    host. The lane's ``prepare`` and vLLM's input preparation left the GPU idle 7.2 ms before
+    the embedding (the offloader's engine: 3.1); the host then issued the first layers slower
+    than the GPU ran them (the lane's MoE call 3.3 and 6.3 ms of host time where the
+    offloader's takes 1.2-1.4, both under the profiler), and layer 2's fill, issued after
+    layer 1's read, started the copy engine 18.3 ms into the step where the offloader's
+    first copy started at 7.3; from there both are copy-bound (512 experts, 88 ms at the
+    pinned rate). The replay took the host to be never behind; ``--host-ms`` (``replay``'s
+    and ``offloader``'s ``host_ms``) has it issue one layer per that many ms, and nothing
+    starts before it is issued. At 5 ms a layer the front layout replays 100.8 ms against the
+    offloader's 98.7 where layer 2's fill waited for layer 1's read, and 98.7 (1.0x) since it
+    follows layer 0's (Note [Large steps stream through the slots], step 2b); at 3 ms, 96.8
+    and 96.7. Not yet measured on a GPU, and the lane's host time per layer and before the
+    step (the model gives both engines the same ``host_ms``) is not modeled.
 """
 
 from __future__ import annotations
@@ -113,15 +131,21 @@ EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 8, 4
 LARGE = 16  # the lane's layer_tokens: a step of this many tokens is large
 
 
-def replay(ops, expert_ms: float, layer_ms: float) -> float:
+def replay(ops, expert_ms: float, layer_ms: float, host_ms: float = 0.0) -> float:
     """The time at which the traced ops' last read ends: places cost ``expert_ms`` per expert
     on their stream, a position's first read ``layer_ms`` (its later reads are the same
     kernel over other rows), records stamp events, waits take the latest of their stream and
-    the event (or the other stream, where the wait names one)."""
+    the event (or the other stream, where the wait names one). ``host_ms``: the host takes
+    that long to issue each layer (its first read and what follows it until the next
+    layer's are issued that much later than the layer before's), and nothing runs before
+    it is issued."""
     clock = {"copy": 0.0, "compute": 0.0}
     events: dict[object, float] = {}
-    end, read = 0.0, None
+    end, read, host = 0.0, None, 0.0
     for op in ops:
+        if op.kind == "read" and read != op.on:
+            host += host_ms
+        clock[op.stream] = max(clock[op.stream], host)
         if op.kind == "wait":
             clock[op.stream] = max(clock[op.stream], clock[op.on] if op.on in clock
                                    else events.get(op.on, 0.0))
@@ -140,22 +164,26 @@ def replay(ops, expert_ms: float, layer_ms: float) -> float:
 
 
 def offloader(layers: int, offloaded: list[int], ahead: int, expert_ms: float,
-              layer_ms: float, steps: int) -> float:
+              layer_ms: float, steps: int, host_ms: float = 0.0) -> float:
     """vLLM's prefetch offloader over ``steps`` back to back steps (Note [Arena timeline]):
     when the last step's last layer ends. Its ``k``-th copy (offloaded layers in order, step
     after step) starts once copy ``k - 1`` is done and copy ``k - ahead``'s layer, the last
-    user of its buffer, retired; the first ``ahead`` are done before the first step."""
+    user of its buffer, retired and was issued (the copy is issued after it); the first
+    ``ahead`` are done before the first step. ``host_ms`` as ``replay``'s: the host issues
+    each layer that much after the one before."""
     order = [(s, i) for s in range(steps) for i in offloaded]
     index = {key: k for k, key in enumerate(order)}
     ready = dict.fromkeys(order[:ahead], 0.0)
-    retired, copy_end, clock = {}, 0.0, 0.0
+    retired, issued, copy_end, clock = {}, {}, 0.0, 0.0
     for s in range(steps):
         for i in range(layers):
+            issued[(s, i)] = (s * layers + i + 1) * host_ms
             k = index.get((s, i))
             if k is not None and k >= ahead:  # its buffer's last user ran before it
-                copy_end = max(copy_end, retired[order[k - ahead]]) + EXPERTS * expert_ms
+                last = order[k - ahead]
+                copy_end = max(copy_end, retired[last], issued[last]) + EXPERTS * expert_ms
                 ready[(s, i)] = copy_end
-            clock = max(clock, ready.get((s, i), 0.0)) + layer_ms
+            clock = max(clock, ready.get((s, i), 0.0), issued[(s, i)]) + layer_ms
             retired[(s, i)] = clock
     return clock
 
@@ -277,21 +305,21 @@ def engine_trace(slots: list[int], prompt: int = 512, layer_tokens: int = 256) -
 
 
 def arena_times(slots: list[int], expert_ms: float, layer_ms: float,
-                chunks: int = 4) -> dict[str, float]:
+                chunks: int = 4, host_ms: float = 0.0) -> dict[str, float]:
     """A lone large step after decode and one after prompts (``lone_trace``), and back to
     back ones: their copies and times."""
     _, after_prompt = lone_trace(slots, "prompt")
     lane, ops = lone_trace(slots)
     arena = lane.ring
     lone = {"lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place"),
-            "lone_ms": replay(ops, expert_ms, layer_ms),
-            "lone_after_prompt_ms": replay(after_prompt, expert_ms, layer_ms)}
+            "lone_ms": replay(ops, expert_ms, layer_ms, host_ms),
+            "lone_after_prompt_ms": replay(after_prompt, expert_ms, layer_ms, host_ms)}
     arena.trace = ops = []
     before = arena.rows_from_host
     for s in range(chunks):
         step(lane, LARGE, 30 + s)
     return {**lone, "chunk_copies": (arena.rows_from_host - before) / chunks,
-            "chunk_ms": replay(ops, expert_ms, layer_ms) / chunks}
+            "chunk_ms": replay(ops, expert_ms, layer_ms, host_ms) / chunks}
 
 
 class LayerCompute:
@@ -408,6 +436,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="one expert's copy (default 9.4 MB at the pinned rate)")
     parser.add_argument("--layer-ms", type=float, default=1.8,
                         help="one layer's compute at the step's tokens (a guess for 8k)")
+    parser.add_argument("--host-ms", type=float, default=0.0,
+                        help="the host's time to issue one layer (0: the host is never behind; "
+                             "an H100's torch.profiler trace of vLLM's 8k prompt: 3-7 ms for "
+                             "the lane's first layers)")
     parser.add_argument("--ahead", type=int, default=None,
                         help="the prefetch offloader's buffers (default: the bench's "
                              "prefetch_layout for the same device memory)")
@@ -431,18 +463,21 @@ def main(argv: list[str] | None = None) -> dict:
     group, num, buffers = prefetch_layout(layers, math.ceil(sum(slots) / EXPERTS))  # its memory
     offloaded = [i for i in range(layers) if i % group >= group - num]
     ahead = args.ahead or buffers
-    ours = arena_times(slots, args.expert_ms, args.layer_ms)
-    theirs = {"lone_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 1),
-              "chunk_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 4)
-              / 4}
-    doc = {"slots": slots, "offloaded": offloaded, "ahead": ahead, "arena": ours,
+    host = args.host_ms
+    ours = arena_times(slots, args.expert_ms, args.layer_ms, host_ms=host)
+    theirs = {"lone_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 1,
+                                   host),
+              "chunk_ms": offloader(layers, offloaded, ahead, args.expert_ms, args.layer_ms, 4,
+                                    host) / 4}
+    doc = {"slots": slots, "offloaded": offloaded, "ahead": ahead, "host_ms": host,
+           "arena": ours,
            "offloader": theirs,
            "lone_vs_offloader": round(theirs["lone_ms"] / ours["lone_ms"], 3),
            "chunk_vs_offloader": round(theirs["chunk_ms"] / ours["chunk_ms"], 3)}
     if args.engine:
         ops = engine_trace(slots)
         doc["engine"] = {"lone_copies": sum(len(op.pairs) for op in ops if op.kind == "place"),
-                         "lone_ms": replay(ops, args.expert_ms, args.layer_ms)}
+                         "lone_ms": replay(ops, args.expert_ms, args.layer_ms, host)}
     print(f"arena {slots}: lone step {ours['lone_ms']:.1f} ms ({ours['lone_copies']} experts "
           f"copied, its tail's too; after a prompt and its one token "
           f"{ours['lone_after_prompt_ms']:.1f} ms), chunk {ours['chunk_ms']:.1f} ms "

@@ -43,7 +43,13 @@ Note [Large steps stream through the slots]
        b. rows a fill wrote for another layer that the layer before ``p`` does not read,
           those whose layer the steps ahead need last first; then a whole first layer's own
           rows that the layer before does not read (it ran, and the tail gives them back;
-          as own entries, only when no read is pending, as in c);
+          as own entries, only when no read is pending, as in c, or when every row a read
+          in flight or pending holds is its owner's own entry: none would rank before them
+          once freed. With layers 0 and 1 whole, layer 2's fill is so issued right after
+          layer 0's read, not after layer 1's: an H100's torch.profiler trace of vLLM's lone
+          8k prompt at 8 layers (``7623a46``) had the host issue the first layers slower
+          than the GPU ran them, and the copy engine's first copy started 18.3 ms into the
+          step, 5 ms after layer 0 retired, where the prefetch offloader's started at 7.3);
           then the rows a fill wrote that the layer before reads (a copy into one waits for
           that layer's compute). At 8 layers this lets each half layer's fill copy while the
           layer before computes: modeled 0.97x the prefetch offloader's lone step, where
@@ -236,6 +242,7 @@ Note [Large steps start early]
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -278,6 +285,10 @@ class ExpertArena:
         if not caches:
             raise ConfigError("an expert arena needs at least one cached layer")
         self.caches, self.rows = caches, dict(rows)
+        #: one row's bytes per parameter, for the fills' copies (a view per run to measure it
+        #: cost the host a torch op per run and parameter: 1 ms a fill in a profiled trace)
+        self._row_bytes = {name: math.prod(dst.shape[1:]) * dst.element_size()
+                           for name, dst in self.rows.items()}
         self.experts = caches[0].experts
         self.device = caches[0].device
         self._owner: list[tuple[int, int]] = []  # arena row -> (position, slot)
@@ -305,6 +316,7 @@ class ExpertArena:
         self.stream, self.poison_reads = stream, poison_reads
         layers, e = len(caches), self.experts
         self.maps = torch.full((layers, e), -1, dtype=torch.int64, device=self.device)
+        self._written: list[list[int] | None] = [None] * layers  # what each map holds
         cuda = self.device.type == "cuda"
         # waited on inside captured small steps: external, so a graph waits on the latest record
         self._ready = [torch.cuda.Event(external=True) if cuda else None for _ in range(layers)]
@@ -502,19 +514,26 @@ class ExpertArena:
         claimed = {r for rows in self._at.values() for r in rows}
         if self._reading is not None:
             claimed.update(self._reading[1])
+        # a whole first layer's rows need not wait for the reads in flight or pending where
+        # each row those hold is its owner's own entry: freed, none ranks before them (b)
+        whole = now or (self._whole_first and all(
+            self._tables[q][s] >= 0 for q, s in (self._owner[r] for r in claimed)))
         kept: dict[int, int] = {}
-        spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
+        other: list[tuple[int, tuple[int, int] | None]] = []  # (row, content) not kept
         for r in range(len(self._owner)):
             if r in claimed:
                 continue
             c = self._content(r)
             if c is not None and c[0] == position and c[1] not in kept:
                 kept[c[1]] = r
-                continue
-            rank = self._spare_rank(r, c, position, now)
+            else:
+                other.append((r, c))
+        need = [x for x in range(e) if x not in kept]
+        spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
+        for r, c in other if need else ():  # a position found whole ranks nothing
+            rank = self._spare_rank(r, c, position, now, whole)
             if rank is not None:
                 spare.append((rank, r))
-        need = [x for x in range(e) if x not in kept]
         if len(spare) < len(need):
             if now:
                 raise KernelError(f"the expert arena has {len(spare)} rows to spare for "
@@ -570,7 +589,7 @@ class ExpertArena:
                     if self.stream is None:  # the CPU: in line
                         dst[r:r + n].copy_(host[name][x:x + n])
                         continue
-                    row = dst[0].numel() * dst.element_size()
+                    row = self._row_bytes[name]
                     copy_async(dst.data_ptr() + r * row, host[name].data_ptr() + x * row,
                                n * row, self.stream.cuda_stream)
         self._op("record", "copy", on=("ready", position))
@@ -579,10 +598,11 @@ class ExpertArena:
         return len(placed)
 
     def _spare_rank(self, r: int, c: tuple[int, int] | None, position: int,
-                    now: bool) -> tuple | None:
+                    now: bool, whole: bool) -> tuple | None:
         """How readily a fill of ``position`` takes row ``r`` (holding ``c``), lower first;
         None: not now (another layer's own entry while a read is pending: its rows may free
-        up when it retires). The classes and their order: step 2 of the Note, a to c."""
+        up when it retires; ``whole``: a whole first layer's may be taken all the same). The
+        classes and their order: step 2 of the Note, a to c."""
         foreign = self._owner[r][0] != position  # False (first): the position's own row
         if c is None or c[0] == position:  # empty, or a second copy of one of its own
             return 0, foreign, 0
@@ -591,16 +611,19 @@ class ExpertArena:
         busy = self._read_by[r] == (position - 1) % self.layers  # a copy waits for its compute
         if not q_owns:
             return 1, foreign, busy, 0, -((q - position) % self.layers)  # needed last first
+        if q == 0 and position > 0 and not busy and self._whole_first and whole:
+            return 1, foreign, False, 1, 0  # the whole first layer's: the tail gives them back
         if not now:
             return None
-        if q == 0 and position > 0 and not busy and self._whole_first:
-            return 1, foreign, False, 1, 0  # the whole first layer's: the tail gives them back
         return 2, foreign, (q > position, q if q < position else -q)
 
     def _write_map(self, position: int, where: list[int]) -> None:
         """Position ``position``'s expert -> row map, on the compute stream (the layer that
         reads it next is issued there, and the one before it was)."""
+        if self._written[position] == where:  # the device's map already (a whole layer's,
+            return  # step after step): no staging, kernel and copy on the step's path
         self.maps[position].copy_(device_ints(where, self.device))
+        self._written[position] = where
 
     def _poison_copied(self, read: list[int]) -> None:
         """Poison the rows ``read`` that a fill wrote (not the caches' own entries) and forget

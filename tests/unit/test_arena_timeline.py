@@ -41,6 +41,32 @@ def test_the_replay_orders_each_stream_by_its_waits(timeline):
     assert timeline.replay(ops[:2] + ops[3:4] + ops[2:3] + ops[4:], 1.0, 2.0) == 8.0
 
 
+def test_the_replay_starts_nothing_before_the_host_issued_it(timeline):
+    """The host issues a layer every 3 ms, an expert copies in 2: layer 0 runs 3-5 and layer
+    1 6-8; a copy of 3 experts for the layer after, issued after layer 1's read, starts when
+    the host issued it (6), lands at 12, and that layer runs 12-14. Issued before layer 1's
+    read, it starts once layer 0 retired (5) and the layer runs 11-13."""
+    late = [ExpertOp("read", "compute", ((0, 0),), on=0),
+            ExpertOp("record", "compute", on=("retired", 0)),
+            ExpertOp("read", "compute", ((2, 1),), on=1),
+            ExpertOp("wait", "copy", on=("retired", 0)),
+            ExpertOp("place", "copy", ((1, 0), (2, 1), (3, 2)), on=2),
+            ExpertOp("record", "copy", on=("ready", 2)),
+            ExpertOp("wait", "compute", on=("ready", 2)),
+            ExpertOp("read", "compute", ((1, 0),), on=2)]
+    assert timeline.replay(late, 2.0, 2.0) == 10.0  # a host never behind: as before
+    assert timeline.replay(late, 2.0, 2.0, host_ms=3.0) == 14.0
+    early = late[:2] + late[3:6] + late[2:3] + late[6:]
+    assert timeline.replay(early, 2.0, 2.0) == 10.0
+    assert timeline.replay(early, 2.0, 2.0, host_ms=3.0) == 13.0
+    # the offloader's copy is issued after its buffer's last layer: 4 layers, 1 and 3
+    # offloaded, one ahead, the host at 3 ms a layer: layer 1 runs 6-7 (issued at 6), layer
+    # 3's copy starts once layer 1 ran (7) and lands 12.8 ms later, layer 3 runs from there
+    copy = timeline.EXPERTS * 0.1
+    assert timeline.offloader(4, [1, 3], 1, 0.1, 1.0, 1, host_ms=3.0) == pytest.approx(
+        7.0 + copy + 1.0)
+
+
 def test_the_offloader_copies_its_first_buffers_before_a_lone_step(timeline):
     """4 layers, 1 and 3 offloaded, one buffer ahead: layer 1's copy is done before the step;
     layer 3's starts once layer 1 retired (its buffer's last user)."""
@@ -134,6 +160,27 @@ def test_eight_layers_fill_the_whole_first_layers_free_rows_while_the_layer_befo
     eight = timeline.main([])
     assert eight["lone_vs_offloader"] >= 0.95
     assert eight["chunk_vs_offloader"] >= 1.378
+
+
+def test_the_front_layout_fills_its_first_half_layer_as_soon_as_the_first_layer_ran(
+        timeline):
+    """Layers 0 and 1 whole: layer 2's fill takes layer 0's rows once layer 0's read is
+    issued, before layer 1's (layer 1 holds only its own experts, so nothing it frees would
+    rank before them); it waited for layer 1's before, so an H100's host, issuing vLLM's
+    first layers slower than the GPU ran them, started the copy engine late. With the host
+    at 5 ms a layer that replays 98.7 ms (the offloader's too) against 100.8."""
+    slots = [128, 128, 43, 43, 43, 43, 42, 42]
+    _, ops = timeline.lone_trace(slots)
+    first_place = next(i for i, op in enumerate(ops) if op.kind == "place" and op.on == 2)
+    read_1 = next(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 1)
+    read_0 = next(i for i, op in enumerate(ops) if op.kind == "read" and op.on == 0)
+    assert read_0 < first_place < read_1
+    ours = timeline.arena_times(slots, timeline.EXPERT_BYTES / timeline.PINNED_GBPS / 1e6,
+                                2.9, host_ms=5.0)
+    theirs = timeline.offloader(8, list(range(8)), 4,
+                                timeline.EXPERT_BYTES / timeline.PINNED_GBPS / 1e6, 2.9, 1,
+                                host_ms=5.0)
+    assert ours["lone_ms"] <= theirs + 0.1
 
 
 def test_a_lone_trace_after_something_else_is_refused(timeline):

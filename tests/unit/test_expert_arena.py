@@ -71,6 +71,34 @@ def test_back_to_back_large_steps_copy_what_the_rows_cannot_keep(slots, copied):
         assert lane.ring.rows_from_host - before == copied
 
 
+def test_a_map_is_written_only_where_its_rows_moved(monkeypatch):
+    """Rows for every layer: back to back large steps find each layer where the step before
+    left it, so no map is staged again (each staging is a pinned tensor, a kernel and a copy
+    on the step's path) and the steps still equal the float64 MoE; a half layer's map, whose
+    rows may move, is written where they did: fewer stagings than fills."""
+    from ringflow.integrations.torch import expert_arena
+    staged = []
+    real = expert_arena.device_ints
+    monkeypatch.setattr(expert_arena, "device_ints",
+                        lambda values, device: staged.append(list(values)) or real(values,
+                                                                                  device))
+    lane, hosts = make_lane(12)
+    for s in range(2):
+        run_step(lane, hosts, 8, s)
+    staged.clear()
+    for s in range(2, 4):
+        assert_exact(*run_step(lane, hosts, 8, s))
+    assert staged == []
+    lane, hosts = make_lane(WHOLE)
+    for s in range(2):
+        run_step(lane, hosts, 8, s)
+    staged.clear()
+    fills = lane.ring.fills
+    for s in range(2, 4):
+        assert_exact(*run_step(lane, hosts, 8, s))
+    assert 0 < len(staged) < lane.ring.fills - fills
+
+
 def test_half_rows_copy_fewer_than_layers_whole_back_to_back():
     """Rows for two of four layers: between the floor (the experts that do not fit) and every
     layer whole (what a window of consecutive rows per layer copied)."""
