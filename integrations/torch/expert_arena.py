@@ -514,10 +514,6 @@ class ExpertArena:
         claimed = {r for rows in self._at.values() for r in rows}
         if self._reading is not None:
             claimed.update(self._reading[1])
-        # a whole first layer's rows need not wait for the reads in flight or pending where
-        # each row those hold is its owner's own entry: freed, none ranks before them (b)
-        whole = now or (self._whole_first and all(
-            self._tables[q][s] >= 0 for q, s in (self._owner[r] for r in claimed)))
         kept: dict[int, int] = {}
         other: list[tuple[int, tuple[int, int] | None]] = []  # (row, content) not kept
         for r in range(len(self._owner)):
@@ -529,6 +525,10 @@ class ExpertArena:
             else:
                 other.append((r, c))
         need = [x for x in range(e) if x not in kept]
+        # a whole first layer's rows need not wait for the reads in flight or pending where
+        # each row those hold is its owner's own entry: freed, none ranks before them (b)
+        whole = bool(need) and (now or (self._whole_first and all(
+            self._tables[q][s] >= 0 for q, s in (self._owner[r] for r in claimed))))
         spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
         for r, c in other if need else ():  # a position found whole ranks nothing
             rank = self._spare_rank(r, c, position, now, whole)
