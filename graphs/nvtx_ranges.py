@@ -3,7 +3,10 @@
 The ``nvtx`` package is used when it is installed (domain ``ringflow``, attributes prebuilt so
 the per-node cost is one push and one pop); without it, torch's own NVTX binding on a CUDA
 build; otherwise nothing. ``NVTX_DISABLE=1`` (the nvtx package's switch) or
-``RINGFLOW_NVTX=0`` (or ``off``, ``false``, ``no``) turns ranges off.
+``RINGFLOW_NVTX=0`` (or ``off``, ``false``, ``no``) turns ranges off. ``RINGFLOW_TORCH_RANGES=1``
+also opens each range in torch's profiler (``record_function``), so a ``torch.profiler`` trace
+(vLLM's ``--profile``, ``tools/experts_bench.py --trace``) shows ringflow's ranges beside
+vLLM's ops: the CPU time a range took, and the gaps between them.
 
 Note [Host work in NVTX]
     A host node's worker (Note [Host node]) runs no Python, so it cannot push ranges through
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 from typing import ContextManager
 
@@ -83,19 +87,54 @@ class _TorchNvtx:
         torch.cuda.nvtx.range_pop()
 
 
+class WithTorchProfiler:
+    """``inner``'s ranges, each also a torch profiler range (``RINGFLOW_TORCH_RANGES``): a
+    per-thread stack of open ``record_function`` scopes, as NVTX keeps its own per thread."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, f"{inner.name}+torch.profiler"
+        self._open = threading.local()
+
+    def handle(self, message: str) -> object:
+        return self.inner.handle(message), message
+
+    def push(self, handle: object) -> None:
+        inner, message = handle
+        if inner is not None:
+            self.inner.push(inner)
+        scope = torch.autograd.profiler.record_function(message)
+        scope.__enter__()
+        self._stack().append((inner is not None, scope))
+
+    def pop(self) -> None:
+        pushed, scope = self._stack().pop()
+        scope.__exit__(None, None, None)
+        if pushed:
+            self.inner.pop()
+
+    def _stack(self) -> list:
+        if not hasattr(self._open, "stack"):
+            self._open.stack = []
+        return self._open.stack
+
+
 def select_backend():
     """The NVTX backend the switches and the installed packages give.
 
     Raises:
-        ConfigError: ``RINGFLOW_NVTX`` holds something that is not a flag.
+        ConfigError: ``RINGFLOW_NVTX`` or ``RINGFLOW_TORCH_RANGES`` holds something that is
+            not a flag.
     """
+    profiler = envs.flag("RINGFLOW_TORCH_RANGES")
     if not envs.flag("RINGFLOW_NVTX"):
         return _Null()
     try:
         import nvtx
     except ImportError:
-        return _TorchNvtx() if torch.cuda.is_available() else _Null()
-    return _NvtxPackage(nvtx)
+        chosen = _TorchNvtx() if torch.cuda.is_available() else _Null()
+    else:
+        chosen = _NvtxPackage(nvtx)
+    return WithTorchProfiler(chosen) if profiler else chosen
 
 
 #: chosen at the first range a plan builds, not at import: a bad ``RINGFLOW_NVTX`` is then one

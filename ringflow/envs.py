@@ -41,6 +41,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "executors fill each slot with NaN after its last read, so a stale read shows (debug)",
            compiled=True),
     Switch("RINGFLOW_NVTX", "flag", True, "an NVTX range around every node of a plan"),
+    Switch("RINGFLOW_TORCH_RANGES", "flag", False,
+           "ringflow's NVTX ranges also open in torch's profiler (record_function), so a "
+           "torch.profiler trace such as vLLM's shows them beside vLLM's ops; with "
+           "RINGFLOW_NVTX off, none"),
     Switch("RINGFLOW_PROFILE", "text", None,
            "the profile the vLLM plugin enables: a path or a built-in name", "vllm", compiled=True),
     Switch("RINGFLOW_DUMP", "text", None,

@@ -82,3 +82,34 @@ def test_an_unknown_ringflow_variable_is_named_once_with_the_switch_it_resembles
     caplog.clear()
     envs.warn_unknown(log)
     assert not caplog.records
+
+
+def test_torch_ranges_put_ringflows_ranges_in_a_torch_profiler_trace(monkeypatch):
+    """RINGFLOW_TORCH_RANGES=1: each range opens in torch's profiler too (nested as called),
+    beside the NVTX backend's own push and pop; off by default, and nothing with ranges off."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    assert not isinstance(nvtx_ranges.select_backend(), nvtx_ranges.WithTorchProfiler)
+    monkeypatch.setenv("RINGFLOW_TORCH_RANGES", "1")
+    monkeypatch.setenv("RINGFLOW_NVTX", "0")
+    assert nvtx_ranges.select_backend().name == "none"
+    monkeypatch.delenv("RINGFLOW_NVTX")
+    made = nvtx_ranges.select_backend()
+    pushed = []
+    inner = type("Inner", (), {"name": "rec", "handle": lambda self, m: m,
+                               "push": lambda self, h: pushed.append(h),
+                               "pop": lambda self: pushed.append("pop")})()
+    monkeypatch.setattr(nvtx_ranges, "backend", nvtx_ranges.WithTorchProfiler(inner))
+    assert isinstance(made, nvtx_ranges.WithTorchProfiler)
+    outer, nested = nvtx_ranges.handle("ringflow/t/outer"), nvtx_ranges.handle("ringflow/t/in")
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        nvtx_ranges.call(outer, lambda: nvtx_ranges.call(nested, torch.mm, x, x))
+    spans = {e.name: e.time_range for e in prof.events()
+             if e.name.startswith("ringflow/t/") or e.name == "aten::mm"}
+    assert set(spans) == {"ringflow/t/outer", "ringflow/t/in", "aten::mm"}
+    assert spans["ringflow/t/outer"].start <= spans["ringflow/t/in"].start \
+        <= spans["aten::mm"].start <= spans["aten::mm"].end <= spans["ringflow/t/in"].end \
+        <= spans["ringflow/t/outer"].end
+    assert pushed == ["ringflow/t/outer", "ringflow/t/in", "pop", "pop"]
