@@ -345,6 +345,11 @@ class ExpertArena:
         self.rows_in_place = self.rows_from_host = 0
         #: the first position keeps every expert: its rows, once it ran, rank as fills' (step 2b)
         self._whole_first = caches[0].slots >= self.experts
+        #: bumped wherever what a fill reads changes (rows read, claimed or written, the
+        #: tables): a fill that failed is not tried again until it moves (``_fill_ahead``)
+        self._epoch = 0
+        self._stuck: tuple | None = None  # (next, epoch, generations) of the last failed fill
+        self.fills_waited = 0  # fills that found too few rows and were left for later
 
     @property
     def layers(self) -> int:
@@ -378,6 +383,7 @@ class ExpertArena:
             self._early = None
         self._fill_ahead()
         rows = self._at.pop(position)
+        self._epoch += 1
         compute = self._current()
         if compute is not None:
             compute.wait_event(self._ready[position])
@@ -393,6 +399,7 @@ class ExpertArena:
             raise KernelError(f"end({position}) without begin({position})")
         _, rows = self._reading
         self._reading = None
+        self._epoch += 1
         if self.poison_reads:  # the copied rows, after the read, before the retire event
             self._poison_copied(rows)
         if self._retire[position] is not None:
@@ -464,11 +471,13 @@ class ExpertArena:
         self._at.clear()
         self._records.clear()
         self._tables, self._expected, self._next = None, None, 0
+        self._epoch += 1
         self._copy_after_compute()
 
     def _start(self, position: int) -> None:
         """Steps 1 and 3 of the Note: a large step starts at ``position`` (0, or a restart)."""
         self.steps += 1
+        self._epoch += 1
         self._copy_after_compute()
         self._read_tables()
         keep, at = {}, position  # the carried run from ``position`` on; the rest is dropped
@@ -487,11 +496,21 @@ class ExpertArena:
 
     def _fill_ahead(self) -> None:
         """Fill positions from ``_next`` on, up to the next step's last, while rows allow
-        (step 2 of the Note)."""
+        (step 2 of the Note). A fill that found too few rows is tried again only once
+        something it reads changed (a read issued or retired, a start, a cache's
+        generation): ``begin`` after a failed ``end`` or ``prepare`` would scan every row to
+        fail again, host time on the path of the step's first layers."""
         while self._next < 2 * self.layers:
             position = self._next % self.layers
-            if position in self._at or self._fill(position) < 0:
+            if position in self._at:
                 break  # never two fills of one position at once
+            state = (self._next, self._epoch, tuple(c.generation for c in self.caches))
+            if state == self._stuck:
+                break
+            if self._fill(position) < 0:
+                self._stuck = state
+                self.fills_waited += 1
+                break
             self._next += 1
 
     def _content(self, r: int) -> tuple[int, int] | None:
@@ -564,6 +583,7 @@ class ExpertArena:
             where[x] = r
         self._write_map(position, where)
         self._at[position] = sorted(where)
+        self._epoch += 1
         self.fills += 1
         self.rows_in_place += len(kept)
         self.rows_from_host += len(placed)
@@ -655,6 +675,7 @@ class ExpertArena:
         if self._reading is None:
             return
         self._reading = None
+        self._epoch += 1
         self._copy_after_compute()
 
     def _copy_after_compute(self) -> None:

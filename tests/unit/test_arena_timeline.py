@@ -183,6 +183,36 @@ def test_the_front_layout_fills_its_first_half_layer_as_soon_as_the_first_layer_
     assert ours["lone_ms"] <= theirs + 0.1
 
 
+def test_a_fill_left_for_later_is_tried_again_only_once_what_it_reads_moved(timeline,
+                                                                           monkeypatch):
+    """A fill that found too few rows is not tried again by the next ``begin`` (nothing it
+    reads moved): each such try scans every row for nothing, host time on the step's path
+    (0.3 ms a layer on this CPU). The step's trace and replay stay."""
+    from ringflow.integrations.torch.expert_arena import ExpertArena
+    slots = [128, 128, 43, 43, 43, 43, 42, 42]
+    lane, _ = timeline.lone_trace(slots)
+    tried, real = [], ExpertArena._fill
+
+    def fill(self, position):
+        copied = real(self, position)
+        tried.append((position, copied >= 0))
+        return copied
+
+    monkeypatch.setattr(ExpertArena, "_fill", fill)
+    lane.ring.trace = ops = []
+    before, waited = lane.ring.fills, lane.ring.fills_waited
+    timeline.step(lane, timeline.LARGE, 20)
+    left = [p for p, ok in tried if not ok]
+    # begin(0) starts the step: fills 0 and 1 find their rows, 2 waits for layer 0's read;
+    # end(0) fills 2 and 3 waits; begin(1) does not scan for 3 again, end(1) does (a read
+    # retired), and so on: one try left for later per layer's end, where each begin tried
+    # again too before (26 tries, 14 of them left for later)
+    assert tried[:5] == [(0, True), (1, True), (2, False), (2, True), (3, False)]
+    assert len(left) == lane.ring.fills_waited - waited == 9 and len(tried) == 19
+    assert lane.ring.fills - before == len(tried) - len(left)
+    assert timeline.replay(ops, 0.172, 2.9) == pytest.approx(93.864)
+
+
 def test_a_lone_trace_after_something_else_is_refused(timeline):
     from ringflow.errors import ConfigError
     with pytest.raises(ConfigError, match="after is decode or prompt, not 'chunks'"):
