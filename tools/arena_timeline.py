@@ -99,8 +99,23 @@ Note [Arena timeline]
     starts before it is issued. At 5 ms a layer the front layout replays 100.8 ms against the
     offloader's 98.7 where layer 2's fill waited for layer 1's read, and 98.7 (1.0x) since it
     follows layer 0's (Note [Large steps stream through the slots], step 2b); at 3 ms, 96.8
-    and 96.7. Not yet measured on a GPU, and the lane's host time per layer and before the
-    step (the model gives both engines the same ``host_ms``) is not modeled.
+    and 96.7. The lane's own host time per layer and before the step is not modeled (the
+    model gives both engines the same ``host_ms``).
+
+    Measured on an H100 (tree ``bd1fef9``, five rounds, ``experts-trace-8l-front-hostcut-h100
+    .json``) with that order and two host cuts the trace had shown (the start no longer writes
+    the whole layers' unchanged maps, 0.9 ms each there; a fill left for later is not tried
+    again until a read moved, a scan of every row per ``begin``): the lone 8k prompt 82,109
+    [79,548-82,324] tok/s, **0.99x** the offloader's 82,946 [82,574-82,993]; block fp8 1.00x
+    (ranges overlap, ``experts-bench-8l-front-fp8block-h100.json``). Its profiled prompt, with
+    ringflow's ranges in the trace (``RINGFLOW_TORCH_RANGES``): the embedding 3.4 ms after
+    vLLM's ``execute_model`` began (the offloader's 2.8; at ``7623a46`` 10.3 against 3.9), the
+    lane's prepare 1.0 ms, its MoE calls 0.8-1.1 ms of host time a layer, and the first copy
+    7.2 ms into the GPU's window against 5.6 (18.3 against 7.3). What is left of the gap is
+    that 1.6 ms, about the step's 1%: layer 0 retires later (the embedding later, and its
+    MoE call a little slower over the arena's map), and copying earlier cannot help at this
+    memory (every row is held at the step's start; a row taken from a later layer costs that
+    layer one more copy, what the earlier start gains).
 """
 
 from __future__ import annotations

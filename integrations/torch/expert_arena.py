@@ -49,7 +49,9 @@ Note [Large steps stream through the slots]
           layer 0's read, not after layer 1's: an H100's torch.profiler trace of vLLM's lone
           8k prompt at 8 layers (``7623a46``) had the host issue the first layers slower
           than the GPU ran them, and the copy engine's first copy started 18.3 ms into the
-          step, 5 ms after layer 0 retired, where the prefetch offloader's started at 7.3);
+          step, 5 ms after layer 0 retired, where the prefetch offloader's started at 7.3;
+          at ``bd1fef9``, with the host's cuts of Note [Arena timeline], 7.2 against 5.6
+          and the prompt 0.99x the offloader's);
           then the rows a fill wrote that the layer before reads (a copy into one waits for
           that layer's compute). At 8 layers this lets each half layer's fill copy while the
           layer before computes: modeled 0.97x the prefetch offloader's lone step, where
