@@ -294,8 +294,10 @@ class ExpertArena:
         self.experts = caches[0].experts
         self.device = caches[0].device
         self._owner: list[tuple[int, int]] = []  # arena row -> (position, slot)
+        self._first_row: list[int] = []  # position -> its first row
         for q, cache in enumerate(caches):
             start = len(self._owner)
+            self._first_row.append(start)
             if cache.experts != self.experts or set(cache.weights) != set(self.rows) or any(
                     cache.weights[n].data_ptr() != self.rows[n][start:].data_ptr()
                     or cache.weights[n].shape[1:] != self.rows[n].shape[1:]
@@ -521,10 +523,36 @@ class ExpertArena:
         e = self._tables[q][s]
         if e >= 0:
             return q, e
+        return self._recorded(r)
+
+    def _recorded(self, r: int) -> tuple[int, int] | None:
+        """(position, expert) a fill wrote at row ``r``, while that counts: its owner's table
+        entry still empty, within the owner's generation (step 2 of the Note)."""
         rec = self._records.get(r)
-        if rec is not None and rec[2] == self.caches[q].generation:
+        if rec is None:
+            return None
+        q, s = self._owner[r]
+        if self._tables[q][s] < 0 and rec[2] == self.caches[q].generation:
             return rec[0], rec[1]
         return None
+
+    def _kept(self, position: int, claimed: set[int]) -> dict[int, int]:
+        """Expert -> the row that holds it for ``position`` and stays (step 2 of the Note):
+        the lowest unclaimed row whose content (``_content``) is that expert of
+        ``position``, found from its own table and the fills' records rather than by
+        reading every row's content (a whole layer's fill at each step's start did that)."""
+        first = self._first_row[position]
+        found = [(first + s, x) for s, x in enumerate(self._tables[position]) if x >= 0]
+        for r, record in self._records.items():
+            if record[0] == position:
+                c = self._recorded(r)
+                if c is not None:
+                    found.append((r, c[1]))
+        kept: dict[int, int] = {}
+        for r, x in sorted(found):
+            if x not in kept and r not in claimed:
+                kept[x] = r
+        return kept
 
     def _fill(self, position: int) -> int:
         """Step 2 of the Note: the rows ``position`` computes from, its experts found in place
@@ -535,24 +563,18 @@ class ExpertArena:
         claimed = {r for rows in self._at.values() for r in rows}
         if self._reading is not None:
             claimed.update(self._reading[1])
-        kept: dict[int, int] = {}
-        other: list[tuple[int, tuple[int, int] | None]] = []  # (row, content) not kept
-        for r in range(len(self._owner)):
-            if r in claimed:
-                continue
-            c = self._content(r)
-            if c is not None and c[0] == position and c[1] not in kept:
-                kept[c[1]] = r
-            else:
-                other.append((r, c))
+        kept = self._kept(position, claimed)
         need = [x for x in range(e) if x not in kept]
         # a whole first layer's rows need not wait for the reads in flight or pending where
         # each row those hold is its owner's own entry: freed, none ranks before them (b)
         whole = bool(need) and (now or (self._whole_first and all(
             self._tables[q][s] >= 0 for q, s in (self._owner[r] for r in claimed))))
         spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
-        for r, c in other if need else ():  # a position found whole ranks nothing
-            rank = self._spare_rank(r, c, position, now, whole)
+        held = set(kept.values()) | claimed
+        for r in range(len(self._owner)) if need else ():  # a position found whole ranks nothing
+            if r in held:
+                continue
+            rank = self._spare_rank(r, self._content(r), position, now, whole)
             if rank is not None:
                 spare.append((rank, r))
         if len(spare) < len(need):

@@ -213,6 +213,44 @@ def test_a_fill_left_for_later_is_tried_again_only_once_what_it_reads_moved(time
     assert timeline.replay(ops, 0.172, 2.9) == pytest.approx(93.864)
 
 
+@pytest.mark.parametrize("slots", [[128, 128, 43, 43, 43, 43, 42, 42], [128, 64, 128, 64],
+                                   [64, 64, 64, 64], [128, 43, 43, 42, 128, 43, 43, 42]])
+def test_the_rows_a_fill_keeps_are_those_a_scan_of_every_row_finds(timeline, monkeypatch,
+                                                                    slots):
+    """``_kept`` finds a position's rows from its table and the fills' records; a scan of
+    every row's content (as the fill did before) must give the same experts at the same rows,
+    over lone prompts, chunks and decode steps between them, in every layout the Notes name."""
+    from ringflow.integrations.torch.expert_arena import ExpertArena
+    real, checked = ExpertArena._kept, []
+
+    def kept(self, position, claimed):
+        scan = {}  # every row in order, its content as the Note defines it
+        for r, (q, slot) in enumerate(self._owner):
+            entry, record = self._tables[q][slot], self._records.get(r)
+            c = ((q, entry) if entry >= 0 else record[:2]
+                 if record is not None and record[2] == self.caches[q].generation else None)
+            if r not in claimed and c is not None and c[0] == position and c[1] not in scan:
+                scan[c[1]] = r
+        got = real(self, position, claimed)
+        assert got == scan, (position, sorted(set(got.items()) ^ set(scan.items()))[:6])
+        first = self._first_row[position]
+        checked.append(sum(not first <= r < first + self.caches[position].slots
+                           for r in got.values()))  # rows found through the records
+        return got
+
+    monkeypatch.setattr(ExpertArena, "_kept", kept)
+    lane = timeline.arena_lane(slots)
+    for s, tokens in enumerate([timeline.LARGE, timeline.LARGE, 1, 2, timeline.LARGE, 1,
+                                timeline.LARGE, timeline.LARGE, 2, 1, 1, timeline.LARGE,
+                                timeline.LARGE, 1, timeline.LARGE]):
+        if s == 12:  # a new generation of every cache: what the fills recorded lapses
+            for cache in lane.caches.values():
+                cache.lend()
+        timeline.step(lane, tokens, 50 + s)
+    assert len(checked) >= 2 * len(slots)
+    assert sum(checked) > 0 or slots[:2] == [128, 128]  # the front layout keeps none so
+
+
 def test_a_lone_trace_after_something_else_is_refused(timeline):
     from ringflow.errors import ConfigError
     with pytest.raises(ConfigError, match="after is decode or prompt, not 'chunks'"):

@@ -412,6 +412,8 @@ def test_rows_a_small_step_rewrote_are_copied_again(monkeypatch):
         rec = arena._records.get(r)
         return rec[:2] if rec is not None else real(arena, r)
     monkeypatch.setattr(ExpertArena, "_content", records_first)
+    monkeypatch.setattr(ExpertArena, "_recorded",  # as a fill's kept rows read them
+                        lambda arena, r: arena._records[r][:2] if r in arena._records else None)
     _, ops = joint_trace(steps=[8, 1, 2, 1, 9], exact=False)
     with pytest.raises(HazardError) as err:
         check_lane(ops, 0)
