@@ -573,13 +573,12 @@ class ExpertArena:
         whole = bool(need) and (now or (self._whole_first and all(
             self._tables[q][s] >= 0 for q, s in (self._owner[r] for r in claimed))))
         spare: list[tuple[tuple, int]] = []  # (rank, row) of the rows it may take
-        held = set(kept.values()) | claimed
-        for r in range(len(self._owner)) if need else ():  # a position found whole ranks nothing
-            if r in held:
-                continue
-            rank = self._spare_rank(r, self._content(r), position, now, whole)
-            if rank is not None:
-                spare.append((rank, r))
+        held = set(kept.values()) | claimed if need else set()  # found whole: ranks nothing
+        for r in range(len(self._owner)) if need else ():
+            if r not in held:
+                rank = self._spare_rank(r, self._content(r), position, now, whole)
+                if rank is not None:
+                    spare.append((rank, r))
         if len(spare) < len(need):
             if now:
                 raise KernelError(f"the expert arena has {len(spare)} rows to spare for "
