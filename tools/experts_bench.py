@@ -103,7 +103,9 @@ kernels per token: the lane's bookkeeping beside vLLM's MoE);
 ``ringflow/bench/gpu_trace.py`` reads each trace into where the GPU time went (kernels,
 host-to-device copies and their rate, copies with no kernel beside them, idle stretches and
 the host calls across them, and where the copy engine waited inside the step with the kernels
-running across each wait: ``copy_gaps``), in the JSON under ``traces`` and printed.
+running across each wait: ``copy_gaps``; with ``RINGFLOW_TORCH_RANGES=1`` in the
+environment, ringflow's own ranges too, the lane's prepare and per-layer host time:
+``ringflow_ranges``), in the JSON under ``traces`` and printed.
 
 The JSON keeps every round and min/median/max per cell; a cell whose rounds spread wider
 than the difference it would show says nothing. A lane's hard decode cells carry
@@ -758,6 +760,13 @@ def main() -> int:
                               f"{' (next copy issued late)' if g.get('issued_late') else ''}: "
                               f"{', '.join(g['kernels'][:2])}" for g in c["gaps"][:4])
             print(f"| {name} | {c['first_copy_ms']} | {c['idle_ms']} | {waits} |")
+        for name, t in traces.items():  # RINGFLOW_TORCH_RANGES: the lane's host time
+            ranges = t.get("ringflow_ranges")
+            if ranges:
+                print(f"[experts-bench] {name} ringflow ranges (name: count, host ms, first at "
+                      f"ms of the GPU window): " + "; ".join(
+                          f"{n.removeprefix('ringflow/')}: {r['count']}, {r['ms']}, "
+                          f"{r['first_at_ms']}" for n, r in ranges.items()))
     cells = [f"prefill_{p}_tok_s" for p in prefills] + [
         f"next_token_after_{p}_ms" for p in prefills] + [
         f"decode_{rt}_b{b}_tok_s" for rt in routings for b in batches]

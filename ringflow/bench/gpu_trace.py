@@ -141,6 +141,27 @@ def copy_gaps(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
             "gaps": found}
 
 
+def ringflow_ranges(events: list[dict], start_us: float) -> dict | None:
+    """ringflow's own host ranges in the trace (``RINGFLOW_TORCH_RANGES``, Note in
+    graphs/nvtx_ranges.py), per name: how many, their host time, and where the first began,
+    in ms from ``start_us`` (the step's first GPU event; before it: negative). None: the
+    trace holds none (the switch was off)."""
+    out: dict[str, dict] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation" or not name.startswith(
+                "ringflow/"):
+            continue
+        r = out.setdefault(name, {"count": 0, "ms": 0.0, "first_at_ms": None})
+        r["count"] += 1
+        r["ms"] += float(e.get("dur", 0)) / 1e3
+        at = (float(e["ts"]) - start_us) / 1e3
+        r["first_at_ms"] = at if r["first_at_ms"] is None else min(r["first_at_ms"], at)
+    return {name: {"count": r["count"], "ms": round(r["ms"], 3),
+                   "first_at_ms": round(r["first_at_ms"], 3)}
+            for name, r in sorted(out.items(), key=lambda kv: kv[1]["first_at_ms"])} or None
+
+
 def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dict:
     """One step's GPU time, in ms from its first GPU event to its last (see the module);
     ``kernels`` counts the kernels launched (a CUDA graph's, one per node).
@@ -148,7 +169,8 @@ def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
     ``copy_only_ms``: host-to-device copies with no kernel running (a layer waiting for its
     experts); ``kernel_only_ms``: kernels with no such copy; ``overlap_ms``: both; ``idle_ms``:
     neither; ``gaps``: the longest idle stretches of at least ``min_gap_ms``, each with where
-    it starts and the host's CUDA calls that span most of it."""
+    it starts and the host's CUDA calls that span most of it; ``ringflow_ranges``: ringflow's
+    host ranges where the trace has them (``ringflow_ranges``)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
         raise OutputError("the trace holds no GPU activity: was the profiler given "
@@ -196,4 +218,5 @@ def summarize(events: list[dict], min_gap_ms: float = 0.2, gaps: int = 8) -> dic
                       if h2d_us and any(e["cat"] == "kernel" for e in gpu) else None),
         "streams": {k: {**v, "kernels_ms": round(v["kernels_ms"], 3),
                         "copies_ms": round(v["copies_ms"], 3)} for k, v in streams.items()},
+        "ringflow_ranges": ringflow_ranges(events, start),
     }

@@ -199,3 +199,22 @@ def test_on_a_gpu_a_copy_beside_matmuls_overlaps_and_a_host_sleep_is_a_gap(tmp_p
     longest = got["gaps"][0]
     assert longest["ms"] >= 9, got
     print(json.dumps({k: v for k, v in got.items() if k != "streams"}))
+
+
+def test_ringflows_own_ranges_are_counted_on_the_host_from_the_steps_first_gpu_event():
+    """RINGFLOW_TORCH_RANGES puts ringflow's ranges in the trace (``user_annotation`` on the
+    host; the profiler's GPU-side copies, ``gpu_user_annotation``, and vLLM's own ranges are
+    not ringflow's): per name, how many, their host time, where the first began."""
+    events = [
+        x("kernel", "embedding", 2, 3, stream=7), x("kernel", "moe", 4, 9, stream=7),
+        x("user_annotation", "ringflow/experts/prepare", 0.5, 1.5),
+        x("user_annotation", "ringflow/experts/moe/L0", 3, 4),
+        x("user_annotation", "ringflow/experts/moe/L0", 6, 6.5),
+        x("gpu_user_annotation", "ringflow/experts/moe/L0", 4, 9),
+        x("user_annotation", "execute_context_1(8192)_generation_0(0)", 0, 10),
+    ]
+    got = gpu_trace.summarize(events)["ringflow_ranges"]
+    assert got == {"ringflow/experts/prepare": {"count": 1, "ms": 1.0, "first_at_ms": -1.5},
+                   "ringflow/experts/moe/L0": {"count": 2, "ms": 1.5, "first_at_ms": 1.0}}
+    assert list(got) == ["ringflow/experts/prepare", "ringflow/experts/moe/L0"]
+    assert gpu_trace.summarize(events[:2])["ringflow_ranges"] is None
