@@ -115,14 +115,10 @@ Note [Arena timeline]
     that 1.6 ms, about the step's 1%: layer 0 retires later (the embedding later, and its
     MoE call a little slower over the arena's map), and copying earlier cannot help at this
     memory (every row is held at the step's start; a row taken from a later layer costs that
-    layer one more copy, what the earlier start gains). Since then a fill finds the rows it
-    keeps from its tables and records rather than every row's content (the prepare 0.44 ->
-    0.27 ms on this project's CPU; not yet measured on a GPU). Left for a GPU session: the
-    start's table read, a copy per cache (0.3 ms of host time in that trace), could be one
-    kernel and one copy; and layer 0's MoE ran 0.6 ms longer on the GPU than the offloader's
-    (the kernel's ``torch.where`` over its [tokens, top_k, hidden] rows, 0.35 ms at 8k,
-    keeps nothing the arena's complete maps would drop; both need the engine's bit-for-bit
-    cases to run on a GPU).
+    layer one more copy, what the earlier start gains). Since then the start reads the slot
+    tables with one copy (eight before, 0.3 ms there) and a fill finds the rows it keeps from
+    its tables and records rather than every row's content (the prepare 0.44 -> 0.27 ms on
+    this project's CPU): not yet measured on a GPU.
 """
 
 from __future__ import annotations

@@ -338,9 +338,12 @@ class ExpertArena:
         #: arena row -> (position, expert, owner's generation): what a fill wrote there
         self._records: dict[int, tuple[int, int, int]] = {}
         self._tables: list[list[int]] | None = None  # the host's view of the slot tables
-        width = max(c.slots for c in caches)
-        self._table_copy = torch.full((len(caches), width), -1, dtype=torch.int64,
-                                      pin_memory=cuda and torch.cuda.is_available())
+        # the slot tables side by side on the device, then in pinned memory: one kernel and
+        # one copy per start, where a copy per cache cost the step's start 0.3 ms of host time
+        self._table_stage = (torch.empty(total, dtype=torch.int64, device=self.device)
+                             if cuda else None)
+        self._table_copy = (torch.full((total,), -1, dtype=torch.int64, pin_memory=True)
+                            if cuda else None)
         self._table_event = torch.cuda.Event() if cuda else None
         self.trace: list[ExpertOp] | None = None
         self.steps = self.carried_steps = self.fills = self.topped_up = 0
@@ -686,11 +689,13 @@ class ExpertArena:
         if self.device.type != "cuda":
             self._tables = [c.expert_in[:c.slots].tolist() for c in self.caches]
             return
-        for q, c in enumerate(self.caches):
-            self._table_copy[q, :c.slots].copy_(c.expert_in[:c.slots], non_blocking=True)
+        torch.cat([c.expert_in[:c.slots] for c in self.caches], out=self._table_stage)
+        self._table_copy.copy_(self._table_stage, non_blocking=True)
         self._table_event.record(self._current())
         self._table_event.synchronize()
-        self._tables = [self._table_copy[q, :c.slots].tolist() for q, c in enumerate(self.caches)]
+        flat = self._table_copy.tolist()
+        self._tables = [flat[first:first + c.slots]
+                        for first, c in zip(self._first_row, self.caches)]
 
     def _drop_reading(self) -> None:
         """The layer being read never ended (it raised): its rows go back, their next write
