@@ -115,10 +115,22 @@ Note [Arena timeline]
     that 1.6 ms, about the step's 1%: layer 0 retires later (the embedding later, and its
     MoE call a little slower over the arena's map), and copying earlier cannot help at this
     memory (every row is held at the step's start; a row taken from a later layer costs that
-    layer one more copy, what the earlier start gains). Since then the start reads the slot
-    tables with one copy (eight before, 0.3 ms there) and a fill finds the rows it keeps from
-    its tables and records rather than every row's content (the prepare 0.44 -> 0.27 ms on
-    this project's CPU): not yet measured on a GPU.
+    layer one more copy, what the earlier start gains).
+
+    Then (tree ``d78e563``, H100, five rounds, ``experts-trace-8l-front-kernelcut-h100.json``)
+    the start read the slot tables with one copy, a fill found the rows it keeps from its
+    tables and records, and the kernel's select over [tokens, top_k, hidden] left a step's
+    only pass (Note [Same bits as resident], rule 5: 8 kernels of 0.36 ms in that trace): the
+    lone 8k prompt 79,614 [74,711-80,689] tok/s, **0.99x** the offloader's 80,104
+    [51,669-82,123] in a noisier run (ranges overlap). The traced prompt, aligned at vLLM's
+    first input copy, has the lane's GPU work level with the offloader's (layer 0's first MoE
+    kernel 4.35 ms after it against 4.84, the first bulk copy 5.93 against 6.42, the last
+    kernel ending 97.97 against 98.15); wall 106.05 ms against 104.41. The difference is the
+    prepare (Note [Large steps start early]) before vLLM prepares the step: 0.95 ms of host
+    time, its table read's kernel 1.25 ms before vLLM's first input copy, in a layout that
+    has nothing to copy before layer 0 retires. Not yet tried: issue only the table read
+    there and do the rest of the prepare once layer 0's MoE is issued (its rows need no
+    fill), so that its host time overlaps layer 0 on the GPU.
 """
 
 from __future__ import annotations
