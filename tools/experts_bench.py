@@ -39,7 +39,8 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   ``ringflow-whole-plan`` the same with ``RINGFLOW_EXPERT_PLAN_KERNEL=1``,
   ``ringflow-whole-host-plan`` with ``host_share: auto`` too (the half layers' misses split
   with the CPU at decode); ``ringflow-front-plan``: the same memory with the whole layers
-  first (layers 0 and 1);
+  first (layers 0 and 1); ``ringflow-front-late``: that without ``early_start`` (a large
+  step starts at its first layer's MoE);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the arena's fills;
@@ -153,7 +154,7 @@ HOST_AUTO = {"host_share": "auto", "host_tokens": 8}
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan",
-         "ringflow-front-plan", "ringflow-whole-host-plan", "ringflow-arena-first",
+         "ringflow-front-plan", "ringflow-front-late", "ringflow-whole-host-plan", "ringflow-arena-first",
          "ringflow-host-fills", "ringflow-host", "ringflow-held-host", "ringflow-held-plan",
          "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
@@ -268,6 +269,12 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         "ringflow-front-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                 "additional_config": {"ringflow": {
             "name": "experts-bench-front-plan", "experts": whole_layers(layers, front=True)}}},
+        # the same without the early start: its prepare copies nothing in this layout and
+        # ran 0.95 ms of host time before vLLM prepared the step (H100, tree d78e563)
+        "ringflow-front-late": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                "additional_config": {"ringflow": {
+            "name": "experts-bench-front-late",
+            "experts": {**whole_layers(layers, front=True), "early_start": False}}}},
         "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                      "additional_config": {"ringflow": {
             "name": "experts-bench-whole-host-plan",

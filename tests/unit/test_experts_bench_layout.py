@@ -159,6 +159,13 @@ def test_the_whole_lane_has_the_peers_memory_with_its_resident_layers_whole(laye
     assert first[:bench.RING] == [128] * bench.RING and sum(first) == rows
     assert first[bench.RING:] == sorted(first[bench.RING:], reverse=True)
     assert set(first[bench.RING:]) <= {arena["slots"], arena["slots"] + 1}
+    # the same layout without the early start, nothing else changed
+    late = bench.configs(layers)["ringflow-front-late"]
+    assert late["env"] == front["env"]
+    late_experts = late["additional_config"]["ringflow"]["experts"]
+    assert front["additional_config"]["ringflow"]["experts"]["early_start"] is True
+    assert late_experts == {**front["additional_config"]["ringflow"]["experts"],
+                            "early_start": False}
 
 
 def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
@@ -174,7 +181,7 @@ def test_every_lane_peer_is_a_lane_and_its_engine_switches_are_ringflows():
     assert switched == {name: {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"}
                         for name in ("ringflow-held-plan", "ringflow-held-host-plan",
                                      "ringflow-whole-plan", "ringflow-front-plan",
-                                     "ringflow-whole-host-plan")}
+                                     "ringflow-front-late", "ringflow-whole-host-plan")}
     assert all(k in SWITCHES for env in switched.values() for k in env)
 
 
