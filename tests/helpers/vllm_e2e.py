@@ -497,6 +497,10 @@ def run_case(case: dict, root: Path, lines: _Lines) -> dict:
             result["repeat_same"] = generate() == (result["tokens"], result["top5"])
         if expert_lanes:
             result["experts"] = [row for lane in expert_lanes for row in lane.report()]
+        import torch
+        # the CPU GEMMs' sums depend on the threads they split over: a gap between two
+        # engines of one process that should agree names these first
+        result["threads"] = [torch.get_num_threads(), len(os.sched_getaffinity(0))]
         config = llm.llm_engine.vllm_config
         result["kv_blocks"] = config.cache_config.num_gpu_blocks
         result["kv_block_size"] = config.cache_config.block_size

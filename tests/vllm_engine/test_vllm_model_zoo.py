@@ -69,6 +69,15 @@ def zoo(tmp_path_factory):
     return results
 
 
+def _first_gap(a, b) -> tuple[int, int] | None:
+    """(sequence, step): the first generated step whose top-5 logprobs differ."""
+    for seq, (pa, pb) in enumerate(zip(a["top5"], b["top5"])):
+        for step, (sa, sb) in enumerate(zip(pa, pb)):
+            if sa != sb:
+                return seq, step
+    return None
+
+
 def _ok(run):
     assert "error" not in run, run["error"]
     return run
@@ -82,7 +91,11 @@ def test_streamed_weights_give_the_tokens_and_logprobs_of_the_same_engine_withou
     plain, streamed = _ok(zoo[f"{model}/{mode}/plain"]), _ok(zoo[f"{model}/{mode}/streamed"])
     assert len(set(map(tuple, plain["tokens"]))) > 1  # the model says something
     assert streamed["tokens"] == plain["tokens"]
-    assert max_logprob_diff(streamed, plain) < 1e-4
+    gap = max_logprob_diff(streamed, plain)
+    # seen once in CI (7.1e-4, dense-eager) and never in reruns: say what each engine ran on
+    assert gap < 1e-4, (f"top-5 logprobs {gap:.2e} apart, first at (sequence, step) "
+                        f"{_first_gap(streamed, plain)}; torch threads / CPUs of the process: "
+                        f"plain {plain.get('threads')}, streamed {streamed.get('threads')}")
     assert streamed["forwards"] and streamed["forwards"][0] >= 8  # the stepper ran every step
     line = next(l for l in streamed["log"] if "streaming the weights" in l)
     assert f"streaming the weights of {len(OFFLOAD)} of 4 decoder layers" in line
