@@ -154,9 +154,9 @@ HOST_AUTO = {"host_share": "auto", "host_tokens": 8}
 #: the expert lane's variants (worker_report rows)
 LANES = ("ringflow", "ringflow-slots", "ringflow-lend", "ringflow-held", "ringflow-arena",
          "ringflow-arena-early", "ringflow-whole", "ringflow-whole-plan",
-         "ringflow-front-plan", "ringflow-front-late", "ringflow-whole-host-plan", "ringflow-arena-first",
-         "ringflow-host-fills", "ringflow-host", "ringflow-held-host", "ringflow-held-plan",
-         "ringflow-held-host-plan")
+         "ringflow-front-plan", "ringflow-front-late", "ringflow-whole-host-plan",
+         "ringflow-arena-first", "ringflow-host-fills", "ringflow-host", "ringflow-held-host",
+         "ringflow-held-plan", "ringflow-held-host-plan")
 ROUTINGS = {"hard": 1.0, "easy": 0.0}  # temperature: sampled (new experts) or greedy
 
 
@@ -266,15 +266,13 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
         # lone step 1.07x, chunks 1.04x against 1.0x and 1.19x; Note [Arena timeline]); an
         # H100 measured 0.78x against 0.80x at 8 layers (one round, tree 0b7744e, before
         # the arena's small writes left the copy engines; not measured since)
-        "ringflow-front-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
-                                "additional_config": {"ringflow": {
-            "name": "experts-bench-front-plan", "experts": whole_layers(layers, front=True)}}},
-        # the same without the early start: its prepare copies nothing in this layout and
-        # ran 0.95 ms of host time before vLLM prepared the step (H100, tree d78e563)
-        "ringflow-front-late": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
-                                "additional_config": {"ringflow": {
-            "name": "experts-bench-front-late",
-            "experts": {**whole_layers(layers, front=True), "early_start": False}}}},
+        **{f"ringflow-front-{name}": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
+                                      "additional_config": {"ringflow": {
+            "name": f"experts-bench-front-{name}",
+            "experts": {**whole_layers(layers, front=True), "early_start": early}}}}
+           # late: without the early start, whose prepare copies nothing in this layout and
+           # ran 0.95 ms of host time before vLLM prepared the step (H100, tree d78e563)
+           for name, early in (("plan", True), ("late", False))},
         "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                      "additional_config": {"ringflow": {
             "name": "experts-bench-whole-host-plan",
