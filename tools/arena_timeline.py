@@ -128,9 +128,21 @@ Note [Arena timeline]
     kernel ending 97.97 against 98.15); wall 106.05 ms against 104.41. The difference is the
     prepare (Note [Large steps start early]) before vLLM prepares the step: 0.95 ms of host
     time, its table read's kernel 1.25 ms before vLLM's first input copy, in a layout that
-    has nothing to copy before layer 0 retires. Not yet tried: issue only the table read
-    there and do the rest of the prepare once layer 0's MoE is issued (its rows need no
-    fill), so that its host time overlaps layer 0 on the GPU.
+    has nothing to copy before layer 0 retires.
+
+    That prepare costs the step nothing measurable. Tried (tree ``6196e9f``, reverted after
+    the run): without ``early_start`` vLLM's ``execute_model`` only issued the tables' copy
+    to the host, and the step started at layer 0's MoE from it, with no sync there. One H100,
+    five interleaved rounds, 8 layers, this layout, a lone 8k prompt after a 16-token decode
+    (``experts-bench-8l-front-readahead-h100.json``): with ``early_start`` 83,353
+    [83,151-83,583] tok/s, the start at layer 0 with the tables read ahead 83,120
+    [80,289-83,304] (0.997x; per round 0.997, 1.000, 1.000, 0.999, 0.961), every read ahead
+    used (11 of 11), the same 120 fills and 8,227 experts copied; the arena's units and its
+    12 engine cases passed with it (the bits of ``bd1fef9``). The 0.95 ms of host time before
+    vLLM prepares the inputs overlaps nothing that ends the step sooner: the step's end is
+    set by the copies from layer 0's retire on. The code went back out (it gained nothing and
+    added a third way to start a step); what is left of the 0.99x is within the rounds'
+    spread, at the 1.0x ceiling this memory allows.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ ring of two layers (``DEVICE_LAYERS``, in layers' worth of experts):
   ``ringflow-whole-host-plan`` with ``host_share: auto`` too (the half layers' misses split
   with the CPU at decode); ``ringflow-front-plan``: the same memory with the whole layers
   first (layers 0 and 1); ``ringflow-front-late``: that without ``early_start`` (a large
-  step starts at its first layer's MoE, its slot tables read ahead at ``execute_model``);
+  step starts at its first layer's MoE);
 * ``ringflow-arena-first``: the same with the first ``layers - 2`` layers (where vLLM's UVA
   offloader put the arena's layers until December 2026), the last two resident: whether
   interleaving the resident layers hides the arena's fills;

@@ -221,18 +221,6 @@ Note [Large steps start early]
     step, so under async scheduling the host's input preparation no longer overlaps the
     previous step's end.
 
-    Without ``early_start`` the same hook reads the tables ahead (``read_ahead``): the
-    copy to the host is issued there, and the step's ``begin(0)`` takes it instead of
-    syncing the host with the step's first layers (embedding, the layers before the first
-    chosen one) and leaving the GPU idle while it plans. Where a layout's first chosen layer
-    is whole (every expert in its slots: ``whole_layers``' front layout, layers 0 and 1
-    whole), a prepare copies nothing (every row is held until layer 0 runs) and cost the
-    step its host time before vLLM prepared the inputs (0.95 ms on an H100 trace at
-    ``d78e563``); the read ahead costs a kernel and a copy there. The tables read ahead hold
-    until a small step runs (``before_small``: its installs change them) or the step ends
-    (``drop_prepared``); nothing else writes them between the hook and the first layer. The
-    report counts the reads (``reads_ahead``) and those a start used (``reads_ahead_used``).
-
     Slots per layer (``experts.slots: {1: 120, 3: 8}``, the same rows) were built to cut the
     top-up: layer 1 ends decode nearly whole, so the critical path would hold about 8 + 128
     experts, about 39 ms (the traced 48.5 less 11 ms of top-up plus 1.4). Measured on that
@@ -256,7 +244,6 @@ Note [Large steps start early]
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -267,8 +254,6 @@ from ringflow.errors import ConfigError, KernelError
 from ringflow.graphs.slots import poison
 from ringflow.integrations.torch.expert_cache import ExpertCache, device_ints
 from ringflow.orchestrator.expert_hazards import ExpertOp
-
-log = logging.getLogger("ringflow")
 
 
 def arena_rows(host: Mapping[str, torch.Tensor], slots: Sequence[int],
@@ -360,11 +345,6 @@ class ExpertArena:
         self._table_copy = (torch.full((total,), -1, dtype=torch.int64, pin_memory=True)
                             if cuda else None)
         self._table_event = torch.cuda.Event() if cuda else None
-        self._tables_read: list[list[int]] | None = None  # the CPU's copy of a read issued
-        #: the stream ``read_ahead`` issued a read on, not yet used (None: no read ahead)
-        self._tables_ahead: object | None = None
-        self._said_stream = False
-        self.reads_ahead = self.reads_ahead_used = 0
         self.trace: list[ExpertOp] | None = None
         self.steps = self.carried_steps = self.fills = self.topped_up = 0
         self.early_starts = self.early_used = self.early_dropped = 0
@@ -451,27 +431,13 @@ class ExpertArena:
         self.early_starts += 1
         return True
 
-    def read_ahead(self) -> bool:
-        """A large step is about to run and starts at its first layer's MoE (no
-        ``early_start``): issue the slot tables' read now, so that the start finds them on
-        the host instead of waiting there for the step's first layers to compute (Note [Large
-        steps start early], last paragraph). Good for that step's start only: a small step
-        (``before_small``) or the step's end (``drop_prepared``) drops it. Returns True."""
-        self._issue_table_read()
-        self._tables_ahead = self._stream_id()
-        self.reads_ahead += 1
-        return True
-
     def drop_prepared(self) -> bool:
         """After the engine ran a prepared step: if no first layer went on from the prepare
         (vLLM replayed the step from a CUDA graph, or ran no forward), the next large step
-        starts afresh; what the prepare filled stays, as a tail's carried fill does. A table
-        read ahead the step did not use goes too. Returns whether a prepare or a read was
-        dropped."""
-        read = self._tables_ahead is not None
-        self._tables_ahead = None
+        starts afresh; what the prepare filled stays, as a tail's carried fill does. Returns
+        whether a prepare was dropped."""
         if not self._unprepare():
-            return read
+            return False
         self._expected = None
         return True
 
@@ -487,7 +453,6 @@ class ExpertArena:
         """A small step of ``position`` reads and installs its slots next (and its lookahead
         the next layer's): order it after every position's latest fill (step 4 of the Note)."""
         self._unprepare()  # a prepared step that ran small after all
-        self._tables_ahead = None  # its installs may change the tables read ahead
         self._expected = None  # the next large step starts afresh: tables read, copy waits
         compute = self._current()
         for p in range(self.layers):
@@ -720,37 +685,17 @@ class ExpertArena:
                 poison(dst[r:r + n])
 
     def _read_tables(self) -> None:
-        """Every cache's slot -> expert table, on the host now (one sync), from the read
-        ``read_ahead`` issued where it still holds: on this stream (on another, the read
-        was not ordered after what this one wrote; read again, said once)."""
-        ahead, self._tables_ahead = self._tables_ahead, None
-        if ahead is not None and ahead == self._stream_id():
-            self.reads_ahead_used += 1
-        else:
-            if ahead is not None and not self._said_stream:
-                self._said_stream = True
-                log.info("experts: a large step's tables were read ahead on stream %s and its "
-                         "first layer runs on %s; read again there (the report's "
-                         "reads_ahead_used counts the reads that served)", ahead,
-                         self._stream_id())
-            self._issue_table_read()
+        """Every cache's slot -> expert table, read to the host now (one sync)."""
         if self.device.type != "cuda":
-            self._tables = self._tables_read
-            return
-        self._table_event.synchronize()
-        flat = self._table_copy.tolist()
-        self._tables = [flat[first:first + c.slots]
-                        for first, c in zip(self._first_row, self.caches)]
-
-    def _issue_table_read(self) -> None:
-        """Copy every cache's slot table to the host after the work issued so far on the
-        current stream (on the CPU: read now); ``_read_tables`` takes the result."""
-        if self.device.type != "cuda":
-            self._tables_read = [c.expert_in[:c.slots].tolist() for c in self.caches]
+            self._tables = [c.expert_in[:c.slots].tolist() for c in self.caches]
             return
         torch.cat([c.expert_in[:c.slots] for c in self.caches], out=self._table_stage)
         self._table_copy.copy_(self._table_stage, non_blocking=True)
         self._table_event.record(self._current())
+        self._table_event.synchronize()
+        flat = self._table_copy.tolist()
+        self._tables = [flat[first:first + c.slots]
+                        for first, c in zip(self._first_row, self.caches)]
 
     def _drop_reading(self) -> None:
         """The layer being read never ended (it raised): its rows go back, their next write
@@ -791,7 +736,6 @@ class ExpertArena:
                 "rows": len(self._owner), "steps": self.steps,
                 "carried_steps": self.carried_steps, "early_starts": self.early_starts,
                 "early_used": self.early_used, "early_dropped": self.early_dropped,
-                "reads_ahead": self.reads_ahead, "reads_ahead_used": self.reads_ahead_used,
                 "fills": self.fills,
                 "topped_up": self.topped_up, "rows_in_place": self.rows_in_place,
                 "rows_from_host": self.rows_from_host}

@@ -83,9 +83,8 @@ class ExpertLane:
     """The chosen layers' ``caches`` (decoder index → cache), one ``ring`` over the same layers
     in index order (None: no ring), ``computes`` per layer, and the lookaheads (layer → its
     guess of the next chosen layer, Note [Expert lookahead]) and the engine's ``modules`` per
-    layer; ``prepare_step`` starts large steps before their forward (``early_start``) or has
-    an arena read its slot tables ahead (Note [Large steps start early]); see Note [Expert
-    lane modes]."""
+    layer; with ``early_start``, ``prepare_step`` starts large steps before their forward
+    (Note [Large steps start early]); see Note [Expert lane modes]."""
 
     def __init__(self, caches: Mapping[int, ExpertCache], computes: Mapping[int, Compute],
                  ring: ExpertLayerRing | None = None, layer_tokens: int = 1024,
@@ -154,25 +153,23 @@ class ExpertLane:
 
     def prepare_step(self, tokens: int) -> bool:
         """The engine is about to issue a step of ``tokens`` tokens (its forward not yet
-        begun): a large one starts its ring now (``early_start``) or has it read its slot
-        tables ahead (without), where the ring has something to do early (the arena: Note
-        [Large steps start early]). Returns whether it did."""
+        begun): with ``early_start``, a large one starts its ring now where the ring has
+        something to start early (the arena: Note [Large steps start early]). Returns
+        whether it did."""
         device = next(iter(self.caches.values())).device
-        if not self.uses_ring(tokens, device):
+        if not self.early_start or not self.uses_ring(tokens, device):
             return False
         for lookahead in self.ahead.values():  # as at a start in forward: a decode step that
             lookahead.join()  # raised may have left guesses installing into the slots
-        early = self.ring.prepare if self.early_start else self.ring.read_ahead
-        return nvtx_ranges.call(self._prepare_range, early)
+        return nvtx_ranges.call(self._prepare_range, self.ring.prepare)
 
     def finish_step(self, tokens: int) -> bool:
-        """After the engine ran a step ``prepare_step`` started: a prepare or a table read no
-        first layer went on from (a CUDA graph replayed the step, or it ran no forward) is
-        dropped (Note [Large steps start early]), a prepare said once. Returns whether one
-        was."""
+        """After the engine ran a step ``prepare_step`` started: a prepare no first layer went
+        on from (a CUDA graph replayed the step, or it ran no forward) is dropped (Note
+        [Large steps start early]), said once. Returns whether one was."""
         if self.ring is None or not self.ring.drop_prepared():
             return False
-        if self.early_start and not self.said_dropped:
+        if not self.said_dropped:
             self.said_dropped = True
             log.info("experts.early_start: a step of %d tokens was started early, but vLLM ran "
                      "it without the lane's large-step path (a CUDA graph replay, or no "

@@ -365,13 +365,8 @@ class ExpertLayerRing:
         carried ones need no top-up. Returns False."""
         return False
 
-    def read_ahead(self) -> bool:
-        """The arena's reads its slot tables ahead of a large step; the ring has no read to
-        wait on at a step's start. Returns False."""
-        return False
-
     def drop_prepared(self) -> bool:
-        """Nothing was prepared (``prepare``, ``read_ahead``). Returns False."""
+        """Nothing was prepared (``prepare``). Returns False."""
         return False
 
     def before_small(self, position: int) -> None:

@@ -470,10 +470,10 @@ MAPPED_KERNELS = ("TritonExperts",)
 
 def on_execute_model(state: PluginState, original, runner, scheduler_output, *args, **kwargs):
     """The hook on a model runner's ``execute_model``, before vLLM prepares the step: a parked
-    host-share worker is woken (Note [An idle worker parks]); a large step of an arena lane
-    starts its fills now (``early_start``) or reads its slot tables ahead (Note [Large steps
-    start early]), from the step's scheduled token count, and after it what its forward did
-    not use (a replayed graph) is dropped; vLLM's dummy runs are left alone."""
+    host-share worker is woken (Note [An idle worker parks]); a large step of a lane with
+    ``early_start`` starts its fills now (Note [Large steps start early]), from the step's
+    scheduled token count, and after it a prepare its forward did not use (a replayed graph)
+    is dropped; vLLM's dummy runs are left alone."""
     lane, tokens = None, 0
     if state.expert_lanes and not kwargs.get("dummy_run"):
         get_model = getattr(runner, "get_model", None)
@@ -481,7 +481,8 @@ def on_execute_model(state: PluginState, original, runner, scheduler_output, *ar
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
     if lane is not None and lane.host is not None and tokens > 0:
         lane.host.wake()  # a parked host worker enters its loop before the step's doorbells
-    prepared = lane is not None and tokens > 0 and lane.prepare_step(tokens)
+    prepared = (lane is not None and lane.early_start and tokens > 0
+                and lane.prepare_step(tokens))
     try:
         return original(runner, scheduler_output, *args, **kwargs)
     finally:

@@ -164,9 +164,8 @@ SURFACES: tuple[Surface, ...] = (
             "read", "experts", "read: the order in which the lane calls a layer's shared experts "
             "where vLLM's kernel would compute them"),
     Surface(_V1_RUNNER, "GPUModelRunner.execute_model", "method", "experts",
-            "before vLLM prepares a step: a large step of an expert lane's arena starts its "
-            "fills of the slots (early_start) or reads its slot tables ahead (Note [Large "
-            "steps start early])",
+            "before vLLM prepares a step: a large step of an expert lane with early_start "
+            "starts its fills of the slots (Note [Large steps start early])",
             versions=((0, 26), (0, 33)), hook="ringflow.integrations.vllm.experts:"
             "on_execute_model", params=("self", "scheduler_output"), required=False,
             group="runner step"),

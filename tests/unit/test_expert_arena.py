@@ -28,7 +28,7 @@ THIN = [E, E // 3, E // 3, E // 3]
 
 
 def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_reads=False,
-              layer_tokens: int = 6, early_start: bool = True):
+              layer_tokens: int = 6):
     """A lane over LAYERS whose large steps stream through its caches' rows: ``slots`` per
     layer (a list: each layer's)."""
     hosts = hosts_on(device)
@@ -38,7 +38,7 @@ def make_lane(slots: int | list[int] = 3, device="cpu", stream=None, poison_read
               for i, n, v in zip(LAYERS, counts, views)}
     arena = ExpertArena([caches[i] for i in LAYERS], rows, stream, poison_reads)
     return ExpertLane(caches, {i: TorchCompute() for i in LAYERS}, arena, layer_tokens,
-                      early_start=early_start), hosts
+                      early_start=True), hosts
 
 
 @pytest.mark.parametrize("poison_reads", [False, True])
@@ -265,8 +265,8 @@ PREPARED = [(8, 8), (1, 1), (2, 2), (9, 9), (12, 1), (6, 6), (7, 7), (7, 7), (1,
             (1, 1)]
 
 
-def prepared_trace(slots=3, twice=(6,), early_start=True):
-    lane, hosts = make_lane(slots, early_start=early_start)
+def prepared_trace(slots=3, twice=(6,)):
+    lane, hosts = make_lane(slots)
     ops = []
     lane.trace_all(ops)
     lane.forget()
@@ -304,60 +304,6 @@ def test_large_steps_started_early_equal_the_float64_moe_and_the_joint_trace_pro
     check_lane(ops, 0)
 
 
-@pytest.mark.parametrize("slots", [3, 6, 12])
-def test_large_steps_whose_tables_were_read_ahead_equal_the_float64_moe(slots):
-    """Without ``early_start`` the engine's hook reads the slot tables ahead of a large step
-    (``read_ahead``) and its first layer's start takes them: the same steps as above, exact
-    on both sides of the threshold, no step started early, each start counted once; a read
-    whose step ran small (its installs change the tables) and the first of two reads for one
-    step are not used; the joint trace proves."""
-    lane, ops = prepared_trace(slots, early_start=False)
-    arena = lane.ring
-    large = sum(t >= 6 for _, t in PREPARED)
-    prepared = sum(said is not None and said >= 6 for said, _ in PREPARED)
-    assert arena.early_starts == arena.early_used == 0
-    assert arena.steps == large
-    assert (arena.reads_ahead, arena.reads_ahead_used) == (prepared + 1, prepared - 1)
-    ring = lane.report()[0]["ring"]
-    assert (ring["reads_ahead"], ring["reads_ahead_used"]) == (prepared + 1, prepared - 1)
-    check_lane(ops, 0)
-
-
-def _replayed(lane, seed):
-    """What a CUDA graph replay of a small step does: the caches' installs, no lane Python."""
-    for i in LAYERS:
-        ids, _ = routing(seed * 7 + i, 1)
-        for _ in lane.caches[i].serve(ids):
-            pass
-
-
-def test_tables_read_ahead_of_a_step_a_graph_replays_are_dropped_after_it(caplog):
-    """The read ahead (no ``early_start``) of a step vLLM then replays from a CUDA graph: the
-    replay's small steps install over what was read. ``finish_step`` drops the read, nothing
-    said (no prepare was), and the next large step reads afresh and is exact; a read left in
-    place (the mutant) plans that step from stale tables and computes wrong experts."""
-    import logging
-    for finish in (True, False):
-        lane, hosts = make_lane(slots=6, early_start=False)
-        run_step(lane, hosts, 8, 0)
-        for s in range(2):
-            run_step(lane, hosts, 1, 1 + s)
-        assert lane.prepare_step(8)
-        for s in range(3):
-            _replayed(lane, 10 + s)
-        if finish:
-            with caplog.at_level(logging.INFO, logger="ringflow"):
-                assert lane.finish_step(8) and not lane.finish_step(8)
-            assert_exact(*run_step(lane, hosts, 8, 20))
-            assert (lane.ring.reads_ahead, lane.ring.reads_ahead_used) == (1, 0)
-            assert not [r for r in caplog.records if "early_start" in r.getMessage()]
-        else:
-            got, want = run_step(lane, hosts, 8, 20)
-            assert lane.ring.reads_ahead_used == 1
-            assert any(not torch.allclose(got[i].double(), want[i], rtol=1e-5, atol=1e-5)
-                       for i in LAYERS)
-
-
 def test_a_prepared_step_that_a_graph_replays_is_dropped_after_it(caplog):
     """vLLM replays a step from a CUDA graph (its layer_tokens at or below the largest
     captured size) after execute_model started it early: no lane Python runs, the captured
@@ -365,7 +311,12 @@ def test_a_prepared_step_that_a_graph_replays_is_dropped_after_it(caplog):
     (said once), so the next large step, not prepared, starts afresh and is exact; left in
     place, that step would read what the replays overwrote (the mutant below)."""
     import logging
-    replayed = _replayed
+
+    def replayed(lane, seed):  # what a replay does: the caches' small steps, no lane Python
+        for i in LAYERS:
+            ids, _ = routing(seed * 7 + i, 1)
+            for _ in lane.caches[i].serve(ids):
+                pass
 
     for finish in (True, False):
         lane, hosts = make_lane(slots=6)
@@ -443,17 +394,13 @@ def test_a_first_layer_on_another_stream_than_its_prepare_is_refused(monkeypatch
 
 
 def test_nothing_starts_early_without_early_start_nor_in_the_layer_ring():
-    """Without ``early_start`` a large step's hook only reads the tables (no start, no fill),
-    a small one's nothing; the layer ring does nothing early either way."""
     from tests.unit.test_expert_layers import make_lane as ring_lane
-    lane, _ = make_lane(slots=6, early_start=False)
-    assert not lane.prepare_step(1) and lane.ring.reads_ahead == 0
-    assert lane.prepare_step(8) and lane.ring.reads_ahead == 1
-    assert lane.ring.steps == lane.ring.early_starts == lane.ring.fills == 0
-    for early_start in (True, False):
-        lane, _ = ring_lane(2)
-        lane.early_start = early_start
-        assert not lane.prepare_step(8) and not lane.prepare_step(1)
+    lane, _ = make_lane(slots=6)
+    lane.early_start = False
+    assert not lane.prepare_step(8) and lane.ring.steps == lane.ring.early_starts == 0
+    lane, _ = ring_lane(2)
+    lane.early_start = True
+    assert not lane.prepare_step(8) and not lane.prepare_step(1)
 
 
 def test_rows_a_small_step_rewrote_are_copied_again(monkeypatch):
@@ -560,41 +507,6 @@ def test_large_steps_started_early_on_a_gpu_are_exact_and_refuse_another_stream(
         with pytest.raises(KernelError, match="prepared on stream"):
             run_step(lane, hosts, 8, 50, device="cuda")
     torch.cuda.synchronize()
-
-
-@cuda
-@pytest.mark.cuda
-def test_large_steps_whose_tables_were_read_ahead_on_a_gpu_are_exact(caplog):
-    """The tables read ahead (no ``early_start``) on a GPU: the copy to pinned memory issued
-    at the hook behind a slow reader's layers, taken at the first layer's start; small steps
-    install between (poisoned rows after each read). Each step equals the float64 MoE, the
-    trace proves, every read but the one whose step ran small is used; a first layer on
-    another stream than the read's reads again, said once."""
-    import logging
-    lane, hosts = on_a_gpu(make_lane, 2_000_000, slots=3, poison_reads=True, early_start=False)
-    ops = []
-    lane.trace_all(ops)
-    lane.forget()
-    for s, (said, tokens) in enumerate(PREPARED):
-        started = said is not None and lane.prepare_step(said)
-        assert_exact(*run_step(lane, hosts, tokens, s, device="cuda"))
-        if started:
-            lane.finish_step(said)
-    check_lane(ops, 0)
-    prepared = sum(x is not None and x >= 6 for x, _ in PREPARED)
-    assert (lane.ring.reads_ahead, lane.ring.reads_ahead_used) == (prepared, prepared - 1)
-    assert lane.ring.early_starts == 0
-    # a first layer on another stream than the read's: read again there, said once
-    lane.trace_all(None)
-    assert lane.prepare_step(8)
-    torch.cuda.synchronize()
-    with caplog.at_level(logging.INFO, logger="ringflow"):
-        with torch.cuda.stream(torch.cuda.Stream()):
-            assert_exact(*run_step(lane, hosts, 8, 50, device="cuda"))
-        torch.cuda.synchronize()
-    assert lane.ring.reads_ahead_used == prepared - 1
-    said = [r.getMessage() for r in caplog.records if "read ahead on stream" in r.getMessage()]
-    assert len(said) == 1, said
 
 
 @cuda

@@ -359,12 +359,8 @@ def test_experts_from_host_memory_give_the_resident_bits(runs, mode, name, lanes
             assert arena["early_starts"] == arena["early_used"] + arena["early_dropped"] >= 3
             if mode == "eager":
                 assert arena["early_dropped"] == 0, arena
-            assert arena["reads_ahead"] == 0, arena
-        else:  # the hook reads the tables ahead of each large step instead
+        else:
             assert arena["early_starts"] == 0, arena
-            assert arena["reads_ahead"] >= arena["reads_ahead_used"] >= 1, arena
-            if mode == "eager":
-                assert arena["reads_ahead_used"] == arena["reads_ahead"] >= 3, arena
     if section.get("decode_from_ring"):  # held layers: every small step reads their buffer
         assert [layer.get("held_in_ring_buffer") for layer in layers] == [0, 1, None, None]
         ring = layers[0]["ring"]
