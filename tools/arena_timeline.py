@@ -141,8 +141,9 @@ Note [Arena timeline]
     12 engine cases passed with it (the bits of ``bd1fef9``). The 0.95 ms of host time before
     vLLM prepares the inputs overlaps nothing that ends the step sooner: the step's end is
     set by the copies from layer 0's retire on. The code went back out (it gained nothing and
-    added a third way to start a step); what is left of the 0.99x is within the rounds'
-    spread, at the 1.0x ceiling this memory allows.
+    added a third way to start a step); what is left of the 0.99x is a few hundred tok/s
+    (ranges overlapping at ``d78e563``, 251 tok/s apart at ``bd1fef9``), at the 1.0x
+    ceiling this memory allows.
 """
 
 from __future__ import annotations
