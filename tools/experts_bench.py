@@ -271,7 +271,9 @@ def configs(layers: int, fp8: str | None = None) -> dict[str, dict]:
             "name": f"experts-bench-front-{name}",
             "experts": {**whole_layers(layers, front=True), "early_start": early}}}}
            # late: without the early start, whose prepare copies nothing in this layout and
-           # ran 0.95 ms of host time before vLLM prepared the step (H100, tree d78e563)
+           # ran 0.95 ms of host time before vLLM prepared the step (H100, tree d78e563);
+           # a start at layer 0 from tables read ahead measured 0.997x plan, level (tree
+           # 6196e9f, reverted; experts-bench-8l-front-readahead-h100.json)
            for name, early in (("plan", True), ("late", False))},
         "ringflow-whole-host-plan": {**lane, "env": {"RINGFLOW_EXPERT_PLAN_KERNEL": "1"},
                                      "additional_config": {"ringflow": {
