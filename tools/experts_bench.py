@@ -82,9 +82,11 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
 * prefill: one prompt of each ``--prefills`` size, generating one token, in steps of at most
   ``--chunk`` tokens (``max_num_batched_tokens``; 8192, what ``vllm serve`` takes on an H200,
   vLLM 0.26's engine arguments: a 32k prompt is four steps, back to back; ``--chunk 32768``:
-  one step each): tokens/s of the prompt; then the same prompt generating two tokens: the
-  difference is the first decode step after the prompt (``next_token_after_*_ms``, what a
-  user waits for the second token). Each of these prompts follows a request decoding
+  one step each): tokens/s of the prompt; then the same prompt generating two tokens, the
+  time between its first and second token reaching vLLM's front end
+  (``next_token_after_*_ms``, what a user waits for the second token: ``token_times``; until
+  December 2026 the difference of that request's time and the one-token request's, which a
+  32k prompt's spread between rounds made negative). Each of these prompts follows a request decoding
   ``--decode-before`` tokens (default 16, sampled at batch 1, ``prefill_calls``), so every
   engine's prompts follow the same work whichever cells the run measures: the lane's lone
   prompt costs what the steps before it left in its slots (until December 2026 a prompt
@@ -119,6 +121,7 @@ ones its slots hold come from device memory, so it can pass that bound).
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -435,6 +438,35 @@ def prefill_calls(prefills: list[int], decode_before: int) -> list[tuple[str, in
     return calls
 
 
+def token_times(engine, request_id: str, prompt, params) -> list[float]:
+    """``time.perf_counter()`` at which each new token of one request reaches ``engine``'s
+    front end (a vLLM ``LLMEngine``, the request alone in it). The second minus the first is
+    the decode step after the prompt measured inside one request: the difference of a
+    two-token and a one-token request's times holds both prefills' spread, larger than the
+    step after a 32k prompt (medians of -21.5 ms on the H100). Asks for each token's output
+    (``CUMULATIVE``); a step that brings two tokens at once (speculative decoding) has no
+    time between them, so it stops the bench rather than give a gap of zero."""
+    from vllm.sampling_params import RequestOutputKind
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("token_times: the engine has requests in flight; a timed request "
+                           "must run alone")
+    params = params.clone()
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    engine.add_request(request_id, prompt, params)
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            now, got = time.perf_counter(), len(out.outputs[0].token_ids)
+            if got - len(times) > 1:
+                raise RuntimeError(f"token_times: {got - len(times)} tokens of {request_id} "
+                                   "arrived in one step; the gap between tokens needs one a step")
+            times.extend([now] * (got - len(times)))
+    return times
+
+
 def round_fits(elapsed: float, round_s: float, deadline: float | None) -> bool:
     """Whether another interleaved round, as long as the last, ends within ``deadline``
     seconds of the bench's start (None: no deadline). Checked before each round, so that a
@@ -545,21 +577,23 @@ def main() -> int:
         return time.perf_counter() - t0
 
     windows: dict[tuple, int] = {}  # (engine, routing, batch) -> long's new tokens
+    request_ids = itertools.count()  # token_times' requests: each needs an id of its own
 
     def measure(name: str, llm) -> None:
         r = results[name]
-        took = {}
         for kind, n in prefill_calls(prefills, args.decode_before):
             if kind == "settle":
                 timed(llm, short[:1], params("hard", n))
             elif kind == "first":
-                took[n] = timed(llm, prompts[n], first)
-                r.setdefault(f"prefill_{n}_tok_s", []).append(n / took[n])
+                r.setdefault(f"prefill_{n}_tok_s", []).append(n / timed(llm, prompts[n], first))
             else:  # the same prompt and one decode step more: what a user waits for the
                 # second token (held layers are carried again after a large step, Note [Small
-                # steps read the held layers]); the prefill's own spread is in the difference
+                # steps read the held layers]), timed inside the request (token_times)
+                first_at, second_at = token_times(llm.llm_engine,
+                                                  f"next-token-{next(request_ids)}",
+                                                  prompts[n][0], second)
                 r.setdefault(f"next_token_after_{n}_ms", []).append(
-                    1000 * (timed(llm, prompts[n], second) - took[n]))
+                    1000 * (second_at - first_at))
         for routing in routings:
             for b in batches:
                 key = (name, routing, b)
