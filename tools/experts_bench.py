@@ -131,6 +131,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ringflow.errors import MeasurementError
 from ringflow.orchestrator.expert_model import PINNED_GBPS
 
 QWEN3_A3B = {
@@ -445,12 +446,13 @@ def token_times(engine, request_id: str, prompt, params) -> list[float]:
     two-token and a one-token request's times holds both prefills' spread, larger than the
     step after a 32k prompt (medians of -21.5 ms on the H100). Asks for each token's output
     (``CUMULATIVE``); a step that brings two tokens at once (speculative decoding) has no
-    time between them, so it stops the bench rather than give a gap of zero."""
+    time between them, so it stops the bench (``MeasurementError``) rather than give a gap
+    of zero."""
     from vllm.sampling_params import RequestOutputKind
 
     if engine.has_unfinished_requests():
-        raise RuntimeError("token_times: the engine has requests in flight; a timed request "
-                           "must run alone")
+        raise MeasurementError("token_times: the engine has requests in flight, so the timed "
+                               "one would share their steps; let them finish first")
     params = params.clone()
     params.output_kind = RequestOutputKind.CUMULATIVE
     engine.add_request(request_id, prompt, params)
@@ -461,9 +463,12 @@ def token_times(engine, request_id: str, prompt, params) -> list[float]:
                 continue
             now, got = time.perf_counter(), len(out.outputs[0].token_ids)
             if got - len(times) > 1:
-                raise RuntimeError(f"token_times: {got - len(times)} tokens of {request_id} "
-                                   "arrived in one step; the gap between tokens needs one a step")
-            times.extend([now] * (got - len(times)))
+                raise MeasurementError(
+                    f"token_times: {got - len(times)} tokens of {request_id} arrived in one "
+                    "step, so there is no time between them; run the bench without "
+                    "speculative decoding")
+            if got > len(times):
+                times.append(now)
     return times
 
 
