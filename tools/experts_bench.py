@@ -86,8 +86,8 @@ Measured per engine and round, rounds interleaved across engines (ratios from on
   time between its first and second token reaching vLLM's front end
   (``next_token_after_*_ms``, what a user waits for the second token: ``token_times``; until
   December 2026 the difference of that request's time and the one-token request's, which a
-  32k prompt's spread between rounds made negative). Each of these prompts follows a request decoding
-  ``--decode-before`` tokens (default 16, sampled at batch 1, ``prefill_calls``), so every
+  32k prompt's spread between rounds made negative). Each of these prompts follows a request
+  decoding ``--decode-before`` tokens (default 16, sampled at batch 1, ``prefill_calls``), so every
   engine's prompts follow the same work whichever cells the run measures: the lane's lone
   prompt costs what the steps before it left in its slots (until December 2026 a prompt
   followed the cell measured before it: with ``--batches ""`` another prompt and its one

@@ -63,7 +63,8 @@ def test_token_times_gives_one_time_per_token_inside_one_request(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "out.json"
     ran = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(out), str(ROOT / "tools/experts_bench.py")],
+        [sys.executable, str(script), str(tmp_path), str(out),
+         str(ROOT / "tools/experts_bench.py")],
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert ran.returncode == 0, ran.stderr[-3000:]
